@@ -1,0 +1,187 @@
+"""All-gather and reduce-scatter as one differentiable pair, and a log of every collective.
+
+``all_gather`` transposes into ``reduce_scatter`` and back, as JAX's ``all_gather`` and
+``psum_scatter`` do: the backward of each is the other, so grad-of-grad works too. Both
+are ``torch.autograd.Function``s with a separate ``setup_context`` so they run inside
+``torch.func.grad``/``vjp``; the collectives themselves run with functorch disabled on
+plain tensors (they write into buffers, which a transform would refuse).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import FunctionCtx
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective as issued by this rank. ``numel`` counts the full (unsharded) buffer."""
+
+    op: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast"
+    unit: str | None
+    numel: int
+    dtype: torch.dtype
+    world: int
+
+    @property
+    def bytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def ring_bytes(self) -> float:
+        """Bytes a rank sends in the ring model: ``(W-1)/W`` of the full buffer (2x for all-reduce)."""
+        factor = 2 if self.op == "all_reduce" else 1
+        return factor * self.bytes * (self.world - 1) / self.world
+
+
+@dataclass
+class CommLog:
+    """Collectives recorded while a ``comm_log()`` block is open, in issue order."""
+
+    records: list[Collective] = field(default_factory=list)
+
+    def of(self, op: str) -> list[Collective]:
+        return [c for c in self.records if c.op == op]
+
+    def bytes(self, op: str | None = None) -> int:
+        return sum(c.bytes for c in self.records if op is None or c.op == op)
+
+    def ring_bytes(self) -> float:
+        return sum(c.ring_bytes for c in self.records)
+
+
+_logs = threading.local()
+
+
+@contextlib.contextmanager
+def comm_log() -> Iterator[CommLog]:
+    """Record every collective fsdp_fn issues on this rank inside the block.
+
+    >>> with comm_log() as log:
+    ...     pass
+    >>> log.records
+    []
+    """
+    log = CommLog()
+    stack = _logs.__dict__.setdefault("stack", [])
+    stack.append(log)
+    try:
+        yield log
+    finally:
+        stack.remove(log)
+
+
+def record(op: str, unit: str | None, numel: int, dtype: torch.dtype, world: int) -> None:
+    for log in _logs.__dict__.get("stack", ()):
+        log.records.append(Collective(op, unit, numel, dtype, world))
+
+
+# --- the raw collectives, on plain tensors -----------------------------------------------
+
+
+def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, unit: str | None) -> None:
+    """``out`` (W * n) <- every rank's ``shard`` (n), in rank order."""
+    record("all_gather", unit, out.numel(), out.dtype, group.size())
+    with torch._C._DisableFuncTorch():
+        if group.size() == 1:
+            out.copy_(shard)
+        else:
+            dist.all_gather_single(out, shard, group=group)
+
+
+def reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float = 1.0) -> torch.Tensor:
+    """This rank's slice of ``scale * sum over ranks of full``; allocates one shard."""
+    world = group.size()
+    record("reduce_scatter", unit, full.numel(), full.dtype, world)
+    with torch._C._DisableFuncTorch():
+        full = full.contiguous()
+        if world == 1:
+            out = full.clone()
+        else:
+            out = full.new_empty(full.numel() // world)
+            dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)
+        if scale != 1.0:
+            out.mul_(scale)
+        return out
+
+
+def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup, unit: str | None = None) -> torch.Tensor:
+    """Sum ``tensor`` over ranks, in place."""
+    record("all_reduce", unit, tensor.numel(), tensor.dtype, group.size())
+    with torch._C._DisableFuncTorch():
+        if group.size() > 1:
+            dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def broadcast_(tensor: torch.Tensor, group: dist.ProcessGroup, src: int = 0) -> torch.Tensor:
+    """``tensor`` <- group rank ``src``'s ``tensor``, in place."""
+    record("broadcast", None, tensor.numel(), tensor.dtype, group.size())
+    if group.size() > 1:
+        dist.broadcast(tensor, group=group, group_src=src)
+    return tensor
+
+
+# --- the differentiable pair ------------------------------------------------------------
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(shard: torch.Tensor, group: dist.ProcessGroup, unit: str | None, grad_scale: float) -> torch.Tensor:
+        full = shard.new_empty(shard.numel() * group.size())
+        all_gather_into(full, shard.contiguous(), group, unit)
+        return full
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.group, ctx.unit, ctx.grad_scale = inputs  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _ReduceScatter.apply(grad, ctx.group, ctx.unit, ctx.grad_scale), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float) -> torch.Tensor:
+        return reduce_scatter(full, group, unit, scale)
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.group, ctx.unit, ctx.scale = inputs  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        # d(scale * RS(x)) = scale * AG(g) = AG(scale * g); AG's own vjp is then scale * RS.
+        scaled = grad * ctx.scale if ctx.scale != 1.0 else grad
+        return _AllGather.apply(scaled, ctx.group, ctx.unit, ctx.scale), None, None, None
+
+
+def all_gather(shard: torch.Tensor, group: dist.ProcessGroup, *, unit: str | None = None, grad_scale: float = 1.0) -> torch.Tensor:
+    """Differentiable all-gather of 1-D ``shard`` into a new (W * n) tensor.
+
+    Backward: ``grad_scale * reduce_scatter(grad)`` (``grad_scale=1/W`` averages over
+    ranks, like DDP). Memory: allocates the gathered buffer; communication: one
+    all-gather of ``W * n`` elements.
+    """
+    return _AllGather.apply(shard, group, unit, grad_scale)
+
+
+def reduce_scatter_sum(full: torch.Tensor, group: dist.ProcessGroup, *, unit: str | None = None, scale: float = 1.0) -> torch.Tensor:
+    """Differentiable ``scale * reduce_scatter(full)``: this rank's 1/W slice of the sum.
+
+    Backward: ``scale * all_gather(grad)``. Memory: allocates one shard; communication:
+    one reduce-scatter of ``full``.
+    """
+    if full.numel() % group.size():
+        raise ValueError(
+            f"reduce_scatter needs a length divisible by the group size {group.size()}, got {full.numel()}"
+        )
+    return _ReduceScatter.apply(full, group, unit, scale)

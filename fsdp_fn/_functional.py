@@ -1,0 +1,52 @@
+"""A plain ``nn.Module`` as a pure function over pytrees of parameters and buffers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+
+@dataclass(frozen=True, eq=False)
+class Functional:
+    """``apply(params, buffers, *args, **kwargs)``: the module's forward as a pure function.
+
+    ``params`` and ``buffers`` are dicts keyed by fully-qualified name (tied parameters
+    appear once, under their first name). ``params`` are detached views of the module's
+    own parameters (no copy); ``buffers`` are copies, so running ``apply`` never writes
+    into the module (e.g. BatchNorm statistics update the copies).
+    """
+
+    module: nn.Module
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+
+    def __call__(self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:
+        return functional_call(self.module, {**params, **buffers}, args, kwargs, tie_weights=True, strict=False)
+
+    apply = __call__
+
+
+def functionalize(module: nn.Module) -> Functional:
+    """Turn ``module`` into a pure function and its parameter/buffer pytrees.
+
+    The module is not changed: same class, same ``state_dict()``, same parameter objects.
+    Memory: no parameter is copied; buffers are cloned.
+
+    >>> from torch import nn
+    >>> import torch
+    >>> fn = functionalize(nn.Linear(3, 2))
+    >>> sorted(fn.params)
+    ['bias', 'weight']
+    >>> fn(fn.params, fn.buffers, torch.ones(1, 3)).shape
+    torch.Size([1, 2])
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"functionalize wants an nn.Module, got {type(module).__name__}")
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    return Functional(module, params, buffers)

@@ -1,0 +1,40 @@
+"""Which ranks shard together: a torch ``ProcessGroup`` or a 1-D ``DeviceMesh``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+Group = dist.ProcessGroup | DeviceMesh | None
+
+
+def resolve_group(group: Group) -> dist.ProcessGroup:
+    """The process group to shard over; ``None`` means the default (world) group."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group('gloo' or 'nccl') first "
+            "(torchrun sets the environment it needs); for one process use world_size=1"
+        )
+    if group is None:
+        world = dist.group.WORLD
+        assert world is not None
+        return world
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"a {group.ndim}-D DeviceMesh {group.mesh_dim_names or ''} was given; "
+                "sharding takes a 1-D mesh (or a ProcessGroup)"
+            )
+        return group.get_group()
+    if isinstance(group, dist.ProcessGroup):
+        if group.rank() < 0:
+            raise ValueError(f"this rank ({dist.get_rank()}) is not a member of the group given")
+        return group
+    raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {_kind(group)}")
+
+
+def _kind(x: Any) -> str:
+    return type(x).__name__

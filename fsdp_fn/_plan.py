@@ -1,0 +1,363 @@
+"""The plan: which parameters form which unit, as one inspectable, serialisable value.
+
+A *unit* is the set of parameters gathered together (one all-gather, one reduce-scatter).
+Units are chosen by an auto-wrap policy with the seed's signature
+``policy(module, recurse, unwrapped_params, **kwargs) -> bool``; the root unit (named
+``""``) holds every parameter no other unit claims.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+Policy = Callable[..., bool]
+
+ROOT = ""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in plan")
+    return dtype
+
+
+def unit_label(name: str) -> str:
+    """How a unit is named in messages: its module path, or ``(root)``."""
+    return repr(name) if name != ROOT else "(root)"
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter of a unit: where it lives in the module and in the unit's flat buffer."""
+
+    name: str  # canonical fully-qualified name (first in ``named_parameters()``)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool = True
+    aliases: tuple[str, ...] = ()  # other names of the same tensor (tied weights)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Parameters gathered together. Its flat buffer is the parameters, in order, then padding."""
+
+    name: str  # module path; ROOT for the root unit
+    params: tuple[ParamSpec, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.params[0].dtype
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        out, at = [], 0
+        for p in self.params:
+            out.append(at)
+            at += p.numel
+        return tuple(out)
+
+    def shard_numel(self, world: int) -> int:
+        """Elements each rank holds: ``ceil(numel / world)``."""
+        return -(-self.numel // world)
+
+    def padded_numel(self, world: int) -> int:
+        return self.shard_numel(world) * world
+
+    def gather_bytes(self, world: int = 1, dtype: torch.dtype | None = None) -> int:
+        """Bytes of the gathered flat buffer (padding included) on one rank."""
+        itemsize = (dtype or self.dtype).itemsize
+        return self.padded_numel(world) * itemsize
+
+    @property
+    def module_path(self) -> tuple[str, ...]:
+        return tuple(self.name.split(".")) if self.name else ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Units in module order (root first). A value: compare, print, hash, serialise."""
+
+    units: tuple[Unit, ...]
+
+    def __post_init__(self) -> None:
+        seen: dict[str, str] = {}
+        for u in self.units:
+            for p in u.params:
+                for n in (p.name, *p.aliases):
+                    if n in seen:
+                        raise ValueError(
+                            f"parameter {n!r} is in unit {unit_label(seen[n])} and in unit "
+                            f"{unit_label(u.name)}: every parameter belongs to exactly one unit"
+                        )
+                    seen[n] = u.name
+
+    def unit(self, name: str) -> Unit:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(f"no unit {unit_label(name)} in the plan; units: {self.unit_names}")
+
+    @property
+    def unit_names(self) -> tuple[str, ...]:
+        return tuple(u.name for u in self.units)
+
+    @property
+    def params(self) -> tuple[ParamSpec, ...]:
+        return tuple(p for u in self.units for p in u.params)
+
+    @property
+    def numel(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    def unit_of(self, param: str) -> Unit:
+        for u in self.units:
+            if any(param == p.name or param in p.aliases for p in u.params):
+                return u
+        raise KeyError(f"parameter {param!r} is in no unit of the plan")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "units": [
+                {
+                    "name": u.name,
+                    "params": [
+                        {
+                            "name": p.name,
+                            "shape": list(p.shape),
+                            "dtype": _dtype_name(p.dtype),
+                            "requires_grad": p.requires_grad,
+                            "aliases": list(p.aliases),
+                        }
+                        for p in u.params
+                    ],
+                }
+                for u in self.units
+            ]
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        return cls(
+            tuple(
+                Unit(
+                    u["name"],
+                    tuple(
+                        ParamSpec(
+                            p["name"],
+                            tuple(p["shape"]),
+                            _dtype_from_name(p["dtype"]),
+                            p["requires_grad"],
+                            tuple(p["aliases"]),
+                        )
+                        for p in u["params"]
+                    ),
+                )
+                for u in data["units"]
+            )
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    def fingerprint(self) -> str:
+        """A short hash of the whole plan; ranks compare it before they communicate."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def unit_fingerprints(self) -> dict[str, str]:
+        return {
+            u.name: hashlib.sha256(json.dumps(Plan((u,)).to_dict()).encode()).hexdigest()[:16]
+            for u in self.units
+        }
+
+    def __str__(self) -> str:
+        rows = [f"Plan: {len(self.units)} units, {self.numel:,} parameters"]
+        for u in self.units:
+            rows.append(
+                f"  {unit_label(u.name):<32} {len(u.params):>4} params {u.numel:>14,} elements "
+                f"{u.gather_bytes():>14,} B gathered  {_dtype_name(u.dtype)}"
+            )
+        return "\n".join(rows)
+
+
+# --- policies ---------------------------------------------------------------------------
+
+
+def size_policy(min_num_params: int = int(1e8)) -> Policy:
+    """A unit for every module whose not-yet-claimed parameters number ``min_num_params``.
+
+    Like torch's ``size_based_auto_wrap_policy`` (containers whose forward never runs,
+    ``nn.ModuleList``/``nn.ModuleDict``, are never units).
+    """
+
+    def policy(module: nn.Module, recurse: bool, unwrapped_params: int, **kwargs: Any) -> bool:
+        if recurse:
+            return True
+        return unwrapped_params >= min_num_params and _has_forward(module)
+
+    policy.__qualname__ = f"size_policy(min_num_params={min_num_params})"
+    return policy
+
+
+def layer_policy(layer_classes: Iterable[type[nn.Module]]) -> Policy:
+    """A unit for every instance of ``layer_classes`` (e.g. each transformer block)."""
+    classes = tuple(layer_classes)
+    if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise TypeError(f"layer_policy wants nn.Module subclasses, got {classes!r}")
+
+    def policy(module: nn.Module, recurse: bool, unwrapped_params: int, **kwargs: Any) -> bool:
+        return True if recurse else isinstance(module, classes)
+
+    policy.__qualname__ = f"layer_policy({', '.join(c.__name__ for c in classes)})"
+    return policy
+
+
+def _has_forward(module: nn.Module) -> bool:
+    return type(module).forward is not nn.Module.forward
+
+
+# --- planning ---------------------------------------------------------------------------
+
+
+def _ask(policy: Policy, module: nn.Module, path: str, recurse: bool, numel: int) -> bool:
+    answer = policy(module, recurse, numel)
+    if not isinstance(answer, bool):
+        raise TypeError(
+            f"policy {getattr(policy, '__qualname__', policy)!r} returned "
+            f"{type(answer).__name__} {answer!r} for module {unit_label(path)} "
+            f"(recurse={recurse}); it must return a bool"
+        )
+    return answer
+
+
+def make_plan(module: nn.Module, policy: Policy | None = None) -> Plan:
+    """Split ``module``'s parameters into units chosen by ``policy``.
+
+    Walks the module tree like torch's auto-wrap: ``policy(m, True, n)`` says whether to
+    look inside ``m``; after its children, ``policy(m, False, n)`` says whether ``m``
+    becomes a unit, ``n`` being its parameters not yet claimed by a unit below it.
+    A tied parameter whose users sit in different units goes to their closest common
+    unit. No communication, no allocation: it reads only shapes.
+
+    >>> from torch import nn
+    >>> m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    >>> make_plan(m, layer_policy([nn.Linear])).unit_names
+    ('0', '1')
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"make_plan wants an nn.Module, got {type(module).__name__}")
+    if policy is not None and not callable(policy):
+        raise TypeError(
+            f"policy must be callable as policy(module, recurse, unwrapped_params), "
+            f"got {type(policy).__name__} {policy!r}"
+        )
+
+    # Every name a parameter is reachable by, grouped by tensor identity.
+    names_of: dict[int, list[str]] = {}
+    tensors: dict[int, nn.Parameter] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+        tensors[id(p)] = p
+    if not tensors:
+        raise ValueError(f"{type(module).__name__} has no parameters: there is nothing to shard")
+
+    claimed: set[int] = set()
+    unit_paths: list[str] = []
+
+    def unclaimed_numel(m: nn.Module) -> tuple[int, set[int]]:
+        ids = {id(p) for p in m.parameters()} - claimed
+        return sum(tensors[i].numel() for i in ids), ids
+
+    def visit(m: nn.Module, path: str) -> None:
+        assert policy is not None
+        total, _ = unclaimed_numel(m)
+        if _ask(policy, m, path, True, total):
+            for child_name, child in m.named_children():
+                visit(child, f"{path}.{child_name}" if path else child_name)
+        if m is module:
+            return
+        remaining, ids = unclaimed_numel(m)
+        if remaining and _ask(policy, m, path, False, remaining):
+            if not _has_forward(m):
+                raise ValueError(
+                    f"policy chose module {unit_label(path)} ({type(m).__name__}) as a unit, "
+                    "but its forward never runs, so it could never be gathered; "
+                    "choose the modules inside it instead"
+                )
+            claimed.update(ids)
+            unit_paths.append(path)
+
+    if policy is not None:
+        visit(module, ROOT)
+
+    # Each name's owner is the deepest unit whose module path contains it.
+    unit_set = set(unit_paths)
+
+    def owner(param_name: str) -> str:
+        parts = param_name.split(".")[:-1]
+        for k in range(len(parts), 0, -1):
+            path = ".".join(parts[:k])
+            if path in unit_set:
+                return path
+        return ROOT
+
+    def common(paths: list[str]) -> str:
+        split = [p.split(".") if p else [] for p in paths]
+        prefix: list[str] = []
+        for parts in zip(*split, strict=False):
+            if len(set(parts)) != 1:
+                break
+            prefix.append(parts[0])
+        for k in range(len(prefix), 0, -1):
+            if ".".join(prefix[:k]) in unit_set:
+                return ".".join(prefix[:k])
+        return ROOT
+
+    members: dict[str, list[ParamSpec]] = {}
+    for pid, names in names_of.items():
+        p = tensors[pid]
+        if not p.dtype.is_floating_point:
+            raise TypeError(
+                f"parameter {names[0]!r} has dtype {p.dtype}; only floating-point "
+                "parameters can be sharded (keep integer state in buffers)"
+            )
+        spec = ParamSpec(names[0], tuple(p.shape), p.dtype, p.requires_grad, tuple(names[1:]))
+        members.setdefault(common([owner(n) for n in names]), []).append(spec)
+
+    order = [ROOT, *(n for n, _ in module.named_modules() if n in unit_set)]
+    units = tuple(Unit(name, tuple(members[name])) for name in order if members.get(name))
+    for u in units:
+        dtypes = {p.dtype for p in u.params}
+        if len(dtypes) > 1:
+            detail = ", ".join(f"{p.name}: {_dtype_name(p.dtype)}" for p in u.params)
+            raise TypeError(
+                f"unit {unit_label(u.name)} mixes dtypes ({detail}); a unit is one flat buffer "
+                "of one dtype: cast the module or choose a policy that separates them"
+            )
+    return Plan(units)

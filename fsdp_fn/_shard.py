@@ -1,0 +1,261 @@
+"""Sharded parameters: for each unit, this rank's slice of one flat, padded buffer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as torch_pytree
+
+from fsdp_fn._collectives import all_gather, reduce_scatter_sum
+from fsdp_fn._group import Group, resolve_group
+from fsdp_fn._plan import Plan, Unit, unit_label
+
+NAMESPACE = "fsdp_fn"  # optree namespace under which ``Sharded`` is a pytree node
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """Static metadata of a ``Sharded`` tree: the plan and the group it is sharded over."""
+
+    plan: Plan
+    group: dist.ProcessGroup
+
+    @property
+    def world(self) -> int:
+        return self.group.size()
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and other.group is self.group and other.plan == self.plan
+
+    def __hash__(self) -> int:
+        return hash((self.plan, id(self.group)))
+
+
+class Sharded:
+    """One tensor per unit (this rank's 1-D shard, ``ceil(numel / W)`` elements) and the layout.
+
+    A pytree node for optree (namespace ``"fsdp_fn"``) and for ``torch.utils._pytree``
+    (so ``torch.func`` transforms see the shard tensors as leaves). Gradients and
+    optimizer moments share this type, so they are sharded by construction.
+    """
+
+    __slots__ = ("layout", "shards")
+
+    def __init__(self, shards: Mapping[str, Any], layout: Layout) -> None:
+        names = layout.plan.unit_names
+        if tuple(shards) != names:
+            raise ValueError(f"shards are keyed {tuple(shards)}, the plan's units are {names}")
+        self.shards = dict(shards)
+        self.layout = layout
+
+    @property
+    def plan(self) -> Plan:
+        return self.layout.plan
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.layout.group
+
+    def __getitem__(self, unit: str) -> Any:
+        return self.shards[unit]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shards)
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def values(self) -> list[Any]:
+        return list(self.shards.values())
+
+    def replace(self, shards: Mapping[str, Any]) -> Sharded:
+        return Sharded(shards, self.layout)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(
+            f"{unit_label(k)}: {tuple(v.shape) if isinstance(v, torch.Tensor) else v!r}"
+            for k, v in self.shards.items()
+        )
+        return f"Sharded(world={self.layout.world}, rank={self.layout.rank}, {{{inner}}})"
+
+
+def _flatten(s: Sharded) -> tuple[list[Any], Layout, tuple[str, ...]]:
+    return list(s.shards.values()), s.layout, tuple(s.shards)
+
+
+def _unflatten(layout: Layout, children: Any) -> Sharded:
+    return Sharded(dict(zip(layout.plan.unit_names, children, strict=True)), layout)
+
+
+optree.register_pytree_node(Sharded, _flatten, _unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
+torch_pytree.register_pytree_node(
+    Sharded,
+    lambda s: (list(s.shards.values()), s.layout),
+    lambda children, layout: _unflatten(layout, children),
+)
+
+
+# --- shard / unshard / reduce_grads -----------------------------------------------------
+
+
+def check_params(params: Mapping[str, torch.Tensor], plan: Plan) -> None:
+    """Raise unless ``params`` has exactly the plan's parameters, shapes and dtypes."""
+    expected = {p.name: p for p in plan.params}
+    missing = [n for n in expected if n not in params]
+    extra = [n for n in params if n not in expected]
+    if missing or extra:
+        raise KeyError(
+            f"params do not match the plan: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}"
+        )
+    for name, spec in expected.items():
+        t = params[name]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"parameter {name!r} is a {type(t).__name__}, not a tensor")
+        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            raise ValueError(
+                f"parameter {name!r} is {tuple(t.shape)} {t.dtype}; the plan has "
+                f"{spec.shape} {spec.dtype} (unit {unit_label(plan.unit_of(name).name)})"
+            )
+
+
+def local_slice(unit: Unit, params: Mapping[str, torch.Tensor], world: int, rank: int) -> torch.Tensor:
+    """This rank's shard of ``unit``, copied from full ``params`` without building the flat buffer."""
+    n = unit.shard_numel(world)
+    lo, hi = rank * n, (rank + 1) * n
+    out = torch.zeros(n, dtype=unit.dtype, device=_device_of(unit, params))
+    for spec, at in zip(unit.params, unit.offsets, strict=True):
+        a, b = max(lo, at), min(hi, at + spec.numel)
+        if a < b:
+            out[a - lo : b - lo] = params[spec.name].detach().reshape(-1)[a - at : b - at]
+    return out
+
+
+def _device_of(unit: Unit, params: Mapping[str, torch.Tensor]) -> torch.device:
+    devices = {params[p.name].device for p in unit.params}
+    if len(devices) > 1:
+        raise ValueError(f"unit {unit_label(unit.name)} has parameters on several devices: {sorted(map(str, devices))}")
+    return devices.pop()
+
+
+def unit_views(unit: Unit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The unit's parameters as views into its flat (gathered) buffer; no copy."""
+    return {
+        spec.name: flat[at : at + spec.numel].view(spec.shape)
+        for spec, at in zip(unit.params, unit.offsets, strict=True)
+    }
+
+
+def check_shard(sharded: Sharded, unit: Unit) -> torch.Tensor:
+    t = sharded[unit.name]
+    want = unit.shard_numel(sharded.layout.world)
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != want:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(
+            f"shard of unit {unit_label(unit.name)} is {got}; world size {sharded.layout.world} "
+            f"needs ({want},): were these shards made for another plan or world size?"
+        )
+    return t
+
+
+def shard(params: Mapping[str, torch.Tensor], plan: Plan, group: Group = None) -> Sharded:
+    """Keep this rank's 1/W of every unit: one flat, padded 1-D shard per unit.
+
+    Memory: allocates only this rank's shards (``ceil(numel/W)`` per unit); the full
+    parameters are read, never concatenated. Communication: one small all-gather of the
+    plan's fingerprint and per-unit checksums, so a plan or an initialisation that differs
+    between ranks fails here, naming the unit and the ranks.
+
+    >>> import torch, torch.distributed as dist
+    >>> from torch import nn
+    >>> if not dist.is_initialized():
+    ...     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29511", rank=0, world_size=1)
+    >>> m = nn.Linear(3, 2)
+    >>> p = shard(dict(m.named_parameters()), make_plan(m))
+    >>> p[""].shape  # 8 elements on one rank
+    torch.Size([8])
+    """
+    pg = resolve_group(group)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a Plan (from make_plan), got {type(plan).__name__}")
+    check_params(params, plan)
+    world, rank = pg.size(), pg.rank()
+    from fsdp_fn._agree import agree
+
+    agree(
+        pg,
+        "plan",
+        {"plan": plan.fingerprint(), **{f"unit {unit_label(k)}": v for k, v in plan.unit_fingerprints().items()}},
+        hint="build the plan from the same model and policy on every rank",
+    )
+    agree(
+        pg,
+        "initial parameters",
+        {f"unit {unit_label(u.name)}": _checksum(u, params) for u in plan.units},
+        hint="initialise the model with the same seed on every rank",
+    )
+    layout = Layout(plan, pg)
+    return Sharded({u.name: local_slice(u, params, world, rank) for u in plan.units}, layout)
+
+
+def _checksum(unit: Unit, params: Mapping[str, torch.Tensor]) -> tuple[float, float]:
+    s = sq = 0.0
+    with torch.no_grad():
+        for spec in unit.params:
+            t = params[spec.name].detach().double()
+            s += float(t.sum())
+            sq += float((t * t).sum())
+    return s, sq
+
+
+def unshard(sharded: Sharded) -> dict[str, torch.Tensor]:
+    """All parameters at full size, keyed by name: one all-gather per unit.
+
+    Memory: the whole model on every rank. For checkpoints, evaluation and tests.
+    """
+    out: dict[str, torch.Tensor] = {}
+    world = sharded.layout.world
+    for unit in sharded.plan.units:
+        flat = all_gather(check_shard(sharded, unit), sharded.group, unit=unit.name, grad_scale=1.0 / world)
+        out.update(unit_views(unit, flat))
+    return out
+
+
+def reduce_grads(grads: Mapping[str, torch.Tensor | None], like: Sharded, *, mean: bool = True) -> Sharded:
+    """Reduce-scatter full gradients (keyed by parameter name) into ``like``'s sharded layout.
+
+    For users who compute full gradients themselves. Missing or ``None`` gradients count
+    as zero. ``mean=True`` averages over ranks (like DDP), ``False`` sums. Differentiable
+    (its backward is an all-gather). Memory: one unit's flat gradient at a time plus the
+    result shards; communication: one reduce-scatter per unit.
+    """
+    plan, world = like.plan, like.layout.world
+    unknown = [n for n in grads if not any(n == p.name or n in p.aliases for p in plan.params)]
+    if unknown:
+        raise KeyError(f"gradients for parameters not in the plan: {unknown[:5]}")
+    out: dict[str, torch.Tensor] = {}
+    for unit in plan.units:
+        pieces = []
+        for spec in unit.params:
+            g = grads.get(spec.name)
+            if g is None:
+                pieces.append(torch.zeros(spec.numel, dtype=unit.dtype, device=like[unit.name].device))
+            else:
+                if tuple(g.shape) != spec.shape:
+                    raise ValueError(f"gradient of {spec.name!r} is {tuple(g.shape)}, the parameter is {spec.shape}")
+                pieces.append(g.reshape(-1).to(unit.dtype))
+        pad = unit.padded_numel(world) - unit.numel
+        if pad:
+            pieces.append(torch.zeros(pad, dtype=unit.dtype, device=like[unit.name].device))
+        flat = torch.cat(pieces)
+        out[unit.name] = reduce_scatter_sum(flat, like.group, unit=unit.name, scale=1.0 / world if mean else 1.0)
+    return like.replace(out)
