@@ -1,0 +1,177 @@
+"""A pool of real gloo ranks kept alive across calls, for tests of sharded training code.
+
+Spawning ranks and joining a process group costs seconds; a pool pays that once per
+session. ``pool.run(fn, *args, world=W)`` calls ``fn(group, *args)`` on ranks ``0..W-1``
+with ``group`` a real ``ProcessGroup`` of exactly those ranks (one is made for every
+size at start-up), and returns the ranks' results in rank order. A rank that raises, or
+ranks that run past the timeout, raise ``RankError`` here with every rank's traceback;
+a pool whose ranks may be stuck in a collective is killed and respawned on next use.
+
+>>> pool = RankPool(2)                                # doctest: +SKIP
+>>> pool.run(my_test_fn, 3, world=2)                  # doctest: +SKIP
+[result_on_rank0, result_on_rank1]
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+
+class RankError(RuntimeError):
+    """One or more ranks failed (or timed out); the message carries each rank's traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world: int, port: int, conn: Connection, threads: int, timeout_s: float) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    groups: dict[int, Any] = {w: dist.new_group(list(range(w))) for w in range(1, world)}
+    groups[world] = dist.group.WORLD
+    try:
+        from hypothesis import settings
+
+        settings.register_profile("fsdp_fn", derandomize=True, database=None, deadline=None, print_blob=False)
+        settings.load_profile("fsdp_fn")
+    except ImportError:  # pragma: no cover - hypothesis is a test extra
+        pass
+    conn.send(("ready", rank))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        fn, args, kwargs, w = msg
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                result = fn(groups[w], *args, **kwargs)
+            conn.send(("ok", result))
+        except BaseException as e:  # report, and keep serving
+            conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world`` gloo ranks in spawned processes, each with ``threads`` torch threads."""
+
+    def __init__(self, world: int, *, threads: int = 1, timeout: float = 300.0, collective_timeout: float = 60.0) -> None:
+        if world < 1:
+            raise ValueError(f"a pool needs at least one rank, got world={world}")
+        self.world, self.threads, self.timeout = world, threads, timeout
+        self.collective_timeout = collective_timeout
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        for rank in range(self.world):
+            here, there = ctx.Pipe()
+            p = ctx.Process(
+                target=_worker,
+                args=(rank, self.world, port, there, self.threads, self.collective_timeout),
+                daemon=True,
+                name=f"fsdp_fn-rank{rank}",
+            )
+            p.start()
+            self._procs.append(p)
+            self._conns.append(here)
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(120):
+                self.close()
+                raise RankError(f"rank {rank} did not start within 120 s")
+            conn.recv()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def run(self, fn: Callable[..., Any], *args: Any, world: int | None = None, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """``fn(group, *args, **kwargs)`` on ranks ``0..world-1``; their results in rank order."""
+        w = self.world if world is None else world
+        if not 1 <= w <= self.world:
+            raise ValueError(f"world={w} does not fit a pool of {self.world} ranks")
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        conns = self._conns[:w]
+        for conn in conns:
+            conn.send((fn, args, kwargs, w))
+        deadline = time.monotonic() + (timeout or self.timeout)
+        results: dict[int, tuple[str, Any]] = {}
+        pending = dict(enumerate(conns))
+        while pending:
+            left = deadline - time.monotonic()
+            # Once a rank has failed, the others get a short grace to report (or they hang in a collective).
+            if any(kind == "err" for kind, _ in results.values()):
+                left = min(left, 10.0)
+            ready = wait(list(pending.values()), timeout=max(left, 0))
+            if not ready:
+                break
+            for conn in ready:
+                rank = next(r for r, c in pending.items() if c is conn)
+                try:
+                    results[rank] = conn.recv()
+                except EOFError:
+                    results[rank] = ("err", f"rank {rank} died (exit code {self._procs[rank].exitcode})")
+                del pending[rank]
+        failed = [r for r, (kind, _) in results.items() if kind == "err"]
+        if pending or failed:
+            report = []
+            for rank in range(w):
+                kind, value = results.get(rank, ("err", "no answer before the timeout (hung or killed)"))
+                if kind == "err":
+                    report.append(f"--- rank {rank} ---\n{value}")
+            if pending or len(failed) != w:
+                # Ranks may be stuck in, or out of step with, a collective: start afresh next time.
+                self.close()
+            raise RankError(f"{fn.__qualname__} failed on {len(report)} of {w} ranks:\n" + "\n".join(report))
+        return [results[r][1] for r in range(w)]
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

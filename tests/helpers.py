@@ -1,0 +1,79 @@
+"""Models, batches and the unsharded reference shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fsdp_fn as ff
+from examples.gpt import GPT, Block, GPTConfig, lm_loss
+
+
+class MLP(nn.Module):
+    """Layer widths that divide by no world size, so shards need padding."""
+
+    def __init__(self, widths: tuple[int, ...] = (7, 13, 5, 3), act: type[nn.Module] = nn.Tanh) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for a, b in zip(widths, widths[1:]):
+            layers += [nn.Linear(a, b), act()]
+        self.net = nn.Sequential(*layers[:-1])
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return self.net(x) * scale
+
+
+def mse_loss(model: Callable[..., Any], batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def make(kind: str, seed: int = 0, **kw: Any) -> tuple[nn.Module, ff.Policy, Callable[..., Any]]:
+    """(model, policy, loss_fn) for a named test model, initialised from ``seed``."""
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        return MLP(**kw), ff.layer_policy([nn.Linear]), mse_loss
+    if kind == "gpt":
+        cfg = GPTConfig(**{"vocab": 37, "seq": 9, "d_model": 12, "n_layers": 3, "n_heads": 2, **kw})
+        return GPT(cfg), ff.layer_policy([Block]), lm_loss
+    raise ValueError(kind)
+
+
+def batch_for(kind: str, model: nn.Module, step: int, size: int = 12) -> Any:
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind == "mlp":
+        widths = [m.in_features for m in model.modules() if isinstance(m, nn.Linear)]
+        outs = [m.out_features for m in model.modules() if isinstance(m, nn.Linear)]
+        return torch.randn(size, widths[0], generator=g), torch.randn(size, outs[-1], generator=g)
+    cfg = model.cfg
+    return torch.randint(0, cfg.vocab, (size, cfg.seq + 1), generator=g)
+
+
+def local_part(batch: Any, rank: int, world: int) -> Any:
+    if isinstance(batch, tuple):
+        return tuple(local_part(b, rank, world) for b in batch)
+    return batch.chunk(world)[rank]
+
+
+def reference_run(model: nn.Module, loss_fn: Callable[..., Any], batches: list[Any], make_opt: Callable[..., Any]) -> dict[str, Any]:
+    """Unsharded training in this process: losses, gradient norms and final parameters."""
+    model = copy.deepcopy(model)
+    opt = make_opt(model.parameters())
+    losses, norms = [], []
+    for b in batches:
+        opt.zero_grad()
+        loss = loss_fn(model, b)
+        loss.backward()
+        norms.append(torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters())).item())
+        losses.append(loss.item())
+        opt.step()
+    return {"losses": losses, "norms": norms, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)

@@ -1,0 +1,166 @@
+"""The sharded step equals the unsharded reference, step after step, for W = 1..4."""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fsdp_fn as ff
+from tests.helpers import MLP, batch_for, local_part, make, mse_loss, reference_run, rel
+
+STEPS = 5
+
+OPTIMIZERS = {
+    "adamw": (lambda params: ff.adamw(lr=1e-2, weight_decay=0.1), partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)),
+    "sgd": (lambda params: ff.sgd(lr=0.05, momentum=0.9), partial(torch.optim.SGD, lr=0.05, momentum=0.9)),
+    "torch_adam": (
+        lambda params: ff.from_torch(torch.optim.Adam(list(params.values()), lr=1e-2)),
+        partial(torch.optim.Adam, lr=1e-2),
+    ),
+}
+
+
+def _train(group, kind: str, opt_name: str, steps: int = STEPS, **model_kw):
+    """Train sharded on this group; on rank 0 also train the reference and return the differences."""
+    model, policy, loss_fn = make(kind, **model_kw)
+    world, rank = group.size(), group.rank()
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, policy), group)
+    make_ours, make_ref = OPTIMIZERS[opt_name]
+    step = ff.train_step(fn, loss_fn, make_ours(params))
+    state = step.init(params)
+    losses, norms = [], []
+    for k in range(steps):
+        state, metrics = step(state, local_part(batch_for(kind, model, k), rank, world))
+        losses.append(metrics["loss"].item())
+        norms.append(metrics["grad_norm"].item())
+    full = ff.unshard(state.params)
+    if rank != 0:
+        return None
+    ref = reference_run(model, loss_fn, [batch_for(kind, model, k) for k in range(steps)], make_ref)
+    return {
+        "loss": max(rel(a, b) for a, b in zip(losses, ref["losses"])),
+        "grad_norm": max(rel(a, b) for a, b in zip(norms, ref["norms"])),
+        "param": max((full[k] - v).abs().max().item() for k, v in ref["params"].items()),
+        "loss_drop": ref["losses"][0] - ref["losses"][-1],
+    }
+
+
+def _check(figures):
+    assert figures["loss"] <= 1e-5, figures
+    assert figures["grad_norm"] <= 1e-5, figures
+    assert figures["param"] <= 1e-4, figures
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_parity_adamw(pool, kind, world):
+    figures = pool.run(_train, kind, "adamw", world=world)[0]
+    print(f"parity {kind} W={world}: {figures}")
+    _check(figures)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "torch_adam"])
+def test_parity_other_optimizers(pool, opt_name):
+    _check(pool.run(_train, "mlp", opt_name, world=3)[0])
+
+
+def test_parity_tied_gpt(pool):
+    """Embedding and head share one tensor: one shard, gradient summed from both uses."""
+    _check(pool.run(_train, "gpt", "adamw", world=3, tie=True)[0])
+
+
+def _train_hypothesis(group, examples: int):
+    world, rank = group.size(), group.rank()
+
+    @given(
+        widths=st.lists(st.integers(1, 9), min_size=2, max_size=5),
+        wrap=st.sampled_from(["layers", "none", "size"]),
+        lr=st.sampled_from([1e-3, 3e-2]),
+    )
+    def prop(widths, wrap, lr):
+        torch.manual_seed(len(widths))
+        model = MLP(tuple(widths), act=nn.ReLU)
+        policy = {"layers": ff.layer_policy([nn.Linear]), "none": None, "size": ff.size_policy(20)}[wrap]
+        fn = ff.functionalize(model)
+        params = ff.shard(fn.params, ff.make_plan(model, policy), group)
+        step = ff.train_step(fn, mse_loss, ff.adamw(lr=lr))
+        state = step.init(params)
+        batches = [batch_for("mlp", model, k) for k in range(STEPS)]
+        ref = reference_run(model, mse_loss, batches, partial(torch.optim.AdamW, lr=lr))
+        for k, b in enumerate(batches):
+            state, m = step(state, local_part(b, rank, world))
+            # Every compared value is replicated, so every rank fails (and shrinks) alike.
+            assert rel(m["loss"].item(), ref["losses"][k]) <= 1e-5
+            assert rel(m["grad_norm"].item(), ref["norms"][k]) <= 1e-5 or ref["norms"][k] < 1e-7
+        full = ff.unshard(state.params)
+        for name, v in ref["params"].items():
+            torch.testing.assert_close(full[name], v, atol=1e-4, rtol=0)
+
+    settings(max_examples=examples)(prop)()
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parity_hypothesis_mlps(pool, world):
+    assert all(pool.run(_train_hypothesis, 12, world=world))
+
+
+def _against_fsdp2(group, steps: int = STEPS):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from examples.gpt import lm_loss
+
+    model, policy, loss_fn = make("gpt")
+    world, rank = group.size(), group.rank()
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, policy), group)
+    step = ff.train_step(fn, loss_fn, ff.adamw(lr=1e-2))
+    state = step.init(params)
+
+    peer = copy.deepcopy(model)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for block in peer.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(peer, mesh=mesh)
+    opt = torch.optim.AdamW(peer.parameters(), lr=1e-2)
+    diffs = []
+    for k in range(steps):
+        batch = local_part(batch_for("gpt", model, k), rank, world)
+        state, metrics = step(state, batch)
+        opt.zero_grad()
+        loss = lm_loss(peer, batch)
+        loss.backward()
+        opt.step()
+        theirs = loss.detach().clone()
+        dist.all_reduce(theirs, group=group)
+        diffs.append(rel(metrics["loss"].item(), theirs.item() / world))
+    return max(diffs)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parity_with_torch_fsdp2(pool, world):
+    worst = max(pool.run(_against_fsdp2, world=world))
+    assert worst <= 1e-5
+
+
+def _kwargs_forward(group):
+    torch.manual_seed(0)
+    model = MLP()
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group)
+    x = torch.randn(4, 7)
+    out = ff.apply_sharded(fn, params, fn.buffers, x, scale=3.0)
+    return (out - model(x, scale=3.0)).abs().max().item()
+
+
+def test_forward_takes_args_and_kwargs(pool):
+    assert max(pool.run(_kwargs_forward, world=2)) < 1e-6
