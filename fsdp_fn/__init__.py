@@ -1,17 +1,18 @@
 """fsdp_fn: fully sharded data parallel (ZeRO-3) for PyTorch, as pure functions.
 
-    fn     = functionalize(module)                 # plain nn.Module -> pure function + pytrees
-    plan   = make_plan(module, layer_policy(...))  # which parameters form which unit
-    params = shard(fn.params, plan, group)         # this rank's 1/W of every unit
-    full   = gather_for(unit)(params)              # all-gather; its backward is reduce-scatter
-    grads  = reduce_grads(full_grads, params)      # reduce-scatter: the transpose of gather_for
-    step   = train_step(fn, loss_fn, adamw())      # torch.func composes them into one step
+fn     = functionalize(module)                 # plain nn.Module -> pure function + pytrees
+plan   = make_plan(module, layer_policy(...))  # which parameters form which unit
+params = shard(fn.params, plan, group)         # this rank's 1/W of every unit
+full   = gather_for(unit)(params)              # all-gather; its backward is reduce-scatter
+grads  = reduce_grads(full_grads, params)      # reduce-scatter: the transpose of gather_for
+step   = train_step(fn, loss_fn, adamw())      # torch.func composes them into one step
 """
 
 from fsdp_fn._agree import DivergenceError
 from fsdp_fn._collectives import Collective, CommLog, all_gather, comm_log, reduce_scatter_sum
 from fsdp_fn._functional import Functional, functionalize
 from fsdp_fn._gather import UnitState, apply_sharded, gather_for
+from fsdp_fn._memory import CATEGORIES, MemoryMeter
 from fsdp_fn._optim import AdamWState, Optimizer, SGDState, adamw, from_torch, sgd, tree_leaves, tree_map
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Policy, Unit, layer_policy, make_plan, size_policy
 from fsdp_fn._shard import NAMESPACE, Sharded, reduce_grads, shard, unshard
@@ -20,11 +21,13 @@ from fsdp_fn._step import TrainState, TrainStep, train_step
 __all__ = [
     "NAMESPACE",
     "ROOT",
+    "CATEGORIES",
     "AdamWState",
     "Collective",
     "CommLog",
     "DivergenceError",
     "Functional",
+    "MemoryMeter",
     "Optimizer",
     "ParamSpec",
     "Plan",

@@ -31,5 +31,7 @@ def agree(group: dist.ProcessGroup, what: str, facts: Mapping[str, Any], hint: s
         for rank, g in enumerate(gathered):
             by_value.setdefault(repr(g.get(key, _MISSING)), []).append(rank)
         if len(by_value) > 1:
-            parts = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {v}" for v, r in by_value.items())
+            parts = "; ".join(
+                f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {v}" for v, r in by_value.items()
+            )
             raise DivergenceError(f"{what} differ between ranks at {key}: {parts}" + (f". {hint}" if hint else ""))

@@ -13,7 +13,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -164,17 +164,21 @@ class _ReduceScatter(torch.autograd.Function):
         return _AllGather.apply(scaled, ctx.group, ctx.unit, ctx.scale), None, None, None
 
 
-def all_gather(shard: torch.Tensor, group: dist.ProcessGroup, *, unit: str | None = None, grad_scale: float = 1.0) -> torch.Tensor:
+def all_gather(
+    shard: torch.Tensor, group: dist.ProcessGroup, *, unit: str | None = None, grad_scale: float = 1.0
+) -> torch.Tensor:
     """Differentiable all-gather of 1-D ``shard`` into a new (W * n) tensor.
 
     Backward: ``grad_scale * reduce_scatter(grad)`` (``grad_scale=1/W`` averages over
     ranks, like DDP). Memory: allocates the gathered buffer; communication: one
     all-gather of ``W * n`` elements.
     """
-    return _AllGather.apply(shard, group, unit, grad_scale)
+    return cast(torch.Tensor, _AllGather.apply(shard, group, unit, grad_scale))
 
 
-def reduce_scatter_sum(full: torch.Tensor, group: dist.ProcessGroup, *, unit: str | None = None, scale: float = 1.0) -> torch.Tensor:
+def reduce_scatter_sum(
+    full: torch.Tensor, group: dist.ProcessGroup, *, unit: str | None = None, scale: float = 1.0
+) -> torch.Tensor:
     """Differentiable ``scale * reduce_scatter(full)``: this rank's 1/W slice of the sum.
 
     Backward: ``scale * all_gather(grad)``. Memory: allocates one shard; communication:
@@ -184,4 +188,4 @@ def reduce_scatter_sum(full: torch.Tensor, group: dist.ProcessGroup, *, unit: st
         raise ValueError(
             f"reduce_scatter needs a length divisible by the group size {group.size()}, got {full.numel()}"
         )
-    return _ReduceScatter.apply(full, group, unit, scale)
+    return cast(torch.Tensor, _ReduceScatter.apply(full, group, unit, scale))

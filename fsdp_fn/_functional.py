@@ -25,7 +25,9 @@ class Functional:
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
 
-    def __call__(self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:
+    def __call__(
+        self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any
+    ) -> Any:
         return functional_call(self.module, {**params, **buffers}, args, kwargs, tie_weights=True, strict=False)
 
     apply = __call__

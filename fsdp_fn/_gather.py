@@ -24,6 +24,7 @@ from torch.func import functional_call
 
 from fsdp_fn._collectives import _ReduceScatter, all_gather, all_gather_into
 from fsdp_fn._functional import Functional
+from fsdp_fn._memory import label, retag
 from fsdp_fn._plan import ROOT, ParamSpec, Unit, unit_label
 from fsdp_fn._shard import Sharded, check_shard, unit_views
 
@@ -74,7 +75,8 @@ class _Gathered:
 
     def gather(self, shard: torch.Tensor) -> None:
         self.shard = shard
-        self.buffer = shard.new_empty(shard.numel() * self.group.size())
+        with label("gathered"):
+            self.buffer = shard.new_empty(shard.numel() * self.group.size())
         all_gather_into(self.buffer, shard, self.group, self.unit.name)
         self.state = UnitState.GATHERED
 
@@ -84,7 +86,8 @@ class _Gathered:
         self.state = UnitState.FREED
 
     def refill(self) -> None:
-        assert self.buffer is not None and self.shard is not None and self.state is UnitState.FREED
+        assert self.buffer is not None
+        assert self.shard is not None
         self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
         all_gather_into(self.buffer, self.shard, self.group, self.unit.name)
         self.state = UnitState.GATHERED
@@ -113,7 +116,9 @@ class _GatherUnit(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         rec: _Gathered = ctx.rec
-        out = _ReduceScatter.apply(grad, rec.group, rec.unit.name, 1.0 / rec.group.size())
+        retag(_plain(grad), "grads")
+        with label("grads"):
+            out = _ReduceScatter.apply(grad, rec.group, rec.unit.name, 1.0 / rec.group.size())
         rec.release()
         return out, None
 
@@ -139,12 +144,12 @@ class _RefillBeforeBackward(torch.autograd.Function):
 class _NotGathered(torch.Tensor):
     """Stands in for a unit's parameter outside that unit's forward; any use raises."""
 
-    where: tuple[str, str]
+    fsdp_fn_where: tuple[str, str]  # (parameter, unit)
 
     @staticmethod
     def __new__(cls, spec: ParamSpec, unit: str) -> _NotGathered:
-        t = torch.Tensor._make_wrapper_subclass(cls, spec.shape, dtype=spec.dtype, device="meta")
-        t.where = (spec.name, unit)
+        t = torch.Tensor._make_wrapper_subclass(cls, spec.shape, dtype=spec.dtype, device=torch.device("meta"))
+        t.fsdp_fn_where = (spec.name, unit)
         return t  # type: ignore[no-any-return]
 
     @classmethod
@@ -153,7 +158,7 @@ class _NotGathered(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         me = next(a for a in torch_pytree.tree_leaves((args, kwargs)) if isinstance(a, _NotGathered))
-        name, unit = me.where
+        name, unit = me.fsdp_fn_where
         raise RuntimeError(
             f"parameter {name!r} of unit {unit_label(unit)} was used outside that unit's forward "
             f"({getattr(func, '__name__', func)}); a unit's parameters exist only while its module "
@@ -161,7 +166,7 @@ class _NotGathered(torch.Tensor):
         )
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         raise RuntimeError(f"parameter used outside its unit's forward ({func})")
 
 
@@ -246,11 +251,11 @@ class Runtime:
 
     def _pre_hook(self, unit: Unit, swapped: list[tuple[nn.Module, str, Any]]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
+            self.running.append(unit.name)
             rec, views = self._gather(unit)
             for owner, attr, name in self.slots[unit.name]:
                 swapped.append((owner, attr, owner._parameters[attr]))
                 owner._parameters[attr] = views[name]  # type: ignore[assignment]
-            self.running.append(unit.name)
             self.order.append(unit.name)
             self.live.setdefault(unit.name, []).append(rec)
 
@@ -267,7 +272,9 @@ class Runtime:
         return hook
 
 
-def apply_sharded(fn: Functional, params: Sharded, buffers: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:
+def apply_sharded(
+    fn: Functional, params: Sharded, buffers: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any
+) -> Any:
     """``fn(full_params, buffers, *args, **kwargs)`` computed from sharded ``params``.
 
     Each unit is all-gathered just before its module runs and, after its forward, its

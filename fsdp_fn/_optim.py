@@ -37,7 +37,7 @@ class Optimizer(NamedTuple):
 
 
 class AdamWState(NamedTuple):
-    count: Sharded  # a 0-d step counter per unit (torch's kernels keep one per tensor)
+    steps: Sharded  # a 0-d step counter per unit (torch's kernels keep one per tensor)
     exp_avg: Sharded
     exp_avg_sq: Sharded
 
@@ -66,7 +66,9 @@ def adamw(
     <function adamw.<locals>.init at ...>
     """
     if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-        raise ValueError(f"invalid AdamW hyper-parameters lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        raise ValueError(
+            f"invalid AdamW hyper-parameters lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}"
+        )
 
     def init(params: Sharded) -> AdamWState:
         return AdamWState(
@@ -82,7 +84,7 @@ def adamw(
             tree_leaves(state.exp_avg),
             tree_leaves(state.exp_avg_sq),
             [],
-            tree_leaves(state.count),
+            tree_leaves(state.steps),
             foreach=foreach,
             amsgrad=False,
             beta1=betas[0],
@@ -118,7 +120,9 @@ def sgd(
         return SGDState(None)
 
     def update(grads: Sharded, state: SGDState, params: Sharded) -> tuple[Sharded, SGDState]:
-        buffers: list[torch.Tensor | None] = [None] * len(params) if state.momentum is None else tree_leaves(state.momentum)
+        buffers: list[torch.Tensor | None] = (
+            [None] * len(params) if state.momentum is None else tree_leaves(state.momentum)
+        )
         _sgd_kernel(
             tree_leaves(params),
             tree_leaves(grads),

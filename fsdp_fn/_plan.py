@@ -191,10 +191,7 @@ class Plan:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     def unit_fingerprints(self) -> dict[str, str]:
-        return {
-            u.name: hashlib.sha256(json.dumps(Plan((u,)).to_dict()).encode()).hexdigest()[:16]
-            for u in self.units
-        }
+        return {u.name: hashlib.sha256(json.dumps(Plan((u,)).to_dict()).encode()).hexdigest()[:16] for u in self.units}
 
     def __str__(self) -> str:
         rows = [f"Plan: {len(self.units)} units, {self.numel:,} parameters"]

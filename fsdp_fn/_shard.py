@@ -82,8 +82,7 @@ class Sharded:
 
     def __repr__(self) -> str:
         inner = ", ".join(
-            f"{unit_label(k)}: {tuple(v.shape) if isinstance(v, torch.Tensor) else v!r}"
-            for k, v in self.shards.items()
+            f"{unit_label(k)}: {tuple(v.shape) if isinstance(v, torch.Tensor) else v!r}" for k, v in self.shards.items()
         )
         return f"Sharded(world={self.layout.world}, rank={self.layout.rank}, {{{inner}}})"
 
@@ -148,11 +147,14 @@ def _device_of(unit: Unit, params: Mapping[str, torch.Tensor]) -> torch.device:
 
 
 def unit_views(unit: Unit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The unit's parameters as views into its flat (gathered) buffer; no copy."""
-    return {
-        spec.name: flat[at : at + spec.numel].view(spec.shape)
-        for spec, at in zip(unit.params, unit.offsets, strict=True)
-    }
+    """The unit's parameters as views into its flat (gathered) buffer; no copy.
+
+    One ``split`` (not a slice per parameter), so backward assembles the flat gradient
+    with one concatenation instead of a zero-filled full-size buffer per parameter.
+    """
+    sizes = [spec.numel for spec in unit.params]
+    pieces = flat.split_with_sizes([*sizes, flat.numel() - sum(sizes)])
+    return {spec.name: piece.view(spec.shape) for spec, piece in zip(unit.params, pieces, strict=False)}
 
 
 def check_shard(sharded: Sharded, unit: Unit) -> torch.Tensor:

@@ -12,6 +12,7 @@ from torch.func import grad_and_value
 from fsdp_fn._collectives import all_reduce_, broadcast_
 from fsdp_fn._functional import Functional
 from fsdp_fn._gather import Runtime
+from fsdp_fn._memory import label
 from fsdp_fn._optim import Optimizer, tree_leaves, tree_map
 from fsdp_fn._shard import Sharded
 
@@ -37,7 +38,8 @@ class TrainStep:
             raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}")
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
-                f"optimizer must be an fsdp_fn Optimizer (adamw(), sgd(), from_torch(opt)), got {type(optimizer).__name__}"
+                "optimizer must be an fsdp_fn Optimizer (adamw(), sgd(), from_torch(opt)), "
+                f"got {type(optimizer).__name__}"
             )
         self.fn, self.loss_fn, self.optimizer, self.donate = fn, loss_fn, optimizer, donate
 
@@ -49,7 +51,9 @@ class TrainStep:
         copies = {k: v.detach().clone() for k, v in source.items()}
         for b in copies.values():
             broadcast_(b, params.group)
-        return TrainState(params, self.optimizer.init(params), copies, 0)
+        with label("optimizer"):
+            opt_state = self.optimizer.init(params)
+        return TrainState(params, opt_state, copies, 0)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         """One step on this rank's part of the global batch.
@@ -68,7 +72,9 @@ class TrainStep:
             model = functools.partial(runtime.run, state.buffers)
             loss = self.loss_fn(model, batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-                got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+                got = (
+                    f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+                )
                 raise TypeError(f"loss_fn must return a floating scalar tensor, got {got}")
             return loss.reshape(())
 
@@ -76,7 +82,12 @@ class TrainStep:
         grads = params.replace(grad_shards)
 
         world = params.layout.world
-        stats = torch.stack([loss.detach().double(), sum((g.double().square().sum() for g in tree_leaves(grads)), torch.zeros((), dtype=torch.float64))])
+        stats = torch.stack(
+            [
+                loss.detach().double(),
+                sum((g.double().square().sum() for g in tree_leaves(grads)), torch.zeros((), dtype=torch.float64)),
+            ]
+        )
         all_reduce_(stats, params.group)
         metrics = {"loss": (stats[0] / world).float(), "grad_norm": stats[1].sqrt().float()}
 

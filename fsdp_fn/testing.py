@@ -14,6 +14,7 @@ a pool whose ranks may be stuck in a collective is killed and respawned on next 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -23,6 +24,16 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
+
+_groups: dict[int, Any] = {}
+
+
+def pool_group(world: int) -> Any:
+    """Inside a pool rank: the pool's group of ranks ``0..world-1`` (``None`` where this rank is not in it)."""
+    import torch.distributed as dist
+
+    group = _groups[world]
+    return group if isinstance(group, dist.ProcessGroup) else None
 
 
 class RankError(RuntimeError):
@@ -52,6 +63,7 @@ def _worker(rank: int, world: int, port: int, conn: Connection, threads: int, ti
     )
     groups: dict[int, Any] = {w: dist.new_group(list(range(w))) for w in range(1, world)}
     groups[world] = dist.group.WORLD
+    _groups.update(groups)
     try:
         from hypothesis import settings
 
@@ -81,7 +93,9 @@ def _worker(rank: int, world: int, port: int, conn: Connection, threads: int, ti
 class RankPool:
     """``world`` gloo ranks in spawned processes, each with ``threads`` torch threads."""
 
-    def __init__(self, world: int, *, threads: int = 1, timeout: float = 300.0, collective_timeout: float = 60.0) -> None:
+    def __init__(
+        self, world: int, *, threads: int = 1, timeout: float = 300.0, collective_timeout: float = 60.0
+    ) -> None:
         if world < 1:
             raise ValueError(f"a pool needs at least one rank, got world={world}")
         self.world, self.threads, self.timeout = world, threads, timeout
@@ -113,7 +127,9 @@ class RankPool:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
-    def run(self, fn: Callable[..., Any], *args: Any, world: int | None = None, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, world: int | None = None, timeout: float | None = None, **kwargs: Any
+    ) -> list[Any]:
         """``fn(group, *args, **kwargs)`` on ranks ``0..world-1``; their results in rank order."""
         w = self.world if world is None else world
         if not 1 <= w <= self.world:
@@ -135,10 +151,10 @@ class RankPool:
             ready = wait(list(pending.values()), timeout=max(left, 0))
             if not ready:
                 break
-            for conn in ready:
-                rank = next(r for r, c in pending.items() if c is conn)
+            for done in ready:
+                rank = next(r for r, c in pending.items() if c is done)
                 try:
-                    results[rank] = conn.recv()
+                    results[rank] = pending[rank].recv()
                 except EOFError:
                     results[rank] = ("err", f"rank {rank} died (exit code {self._procs[rank].exitcode})")
                 del pending[rank]
@@ -157,10 +173,8 @@ class RankPool:
 
     def close(self) -> None:
         for conn in self._conns:
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
         for p in self._procs:
             p.join(timeout=5)
             if p.is_alive():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,7 @@ class MLP(nn.Module):
     def __init__(self, widths: tuple[int, ...] = (7, 13, 5, 3), act: type[nn.Module] = nn.Tanh) -> None:
         super().__init__()
         layers: list[nn.Module] = []
-        for a, b in zip(widths, widths[1:]):
+        for a, b in itertools.pairwise(widths):
             layers += [nn.Linear(a, b), act()]
         self.net = nn.Sequential(*layers[:-1])
 
@@ -60,7 +61,9 @@ def local_part(batch: Any, rank: int, world: int) -> Any:
     return batch.chunk(world)[rank]
 
 
-def reference_run(model: nn.Module, loss_fn: Callable[..., Any], batches: list[Any], make_opt: Callable[..., Any]) -> dict[str, Any]:
+def reference_run(
+    model: nn.Module, loss_fn: Callable[..., Any], batches: list[Any], make_opt: Callable[..., Any]
+) -> dict[str, Any]:
     """Unsharded training in this process: losses, gradient norms and final parameters."""
     model = copy.deepcopy(model)
     opt = make_opt(model.parameters())

@@ -18,7 +18,10 @@ from tests.helpers import MLP, batch_for, local_part, make, mse_loss, reference_
 STEPS = 5
 
 OPTIMIZERS = {
-    "adamw": (lambda params: ff.adamw(lr=1e-2, weight_decay=0.1), partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)),
+    "adamw": (
+        lambda params: ff.adamw(lr=1e-2, weight_decay=0.1),
+        partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+    ),
     "sgd": (lambda params: ff.sgd(lr=0.05, momentum=0.9), partial(torch.optim.SGD, lr=0.05, momentum=0.9)),
     "torch_adam": (
         lambda params: ff.from_torch(torch.optim.Adam(list(params.values()), lr=1e-2)),

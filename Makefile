@@ -1,0 +1,34 @@
+# Two commands do all set-up on a fresh clone:  `make demo`  and  `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+READY  := $(VENV)/.ready
+RANKS  ?= 2
+STEPS  ?= 150
+ARGS   ?=
+
+.PHONY: demo test lint bench clean
+
+$(READY): requirements-dev.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $@
+
+demo: $(READY)
+	$(BIN)/torchrun --standalone --nproc-per-node $(RANKS) -m examples.train_gpt --steps $(STEPS) $(ARGS)
+
+lint: $(READY)
+	$(BIN)/ruff check fsdp_fn tests examples bench
+	$(BIN)/ruff format --check fsdp_fn tests examples bench
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench: $(READY)
+	$(BIN)/python bench/compare.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

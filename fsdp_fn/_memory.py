@@ -1,0 +1,186 @@
+"""Live tensor bytes per rank, by category, over time: one meter for every system measured.
+
+``MemoryMeter`` is a ``TorchDispatchMode``: it sees every tensor an op produces (also
+inside ``torch.func`` transforms, autograd's backward and collectives), records each new
+storage once with a category, and after every op sums the bytes of the storages still
+alive. Storage sizes are re-read at every sample, so memory released by
+``untyped_storage().resize_(0)`` (how fsdp_fn and FSDP2 free gathered parameters) is seen.
+
+Categories: a storage's category comes from, in order of precedence, ``meter.tag(...)``
+(e.g. the train state's shards and optimizer moments), the innermost ``label(...)`` block
+active when it was allocated (fsdp_fn labels gathered buffers, gradients and
+communication buffers), a rule the caller passes for other systems' internals, and
+otherwise ``"activations"`` (activations and temporaries).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import optree
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+CATEGORIES = ("params", "gathered", "grads", "optimizer", "buffers", "comm", "activations")
+
+_labels: list[str] = []
+_active: list[MemoryMeter] = []
+
+
+@contextlib.contextmanager
+def label(category: str) -> Iterator[None]:
+    """Storages allocated inside the block count as ``category`` (cheap when no meter runs)."""
+    _labels.append(category)
+    try:
+        yield
+    finally:
+        _labels.pop()
+
+
+def retag(t: torch.Tensor, category: str) -> None:
+    """Count ``t``'s storage as ``category`` in every running meter (no-op when none runs)."""
+    for meter in _active:
+        meter._register(t, category, override=True)
+
+
+Rule = Callable[[Any, tuple[Any, ...], dict[str, Any], Any], list[tuple[torch.Tensor, str]]]
+
+
+class _Entry:
+    __slots__ = ("category", "nbytes", "ref", "tensor")
+
+    def __init__(self, t: torch.Tensor, category: str) -> None:
+        st = t.untyped_storage()
+        self.ref = StorageWeakRef(st)
+        self.tensor = weakref.ref(t)
+        self.nbytes = st.nbytes()
+        self.category = category
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    from fsdp_fn._shard import NAMESPACE
+
+    out = []
+    for leaf in optree.tree_leaves(tree, namespace=NAMESPACE):
+        if isinstance(leaf, torch.Tensor):
+            local = getattr(leaf, "_local_tensor", None)  # a DTensor's shard
+            out.append(local if isinstance(local, torch.Tensor) else leaf)
+    return out
+
+
+class MemoryMeter(TorchDispatchMode):
+    """Measure live tensor bytes on this rank while the ``with`` block runs.
+
+    >>> import torch
+    >>> with MemoryMeter() as meter:
+    ...     x = torch.ones(1024)
+    ...     y = x * 2
+    >>> meter.peak()["total"]
+    8192
+    """
+
+    def __init__(self, rule: Rule | None = None, timeline: bool = False) -> None:
+        super().__init__()
+        self.rule = rule
+        self.entries: dict[int, _Entry] = {}
+        self.current: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self._peak: dict[str, int] = {**self.current, "total": 0}
+        self._category_peaks: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.timeline: list[tuple[str, dict[str, int]]] | None = [] if timeline else None
+        self.markers: list[tuple[int, str]] = []
+
+    def __enter__(self) -> MemoryMeter:
+        super().__enter__()
+        _active.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _active.remove(self)
+        super().__exit__(*exc)
+
+    # --- registering storages -------------------------------------------------------------
+
+    def _register(self, t: torch.Tensor, category: str, override: bool) -> None:
+        if t.device.type == "meta" or (type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)):
+            return
+        try:
+            key = t.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError):  # wrapper tensors without storage
+            return
+        entry = self.entries.get(key)
+        if entry is None or entry.ref.expired():
+            self.entries[key] = _Entry(t, category)
+        elif override:
+            entry.category = category
+
+    def tag(self, tree: Any, category: str) -> None:
+        """Count the tensors in ``tree`` (any pytree, ``Sharded`` included) as ``category``.
+
+        ``"state"`` tags a ``TrainState``: params, optimizer state and buffers each by name.
+        """
+        if category == "state":
+            self.tag(tree.params, "params")
+            self.tag(tree.opt_state, "optimizer")
+            self.tag(tree.buffers, "buffers")
+            return
+        if category not in CATEGORIES:
+            raise ValueError(f"unknown memory category {category!r}; one of {CATEGORIES}")
+        for t in _tensors(tree):
+            self._register(t, category, override=True)
+        self.sample("tag")
+
+    def mark(self, note: str) -> None:
+        """A named point on the timeline (e.g. the start of backward)."""
+        self.markers.append((len(self.timeline or ()), note))
+
+    # --- sampling --------------------------------------------------------------------------
+
+    def sample(self, what: str = "") -> None:
+        current = dict.fromkeys(CATEGORIES, 0)
+        dead = []
+        for key, e in self.entries.items():
+            if e.ref.expired():
+                dead.append(key)
+                continue
+            t = e.tensor()
+            if t is not None:
+                e.nbytes = t.untyped_storage().nbytes()
+            current[e.category] += e.nbytes
+        for key in dead:
+            del self.entries[key]
+        self.current = current
+        total = sum(current.values())
+        if total > self._peak["total"]:
+            self._peak = {**current, "total": total}
+        for k, v in current.items():
+            if v > self._category_peaks[k]:
+                self._category_peaks[k] = v
+        if self.timeline is not None:
+            self.timeline.append((what, current))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        category = _labels[-1] if _labels else "activations"
+        for t in optree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._register(t, category, override=False)
+        if self.rule is not None:
+            for t, cat in self.rule(func, args, kwargs, out):
+                self._register(t, cat, override=True)
+        self.sample(str(func))
+        return out
+
+    # --- results ---------------------------------------------------------------------------
+
+    def peak(self) -> dict[str, int]:
+        """Bytes by category at the moment the total peaked, and ``"total"``."""
+        return dict(self._peak)
+
+    def category_peaks(self) -> dict[str, int]:
+        """Each category's own maximum over the block (they need not coincide)."""
+        return dict(self._category_peaks)

@@ -1,0 +1,178 @@
+"""Bad input gets a clear error naming the unit, parameter or rank; nothing hangs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fsdp_fn as ff
+from fsdp_fn.testing import pool_group
+from tests.helpers import MLP, make, mse_loss
+
+
+def _error(fn, *args, **kwargs) -> str:
+    """Run ``fn`` and return ``'Type: message'`` of what it raised (inside a rank)."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:
+        notes = "".join(f"\n{n}" for n in getattr(e, "__notes__", []))
+        return f"{type(e).__name__}: {e}{notes}"
+    raise AssertionError(f"{fn} did not raise")
+
+
+def _setup(group, kind="mlp"):
+    model, policy, loss_fn = make(kind)
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, policy)
+    return model, fn, plan, ff.shard(fn.params, plan, group), loss_fn
+
+
+def _plan_differs(group):
+    model, policy, _ = make("mlp")
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, policy if group.rank() == 0 else None)
+    return _error(ff.shard, fn.params, plan, group)
+
+
+def test_plan_that_differs_between_ranks(pool):
+    for msg in pool.run(_plan_differs, world=3):
+        assert msg.startswith("DivergenceError: plan differ between ranks")
+        assert "rank 0:" in msg and "ranks 1, 2:" in msg
+
+
+def _init_differs(group):
+    torch.manual_seed(group.rank())  # a forgotten seed
+    model = MLP()
+    fn = ff.functionalize(model)
+    return _error(ff.shard, fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group)
+
+
+def test_initialisation_that_differs_between_ranks(pool):
+    for msg in pool.run(_init_differs, world=2):
+        assert "DivergenceError: initial parameters differ between ranks at unit 'net.0'" in msg
+        assert "same seed" in msg
+
+
+def _other_world(group):
+    model, fn, plan, params, _ = _setup(group)
+    # Shards made for this world size, put in the layout of a group of another size.
+    smaller = pool_group(2)
+    if smaller is None:
+        return None
+    wrong = ff.Sharded(params.shards, ff._shard.Layout(plan, smaller))
+    x = torch.randn(2, 7)
+    return _error(ff.apply_sharded, fn, wrong, fn.buffers, x)
+
+
+def test_shards_used_with_a_group_of_another_size(pool):
+    for msg in pool.run(_other_world, world=3)[:2]:
+        assert "ValueError: shard of unit 'net.0' is (35,); world size 2 needs (52,)" in msg
+        assert "fsdp_fn: raised in the forward of unit 'net.0'" in msg
+
+
+def _batch_rejected(group):
+    model, fn, plan, params, loss_fn = _setup(group)
+    step = ff.train_step(fn, loss_fn, ff.adamw())
+    state = step.init(params)
+    before = ff.unshard(state.params)
+    msg = _error(step, state, (torch.randn(3, 4), torch.randn(3, 3)))  # 4 features, the model takes 7
+    intact = all(torch.equal(before[k], v) for k, v in ff.unshard(state.params).items())
+    return msg, intact
+
+
+def test_batch_the_model_rejects(pool):
+    for msg, intact in pool.run(_batch_rejected, world=2):
+        assert "RuntimeError" in msg and "fsdp_fn: raised in the forward of unit 'net.0'" in msg
+        assert intact
+
+
+def _bad_loss(group):
+    model, fn, plan, params, _ = _setup(group)
+    step = ff.train_step(fn, lambda model, batch: model(batch), ff.adamw())
+    return _error(step, step.init(params), torch.randn(2, 7))
+
+
+def test_loss_that_is_not_a_scalar(pool):
+    assert (
+        "TypeError: loss_fn must return a floating scalar tensor, got shape (2, 3)" in pool.run(_bad_loss, world=2)[0]
+    )
+
+
+def _params_not_matching(group):
+    model, fn, plan, params, _ = _setup(group)
+    missing = _error(ff.shard, {k: v for k, v in fn.params.items() if k != "net.2.bias"}, plan, group)
+    wrong = dict(fn.params)
+    wrong["net.0.weight"] = torch.zeros(2, 2)
+    shape = _error(ff.shard, wrong, plan, group)
+    return missing, shape
+
+
+def test_params_that_do_not_match_the_plan(pool):
+    missing, shape = pool.run(_params_not_matching, world=1)[0]
+    assert "missing ['net.2.bias']" in missing
+    assert "parameter 'net.0.weight' is (2, 2) torch.float32; the plan has (13, 7)" in shape
+
+
+def _used_outside_unit(group):
+    class Peek(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(3, 3)
+            self.out = nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.out(x @ self.inner.weight)  # reads a unit's weight without calling it
+
+    torch.manual_seed(0)
+    m = Peek()
+    fn = ff.functionalize(m)
+    params = ff.shard(fn.params, ff.make_plan(m, ff.layer_policy([nn.Linear])), group)
+    return _error(ff.apply_sharded, fn, params, fn.buffers, torch.randn(2, 3))
+
+
+def test_parameter_used_outside_its_unit(pool):
+    msg = pool.run(_used_outside_unit, world=2)[0]
+    assert "parameter 'inner.weight' of unit 'inner' was used outside that unit's forward" in msg
+
+
+def _optimizer_on_unsharded(group):
+    model, fn, plan, params, loss_fn = _setup(group)
+    opt = ff.from_torch(torch.optim.SGD(model.parameters(), lr=0.1))
+    return _error(ff.train_step(fn, loss_fn, opt).init, params)
+
+
+def test_torch_optimizer_built_on_unsharded_parameters(pool):
+    msg = pool.run(_optimizer_on_unsharded, world=2)[0]
+    assert "ValueError: the torch optimizer holds 6 tensors, 6 of them not this state's shards" in msg
+
+
+def _two_d_mesh(group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    model, policy, _ = make("mlp")
+    fn = ff.functionalize(model)
+    return _error(ff.shard, fn.params, ff.make_plan(model, policy), mesh)
+
+
+def test_two_d_mesh_for_plain_sharding(pool):
+    assert "ValueError: a 2-D DeviceMesh" in pool.run(_two_d_mesh, world=4)[0]
+
+
+def test_process_group_not_initialised():
+    m = MLP()
+    fn = ff.functionalize(m)
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        ff.shard(fn.params, ff.make_plan(m), None)
+
+
+def test_train_step_arguments():
+    m = MLP()
+    fn = ff.functionalize(m)
+    with pytest.raises(TypeError, match="functionalize"):
+        ff.train_step(m, mse_loss, ff.adamw())
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        ff.train_step(fn, 3, ff.adamw())
+    with pytest.raises(TypeError, match="optimizer must be an fsdp_fn Optimizer"):
+        ff.train_step(fn, mse_loss, torch.optim.SGD(m.parameters(), lr=1))

@@ -1,0 +1,153 @@
+"""The plan is a value: units from a policy with the seed's signature, every parameter once."""
+
+from __future__ import annotations
+
+import functools
+import pickle
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+import fsdp_fn as ff
+from examples.gpt import GPT, Block, GPTConfig
+from tests.helpers import MLP
+
+
+def gpt(**kw):
+    return GPT(GPTConfig(**{"vocab": 37, "seq": 9, "d_model": 12, "n_layers": 3, "n_heads": 2, **kw}))
+
+
+def test_layer_policy_one_unit_per_block_root_holds_the_rest():
+    plan = ff.make_plan(gpt(), ff.layer_policy([Block]))
+    assert plan.unit_names == ("", "blocks.0", "blocks.1", "blocks.2")
+    root = plan.unit("")
+    assert {p.name for p in root.params} == {"wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias", "head.weight"}
+    assert plan.unit("blocks.1").params[0].name == "blocks.1.ln1.weight"
+
+
+def test_no_policy_is_one_root_unit():
+    m = MLP()
+    plan = ff.make_plan(m)
+    assert plan.unit_names == ("",)
+    assert plan.numel == sum(p.numel() for p in m.parameters())
+
+
+def test_size_policy_like_torch_default():
+    m = gpt()
+    ours = ff.make_plan(m, ff.size_policy(min_num_params=1000))
+    theirs = ff.make_plan(m, functools.partial(size_based_auto_wrap_policy, min_num_params=1000))
+    # torch's own policy plugs in unchanged (same signature); ModuleList is never a unit.
+    assert ours == theirs
+    assert "blocks" not in ours.unit_names
+    assert "blocks.0" in ours.unit_names
+    assert ff.make_plan(m, ff.size_policy()).unit_names == ("",)  # default min_num_params = 1e8
+
+
+def test_any_callable_with_seed_signature():
+    calls = []
+
+    def policy(module, recurse, unwrapped_params, **kwargs):
+        calls.append((type(module).__name__, recurse, unwrapped_params))
+        return recurse or isinstance(module, nn.Linear)
+
+    m = MLP((4, 6, 2))
+    plan = ff.make_plan(m, policy)
+    assert plan.unit_names == ("net.0", "net.2")
+    assert ("Linear", False, 4 * 6 + 6) in calls
+    assert ("MLP", True, sum(p.numel() for p in m.parameters())) in calls
+
+
+def test_plan_is_a_value():
+    m = gpt()
+    plan = ff.make_plan(m, ff.layer_policy([Block]))
+    assert plan == ff.make_plan(m, ff.layer_policy([Block]))
+    assert ff.Plan.from_json(plan.to_json()) == plan
+    assert pickle.loads(pickle.dumps(plan)) == plan
+    assert hash(plan) == hash(ff.Plan.from_json(plan.to_json()))
+    assert plan.fingerprint() == ff.Plan.from_json(plan.to_json()).fingerprint()
+    assert plan.fingerprint() != ff.make_plan(m).fingerprint()
+    text = str(plan)
+    assert "blocks.2" in text and "(root)" in text
+
+
+def test_gather_bytes_counts_padding():
+    m = MLP((7, 13, 5))
+    unit = ff.make_plan(m, ff.layer_policy([nn.Linear])).unit("net.0")
+    assert unit.numel == 7 * 13 + 13
+    assert unit.gather_bytes() == 104 * 4
+    assert unit.gather_bytes(world=3) == 105 * 4  # padded to a multiple of 3
+    assert unit.shard_numel(3) == 35
+    assert unit.gather_bytes(world=4, dtype=torch.bfloat16) == 104 * 2
+
+
+def test_tied_weights_in_different_units_go_to_their_common_unit():
+    m = gpt(tie=True)
+    plan = ff.make_plan(m, ff.layer_policy([Block, nn.Linear]))
+    owner = plan.unit_of("head.weight")
+    assert owner.name == ""
+    spec = next(p for p in owner.params if p.name == "wte.weight")
+    assert spec.aliases == ("head.weight",)
+    assert "head" not in plan.unit_names  # nothing left for it once its weight moved up
+
+
+@st.composite
+def module_trees(draw, depth=0):
+    n = draw(st.integers(1, 3))
+    children = []
+    for _ in range(n):
+        if depth < 2 and draw(st.booleans()):
+            children.append(draw(module_trees(depth=depth + 1)))
+        else:
+            children.append(nn.Linear(draw(st.integers(1, 5)), draw(st.integers(1, 5)), bias=draw(st.booleans())))
+    return nn.Sequential(*children)
+
+
+@given(tree=module_trees(), min_params=st.integers(0, 60), share=st.booleans())
+def test_every_parameter_in_exactly_one_unit(tree, min_params, share):
+    linears = [m for m in tree.modules() if isinstance(m, nn.Linear)]
+    if share and len(linears) > 1 and linears[0].weight.shape == linears[-1].weight.shape:
+        linears[-1].weight = linears[0].weight
+    plan = ff.make_plan(tree, ff.size_policy(min_params))
+    names = [n for p in plan.params for n in (p.name, *p.aliases)]
+    assert sorted(names) == sorted(n for n, _ in tree.named_parameters(remove_duplicate=False))
+    assert len(names) == len(set(names))
+    assert plan.numel == sum(p.numel() for p in tree.parameters())
+
+
+def test_policy_not_callable():
+    with pytest.raises(TypeError, match="policy must be callable"):
+        ff.make_plan(MLP(), 3)
+
+
+def test_policy_not_returning_bool():
+    with pytest.raises(TypeError, match=r"returned int 1 for module \(root\) \(recurse=True\)"):
+        ff.make_plan(MLP(), lambda m, r, n: 1)
+
+
+def test_integer_parameter_named():
+    m = MLP()
+    m.register_parameter("count", nn.Parameter(torch.zeros(3, dtype=torch.long), requires_grad=False))
+    with pytest.raises(TypeError, match="parameter 'count' has dtype torch.int64"):
+        ff.make_plan(m)
+
+
+def test_container_unit_refused():
+    with pytest.raises(ValueError, match="'blocks' \\(ModuleList\\).*forward never runs"):
+        ff.make_plan(gpt(), lambda m, r, n: r or isinstance(m, nn.ModuleList))
+
+
+def test_module_without_parameters():
+    with pytest.raises(ValueError, match="ReLU has no parameters"):
+        ff.make_plan(nn.ReLU())
+
+
+def test_mixed_dtypes_in_a_unit_named():
+    m = MLP((3, 4, 2))
+    m.net[2].half()
+    with pytest.raises(TypeError, match="unit \\(root\\) mixes dtypes"):
+        ff.make_plan(m)
+    assert ff.make_plan(m, ff.layer_policy([nn.Linear])).unit("net.2").dtype == torch.float16
