@@ -12,6 +12,7 @@ from fsdp_fn._agree import DivergenceError
 from fsdp_fn._collectives import Collective, CommLog, all_gather, comm_log, reduce_scatter_sum
 from fsdp_fn._functional import Functional, functionalize
 from fsdp_fn._gather import UnitState, apply_sharded, gather_for
+from fsdp_fn._init import init_shards
 from fsdp_fn._memory import CATEGORIES, MemoryMeter
 from fsdp_fn._optim import AdamWState, Optimizer, SGDState, adamw, from_torch, sgd, tree_leaves, tree_map
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Policy, Unit, layer_policy, make_plan, size_policy
@@ -45,6 +46,7 @@ __all__ = [
     "from_torch",
     "functionalize",
     "gather_for",
+    "init_shards",
     "layer_policy",
     "make_plan",
     "reduce_grads",

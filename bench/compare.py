@@ -1,0 +1,284 @@
+"""Side by side, in one run: fsdp_fn, torch FSDP2, torch FSDP1, DDP and one process.
+
+Same GPT, same data, same world size; systems interleaved, each repetition running every
+system once. Reports per system the median step time (max over ranks), tokens/s, peak
+live tensor bytes per rank by category (one meter for all: fsdp_fn.MemoryMeter),
+collective bytes per step per rank (ring model) and the loss after each step.
+
+    python bench/compare.py                      # W=2, the 33.7M-parameter GPT
+    python bench/compare.py --world 4 --json out/w4.json
+    python bench/compare.py --d-model 128 --layers 2 --vocab 512 --steps 3 --reps 1   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import fsdp_fn as ff  # noqa: E402
+from examples.gpt import GPT, Block, GPTConfig, lm_loss, stdlib_text, token_batches  # noqa: E402
+from fsdp_fn.testing import RankPool  # noqa: E402
+
+SYSTEMS = ("fsdp_fn", "fsdp2", "fsdp1", "ddp", "single")
+
+
+@dataclass(frozen=True)
+class Config:
+    d_model: int = 512
+    layers: int = 8
+    heads: int = 8
+    vocab: int = 8192
+    seq: int = 128
+    batch: int = 2  # sequences per rank
+    steps: int = 4  # timed steps per repetition
+    warmup: int = 1
+    lr: float = 1e-3
+
+    def gpt(self) -> GPTConfig:
+        return GPTConfig(vocab=self.vocab, seq=self.seq, d_model=self.d_model, n_layers=self.layers, n_heads=self.heads)
+
+
+# --- communication: every c10d op that passes the dispatcher --------------------------------
+
+
+class CommMeter(TorchDispatchMode):
+    """Ring-model bytes each rank sends: (W-1)/W of a collective's full buffer, 2x for all-reduce."""
+
+    def __init__(self, world: int) -> None:
+        super().__init__()
+        self.world, self.bytes, self.ops = world, 0.0, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        if name.startswith("c10d.") and self.world > 1:
+            first = args[0]
+            tensors = first if isinstance(first, list | tuple) else [first]
+            full = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+            if "reduce_scatter" in name:
+                full = sum(t.numel() * t.element_size() for t in args[1] if isinstance(t, torch.Tensor)) if isinstance(args[1], list | tuple) else args[1].numel() * args[1].element_size()
+            factor = 2 if "allreduce" in name else 1
+            self.bytes += factor * full * (self.world - 1) / self.world
+            self.ops += 1
+        return out
+
+
+def fsdp2_rule(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> list[tuple[torch.Tensor, str]]:
+    """FSDP2's internals: where its gathered parameters and communication buffers come from."""
+    name = str(func)
+    if "split_with_sizes_copy" in name:
+        return [(t, "gathered") for t in kwargs.get("out", args[-1] if isinstance(args[-1], list) else [])]
+    if "all_gather_copy_in" in name or "chunk_cat" in name:
+        return [(t, "comm") for t in (out if isinstance(out, tuple | list) else [out]) if isinstance(t, torch.Tensor)]
+    return []
+
+
+# --- one system on this rank ------------------------------------------------------------------
+
+
+def _batches(text: bytes, cfg: Config, k: int, rank: int, world: int, whole: bool) -> torch.Tensor:
+    if whole:  # the global batch: every rank's part, in rank order
+        return torch.cat([token_batches(text, cfg.batch, cfg.seq, seed=k * world + r) for r in range(world)])
+    return token_batches(text, cfg.batch, cfg.seq, seed=k * world + rank)
+
+
+def _build(system: str, cfg: Config, group: Any) -> tuple[Any, Any, Any]:
+    """(run_one_step(batch) -> loss tensor (this rank's), tag(meter), optimizer-ish) for a system."""
+    torch.manual_seed(0)
+    if system == "fsdp_fn":
+        with torch.device("meta"):
+            model = GPT(cfg.gpt())
+        plan = ff.make_plan(model, ff.layer_policy([Block]))
+        params, buffers = ff.init_shards(model, plan, group)
+        fn = ff.functionalize(model)
+        step = ff.train_step(fn, lm_loss, ff.adamw(lr=cfg.lr))
+        holder = {"state": step.init(params, buffers)}
+
+        def run(batch: torch.Tensor) -> torch.Tensor:
+            holder["state"], metrics = step(holder["state"], batch)
+            return metrics["loss"]
+
+        return run, lambda meter: meter.tag(holder["state"], "state"), None
+
+    model = GPT(cfg.gpt())
+    if system == "fsdp2":
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        wrapped = model
+    elif system == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        wrapped = FullyShardedDataParallel(model, process_group=group, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    elif system == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=True)
+    else:
+        wrapped = model
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr)
+    world = group.size() if group is not None else 1
+
+    def run(batch: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = lm_loss(wrapped, batch)
+        loss.backward()
+        for meter in ff._memory._active:
+            meter.tag([p.grad for p in wrapped.parameters() if p.grad is not None], "grads")
+        opt.step()
+        out = loss.detach().clone()
+        if system != "single":
+            dist.all_reduce(out, group=group)
+            out /= world
+        return out
+
+    def tag(meter: ff.MemoryMeter) -> None:
+        meter.tag(list(wrapped.parameters()), "params")
+        meter.tag([v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0], "optimizer")
+        meter.tag(list(wrapped.buffers()), "buffers")
+        if system == "fsdp1":
+            from torch.distributed.fsdp import _traversal_utils
+
+            for handle in _traversal_utils._get_fsdp_handles(wrapped):
+                meter.tag(handle.flat_param._full_param_padded, "gathered")
+
+    return run, tag, opt
+
+
+def run_system(group: Any, system: str, cfg: Config, world: int, measure: bool) -> dict[str, Any]:
+    rank = group.rank()
+    text = stdlib_text()
+    run, tag, _ = _build(system, cfg, group)
+    whole = system == "single"
+    times, losses = [], []
+    for k in range(cfg.warmup + cfg.steps):
+        batch = _batches(text, cfg, k, rank, world, whole)
+        if group.size() > 1:
+            dist.barrier(group=group)
+        t0 = time.perf_counter()
+        loss = run(batch)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    result: dict[str, Any] = {"times": times[cfg.warmup :], "losses": losses}
+    if measure:
+        k = cfg.warmup + cfg.steps
+        batch = _batches(text, cfg, k, rank, world, whole=False)  # memory at the per-rank batch
+        rule = fsdp2_rule if system == "fsdp2" else None
+        with CommMeter(world) as comm, ff.MemoryMeter(rule=rule) as meter:
+            tag(meter)
+            if system == "single":
+                # the unsharded model's own footprint at one rank's batch: the activation floor
+                run(batch)
+            else:
+                run(batch)
+        result["peak"] = meter.peak()
+        result["category_peaks"] = meter.category_peaks()
+        result["comm_bytes"] = comm.bytes
+    return result
+
+
+# --- the driver ---------------------------------------------------------------------------------
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--json", type=pathlib.Path)
+    for field, default in asdict(Config()).items():
+        p.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
+    args = p.parse_args()
+    cfg = Config(**{f: getattr(args, f) for f in asdict(Config())})
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        p.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    world = args.world
+    params = sum(p.numel() for p in GPT(cfg.gpt()).parameters())
+    print(f"GPT {params / 1e6:.1f}M params, W={world}, {cfg.batch}x{cfg.seq} tokens per rank, "
+          f"{args.threads} thread(s) per rank, {args.reps} reps x {cfg.steps} steps", flush=True)
+
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    started = time.perf_counter()
+    with RankPool(world, threads=args.threads, timeout=1800) as pool:
+        for rep in range(args.reps):
+            for system in systems:
+                w = 1 if system == "single" else world
+                per_rank = pool.run(run_system, system, cfg, world, rep == 0, world=w, timeout=1800)
+                step_max = [max(ts) for ts in zip(*(r["times"] for r in per_rank), strict=True)]
+                runs[system].append({"step_s": step_max, "losses": per_rank[0]["losses"], **{k: per_rank[0][k] for k in ("peak", "category_peaks", "comm_bytes") if k in per_rank[0]}})
+                print(f"  rep {rep + 1} {system:>8}: median step {statistics.median(step_max):.3f} s", flush=True)
+
+    tokens = cfg.batch * cfg.seq * world
+    report: dict[str, Any] = {"world": world, "params": params, "config": {**asdict(cfg), "threads": args.threads, "reps": args.reps}, "systems": {}}
+    for system, reps in runs.items():
+        all_steps = [t for r in reps for t in r["step_s"]]
+        medians = [statistics.median(r["step_s"]) for r in reps]
+        med = statistics.median(all_steps)
+        report["systems"][system] = {
+            "step_s_median": med,
+            "step_s_rep_medians": medians,
+            "tokens_per_s": tokens / med,
+            "peak_bytes": reps[0].get("peak"),
+            "category_peaks": reps[0].get("category_peaks"),
+            "comm_bytes_per_step": reps[0].get("comm_bytes"),
+            "losses": reps[0]["losses"],
+        }
+    single = report["systems"].get("single")
+    floor_state = 16 * params / world
+    report["floor"] = {"state_16psi_over_w": floor_state}
+    if single and single.get("peak_bytes"):
+        report["floor"]["activations"] = single["peak_bytes"]["activations"]
+    report["elapsed_s"] = time.perf_counter() - started
+    print_report(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+def print_report(report: dict[str, Any]) -> None:
+    mib = 2**20
+    systems = report["systems"]
+    cats = ff.CATEGORIES
+    print(f"\nW={report['world']}, {report['params'] / 1e6:.1f}M params; peak live tensor bytes per rank (MiB) at the step's peak")
+    print(f"{'system':>8} {'step s':>8} {'min-max':>13} {'tok/s':>8} {'comm MB':>8} " + " ".join(f"{c[:9]:>9}" for c in cats) + f" {'total':>8}  loss[-1]")
+    for name, s in systems.items():
+        peak = s["peak_bytes"] or {}
+        lo, hi = min(s["step_s_rep_medians"]), max(s["step_s_rep_medians"])
+        comm = s["comm_bytes_per_step"]
+        print(
+            f"{name:>8} {s['step_s_median']:>8.3f} {lo:>6.3f}-{hi:<6.3f} {s['tokens_per_s']:>8.0f} "
+            f"{(comm or 0) / 1e6:>8.1f} " + " ".join(f"{peak.get(c, 0) / mib:>9.1f}" for c in cats) + f" {peak.get('total', 0) / mib:>8.1f}  {s['losses'][-1]:.4f}"
+        )
+    floor = report["floor"]
+    total = floor["state_16psi_over_w"] + floor.get("activations", 0)
+    print(f"floor: 16*psi/W = {floor['state_16psi_over_w'] / mib:.1f} MiB + activations {floor.get('activations', 0) / mib:.1f} MiB = {total / mib:.1f} MiB (+ gathered units in flight)")
+    if "single" in systems:
+        ref = systems["single"]["losses"]
+        for name, s in systems.items():
+            if name != "single":
+                worst = max(abs(a - b) / abs(b) for a, b in zip(s["losses"], ref))
+                print(f"  {name}: max relative loss difference to one process {worst:.2e}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    main()
