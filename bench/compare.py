@@ -99,10 +99,15 @@ def _build(system: str, cfg: Config, group: Any) -> tuple[Any, Any, Any]:
     """(run_one_step(batch) -> loss tensor (this rank's), tag(meter), optimizer-ish) for a system."""
     torch.manual_seed(0)
     if system == "fsdp_fn":
+        # The same initial weights as the other systems; the module itself lives on meta, so
+        # after sharding no rank holds the full model (as after FSDP2's fully_shard).
+        full = GPT(cfg.gpt())
         with torch.device("meta"):
             model = GPT(cfg.gpt())
         plan = ff.make_plan(model, ff.layer_policy([Block]))
-        params, buffers = ff.init_shards(model, plan, group)
+        params = ff.shard(dict(full.named_parameters()), plan, group)
+        buffers = dict(full.named_buffers())
+        del full
         fn = ff.functionalize(model)
         step = ff.train_step(fn, lm_loss, ff.adamw(lr=cfg.lr))
         holder = {"state": step.init(params, buffers)}

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
-from torch.func import grad_and_value
+from torch.func import vjp
 
 from fsdp_fn._collectives import all_reduce_, broadcast_
 from fsdp_fn._functional import Functional
@@ -78,7 +78,10 @@ class TrainStep:
                 raise TypeError(f"loss_fn must return a floating scalar tensor, got {got}")
             return loss.reshape(())
 
-        grad_shards, loss = grad_and_value(objective)(params.shards)
+        # vjp rather than grad: grad always differentiates with create_graph=True, which keeps
+        # every backward intermediate alive for a second derivative nobody asked for.
+        loss, vjp_fn = vjp(objective, params.shards)
+        (grad_shards,) = vjp_fn(torch.ones_like(loss), retain_graph=False, create_graph=False)
         grads = params.replace(grad_shards)
 
         world = params.layout.world
