@@ -46,6 +46,9 @@ class Config:
     steps: int = 4  # timed steps per repetition
     warmup: int = 1
     lr: float = 1e-3
+    # fsdp_fn's memory levers (see docs/memory.md); 0 turns one off
+    split_root: int = 1
+    update_in_backward: int = 1
 
     def gpt(self) -> GPTConfig:
         return GPTConfig(vocab=self.vocab, seq=self.seq, d_model=self.d_model, n_layers=self.layers, n_heads=self.heads)
@@ -104,12 +107,12 @@ def _build(system: str, cfg: Config, group: Any) -> tuple[Any, Any, Any]:
         full = GPT(cfg.gpt())
         with torch.device("meta"):
             model = GPT(cfg.gpt())
-        plan = ff.make_plan(model, ff.layer_policy([Block]))
+        plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=cfg.split_root)
         params = ff.shard(dict(full.named_parameters()), plan, group)
         buffers = dict(full.named_buffers())
         del full
         fn = ff.functionalize(model)
-        step = ff.train_step(fn, lm_loss, ff.adamw(lr=cfg.lr))
+        step = ff.train_step(fn, lm_loss, ff.adamw(lr=cfg.lr), update_in_backward=cfg.update_in_backward)
         holder = {"state": step.init(params, buffers)}
 
         def run(batch: torch.Tensor) -> torch.Tensor:
@@ -137,7 +140,7 @@ def _build(system: str, cfg: Config, group: Any) -> tuple[Any, Any, Any]:
         wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=True)
     else:
         wrapped = model
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr)  # torch's default kernel choice
     world = group.size() if group is not None else 1
 
     def run(batch: torch.Tensor) -> torch.Tensor:

@@ -66,9 +66,10 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 class _Gathered:
     """One gathered instance of a unit inside one call: its buffer and lifecycle state."""
 
-    def __init__(self, unit: Unit, params: Sharded) -> None:
+    def __init__(self, unit: Unit, runtime: Runtime) -> None:
         self.unit = unit
-        self.group = params.group
+        self.runtime = runtime
+        self.group = runtime.params.group
         self.state = UnitState.SHARDED
         self.shard: torch.Tensor | None = None  # plain, 1-D
         self.buffer: torch.Tensor | None = None  # plain, 1-D, padded full size
@@ -120,7 +121,11 @@ class _GatherUnit(torch.autograd.Function):
         with label("grads"):
             out = _ReduceScatter.apply(grad, rec.group, rec.unit.name, 1.0 / rec.group.size())
         rec.release()
-        return out, None
+        if rec.runtime.on_grad is None:
+            return out, None
+        rec.runtime.deliver(rec.unit, _plain(out))
+        # The gradient was consumed in place; autograd gets a zero that owns no memory.
+        return torch.zeros((), dtype=out.dtype, device=out.device).expand(out.shape), None
 
 
 class _RefillBeforeBackward(torch.autograd.Function):
@@ -179,9 +184,21 @@ class Runtime:
     Hooks are installed on the units' modules for the duration of ``run`` only.
     """
 
-    def __init__(self, fn: Functional, params: Sharded, reshard_after_forward: bool = True) -> None:
+    def __init__(
+        self,
+        fn: Functional,
+        params: Sharded,
+        *,
+        reshard_after_forward: bool = True,
+        on_grad: Callable[[str, torch.Tensor], None] | None = None,
+    ) -> None:
         self.fn, self.params = fn, params
         self.reshard_after_forward = reshard_after_forward
+        # Called with (unit, gradient shard) once per unit in backward, as soon as the
+        # unit's last gathered instance is reduce-scattered (all its uses summed).
+        self.on_grad = on_grad
+        self.gathers: dict[str, int] = {}  # gathered instances per unit in this forward
+        self._pending: dict[str, tuple[int, torch.Tensor]] = {}
         self.plan = params.plan
         self.running: list[str] = []  # units whose forward is in progress, innermost last
         self.order: list[str] = []  # units in the order their forward ran
@@ -197,8 +214,20 @@ class Runtime:
                     slots.append((module.get_submodule(owner), attr, spec.name))
             self.slots[unit.name] = slots
 
+    def deliver(self, unit: Unit, grad: torch.Tensor) -> None:
+        seen, total = self._pending.get(unit.name, (0, None))
+        total = grad if total is None else total + grad
+        if seen + 1 < self.gathers[unit.name]:
+            self._pending[unit.name] = (seen + 1, total)
+            return
+        self._pending.pop(unit.name, None)
+        assert self.on_grad is not None
+        with torch._C._DisableFuncTorch(), torch.no_grad():
+            self.on_grad(unit.name, total)
+
     def _gather(self, unit: Unit) -> tuple[_Gathered, dict[str, torch.Tensor]]:
-        rec = _Gathered(unit, self.params)
+        self.gathers[unit.name] = self.gathers.get(unit.name, 0) + 1
+        rec = _Gathered(unit, self)
         full = _GatherUnit.apply(check_shard(self.params, unit), rec)
         return rec, unit_views(unit, full)
 
@@ -215,6 +244,11 @@ class Runtime:
         return torch_pytree.tree_unflatten(leaves, spec)
 
     def run(self, buffers: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:
+        return self.run_on(self.params, buffers, *args, **kwargs)
+
+    def run_on(self, params: Sharded, buffers: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:
+        """Run the module with ``params`` (the runtime's shards, possibly inside a transform)."""
+        self.params = params
         module = self.fn.module
         tensors: dict[str, torch.Tensor] = {}
         root: tuple[_Gathered, dict[str, torch.Tensor]] | None = None

@@ -16,7 +16,6 @@ otherwise ``"activations"`` (activations and temporaries).
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -51,14 +50,17 @@ Rule = Callable[[Any, tuple[Any, ...], dict[str, Any], Any], list[tuple[torch.Te
 
 
 class _Entry:
-    __slots__ = ("category", "nbytes", "ref", "tensor")
+    __slots__ = ("category", "nbytes", "ref")
 
     def __init__(self, t: torch.Tensor, category: str) -> None:
         st = t.untyped_storage()
-        self.ref = StorageWeakRef(st)
-        self.tensor = weakref.ref(t)
+        self.ref = StorageWeakRef(st)  # does not keep the storage alive
         self.nbytes = st.nbytes()
         self.category = category
+
+    def current_nbytes(self) -> int:
+        """The storage's size now (it may have been resized since), via its weak pointer."""
+        return int(torch.UntypedStorage._new_with_weak_ptr(self.ref.cdata).nbytes())
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -146,9 +148,7 @@ class MemoryMeter(TorchDispatchMode):
             if e.ref.expired():
                 dead.append(key)
                 continue
-            t = e.tensor()
-            if t is not None:
-                e.nbytes = t.untyped_storage().nbytes()
+            e.nbytes = e.current_nbytes()
             current[e.category] += e.nbytes
         for key in dead:
             del self.entries[key]

@@ -29,8 +29,24 @@ def tree_leaves(tree: Any) -> list[Any]:
     return optree.tree_leaves(tree, namespace=NAMESPACE)  # type: ignore[no-any-return]
 
 
+def select_units(tree: Any, units: list[str]) -> Any:
+    """``tree`` with every ``Sharded`` in it cut down to ``units`` (a dict of their shards)."""
+    return optree.tree_map(
+        lambda x: {u: x[u] for u in units} if isinstance(x, Sharded) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, Sharded),
+        none_is_leaf=True,
+        namespace=NAMESPACE,
+    )
+
+
 class Optimizer(NamedTuple):
-    """A pair of functions, as in optax: ``init(params) -> state``, ``update(grads, state, params)``."""
+    """A pair of functions, as in optax: ``init(params) -> state``, ``update(grads, state, params)``.
+
+    ``update`` works elementwise on any selection of units (``select_units`` of all three
+    trees) and writes the shards and its state in place, so fsdp_fn can step a unit the
+    moment its gradient is ready, or skip units the forward never used.
+    """
 
     init: Callable[[Sharded], Any]
     update: Callable[[Sharded, Any, Sharded], tuple[Sharded, Any]]
@@ -43,7 +59,8 @@ class AdamWState(NamedTuple):
 
 
 class SGDState(NamedTuple):
-    momentum: Sharded | None
+    steps: Sharded  # a 0-d step counter per unit
+    momentum: Sharded | None  # None without momentum
 
 
 def _zeros_like(t: torch.Tensor) -> torch.Tensor:
@@ -116,13 +133,18 @@ def sgd(
         raise ValueError("nesterov momentum needs momentum > 0 and dampening = 0")
 
     def init(params: Sharded) -> SGDState:
-        # torch creates the momentum buffer at the first step from the gradient; ``None`` until then.
-        return SGDState(None)
+        steps = tree_map(lambda t: torch.zeros((), dtype=torch.float32), params)
+        return SGDState(steps, tree_map(_zeros_like, params) if momentum else None)
 
     def update(grads: Sharded, state: SGDState, params: Sharded) -> tuple[Sharded, SGDState]:
-        buffers: list[torch.Tensor | None] = (
-            [None] * len(params) if state.momentum is None else tree_leaves(state.momentum)
-        )
+        buffers: list[torch.Tensor | None] = [None] * len(tree_leaves(params))
+        if state.momentum is not None:
+            buffers = list(tree_leaves(state.momentum))
+            # torch starts a buffer as a copy of the first gradient; zeros + gradient is the
+            # same thing unless dampening scales the gradient.
+            if dampening:
+                first = [int(s.item()) == 0 for s in tree_leaves(state.steps)]
+                buffers = [None if f else b for f, b in zip(first, buffers, strict=True)]
         _sgd_kernel(
             tree_leaves(params),
             tree_leaves(grads),
@@ -135,9 +157,13 @@ def sgd(
             nesterov=nesterov,
             maximize=maximize,
         )
-        if momentum == 0:
-            return params, state
-        return params, SGDState(params.replace(dict(zip(params, buffers, strict=True))))
+        if state.momentum is not None:
+            for mine, used in zip(tree_leaves(state.momentum), buffers, strict=True):
+                if used is not None and used is not mine:
+                    mine.copy_(used)
+        for s in tree_leaves(state.steps):
+            s.add_(1)
+        return params, state
 
     return Optimizer(init, update)
 
@@ -150,12 +176,13 @@ def from_torch(optimizer: torch.optim.Optimizer) -> Optimizer:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"from_torch wants a torch.optim.Optimizer, got {type(optimizer).__name__}")
 
-    def _check(params: Sharded) -> list[torch.Tensor]:
+    def _check(params: Sharded, whole: bool) -> list[torch.Tensor]:
         shards = tree_leaves(params)
-        mine = {id(t) for t in shards}
         theirs = [p for g in optimizer.param_groups for p in g["params"]]
-        foreign = [tuple(p.shape) for p in theirs if id(p) not in mine]
-        if foreign or len(theirs) != len(shards):
+        ids = {id(p) for p in theirs}
+        foreign = [tuple(p.shape) for p in theirs if id(p) not in {id(t) for t in shards}]
+        missing = [t for t in shards if id(t) not in ids]
+        if (foreign and whole) or missing:
             raise ValueError(
                 f"the torch optimizer holds {len(theirs)} tensors, {len(foreign)} of them not this "
                 f"state's shards (shapes {foreign[:4]}): it was built on other tensors (the module's "
@@ -164,11 +191,11 @@ def from_torch(optimizer: torch.optim.Optimizer) -> Optimizer:
         return shards
 
     def init(params: Sharded) -> torch.optim.Optimizer:
-        _check(params)
+        _check(params, whole=True)
         return optimizer
 
     def update(grads: Sharded, state: torch.optim.Optimizer, params: Sharded) -> tuple[Sharded, torch.optim.Optimizer]:
-        shards = _check(params)
+        shards = _check(params, whole=False)  # any selection of units may step
         for p, g in zip(shards, tree_leaves(grads), strict=True):
             p.grad = g
         try:

@@ -253,14 +253,17 @@ def _ask(policy: Policy, module: nn.Module, path: str, recurse: bool, numel: int
     return answer
 
 
-def make_plan(module: nn.Module, policy: Policy | None = None) -> Plan:
+def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bool = False) -> Plan:
     """Split ``module``'s parameters into units chosen by ``policy``.
 
     Walks the module tree like torch's auto-wrap: ``policy(m, True, n)`` says whether to
     look inside ``m``; after its children, ``policy(m, False, n)`` says whether ``m``
     becomes a unit, ``n`` being its parameters not yet claimed by a unit below it.
     A tied parameter whose users sit in different units goes to their closest common
-    unit. No communication, no allocation: it reads only shapes.
+    unit. ``split_root=True`` shards the root like any other unit: what no unit claims is
+    split by owning module (e.g. the embedding and the output head become units of their
+    own, gathered only while they run, instead of one root unit gathered for the whole
+    step). No communication, no allocation: it reads only shapes.
 
     >>> from torch import nn
     >>> m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
@@ -347,7 +350,15 @@ def make_plan(module: nn.Module, policy: Policy | None = None) -> Plan:
         spec = ParamSpec(names[0], tuple(p.shape), p.dtype, p.requires_grad, tuple(names[1:]))
         members.setdefault(common([owner(n) for n in names]), []).append(spec)
 
-    order = [ROOT, *(n for n, _ in module.named_modules() if n in unit_set)]
+    if split_root:
+        for spec in members.pop(ROOT, []):
+            owners = {n.rpartition(".")[0] for n in (spec.name, *spec.aliases)}
+            owner = owners.pop() if len(owners) == 1 else ROOT
+            if owner != ROOT and not _has_forward(module.get_submodule(owner)):
+                owner = ROOT
+            members.setdefault(owner, []).append(spec)
+            unit_set.add(owner)
+    order = [ROOT, *(n for n, _ in module.named_modules() if n in unit_set and n != ROOT)]
     units = tuple(Unit(name, tuple(members[name])) for name in order if members.get(name))
     for u in units:
         dtypes = {p.dtype for p in u.params}

@@ -80,6 +80,9 @@ class Sharded:
     def replace(self, shards: Mapping[str, Any]) -> Sharded:
         return Sharded(shards, self.layout)
 
+    def replace_one(self, unit: str, shard: Any) -> Sharded:
+        return Sharded({**self.shards, unit: shard}, self.layout)
+
     def __repr__(self) -> str:
         inner = ", ".join(
             f"{unit_label(k)}: {tuple(v.shape) if isinstance(v, torch.Tensor) else v!r}" for k, v in self.shards.items()

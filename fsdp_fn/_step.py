@@ -13,7 +13,7 @@ from fsdp_fn._collectives import all_reduce_, broadcast_
 from fsdp_fn._functional import Functional
 from fsdp_fn._gather import Runtime
 from fsdp_fn._memory import label
-from fsdp_fn._optim import Optimizer, tree_leaves, tree_map
+from fsdp_fn._optim import Optimizer, select_units, tree_map
 from fsdp_fn._shard import Sharded
 
 LossFn = Callable[[Callable[..., Any], Any], torch.Tensor]
@@ -31,7 +31,16 @@ class TrainState(NamedTuple):
 class TrainStep:
     """``step(state, batch) -> (state, metrics)``; build with ``train_step``."""
 
-    def __init__(self, fn: Functional, loss_fn: LossFn, optimizer: Optimizer, *, donate: bool = True) -> None:
+    def __init__(
+        self,
+        fn: Functional,
+        loss_fn: LossFn,
+        optimizer: Optimizer,
+        *,
+        donate: bool = True,
+        reshard_after_forward: bool = True,
+        update_in_backward: bool = False,
+    ) -> None:
         if not isinstance(fn, Functional):
             raise TypeError(f"train_step wants the Functional from functionalize(module), got {type(fn).__name__}")
         if not callable(loss_fn):
@@ -41,7 +50,11 @@ class TrainStep:
                 "optimizer must be an fsdp_fn Optimizer (adamw(), sgd(), from_torch(opt)), "
                 f"got {type(optimizer).__name__}"
             )
+        if update_in_backward and not donate:
+            raise ValueError("update_in_backward writes the shards during backward; it needs donate=True")
         self.fn, self.loss_fn, self.optimizer, self.donate = fn, loss_fn, optimizer, donate
+        self.reshard_after_forward = reshard_after_forward
+        self.update_in_backward = update_in_backward
 
     def init(self, params: Sharded, buffers: Mapping[str, torch.Tensor] | None = None) -> TrainState:
         """The first state. Buffers (default: the module's) are copied and broadcast from rank 0, as DDP does."""
@@ -59,22 +72,37 @@ class TrainStep:
         """One step on this rank's part of the global batch.
 
         Memory: shards + units in flight + activations; full gradients exist one unit at a
-        time. Communication: per unit, an all-gather in forward and in backward and one
-        reduce-scatter; one all-reduce of two numbers for the metrics; one all-reduce of the
-        buffers the forward changed (e.g. BatchNorm statistics, averaged over ranks).
-        If the forward or the loss raises, ``state`` is untouched.
+        time (with ``update_in_backward`` the gradient shards too). Communication: per
+        unit, an all-gather in forward and in backward and one reduce-scatter; one
+        all-reduce of two numbers for the metrics; one all-reduce of the buffers the
+        forward changed (e.g. BatchNorm statistics, averaged over ranks). If the forward or
+        the loss raises, ``state`` is untouched. Units the forward never ran are not stepped
+        (as torch.optim skips parameters without a gradient).
         """
         params = state.params
+        opt_state = state.opt_state
+        if not self.donate:
+            params, opt_state = tree_map(torch.clone, (params, opt_state))
         versions = {k: b._version for k, b in state.buffers.items()}
+        square_norms: dict[str, torch.Tensor] = {}
+
+        def step_unit(unit: str, grad: torch.Tensor) -> None:
+            square_norms[unit] = grad.double().square().sum()
+            one = [unit]
+            self.optimizer.update(select_units(params.replace_one(unit, grad), one), select_units(opt_state, one), select_units(params, one))
+
+        runtime = Runtime(
+            self.fn,
+            params,
+            reshard_after_forward=self.reshard_after_forward,
+            on_grad=step_unit if self.update_in_backward else None,
+        )
 
         def objective(shards: dict[str, torch.Tensor]) -> torch.Tensor:
-            runtime = Runtime(self.fn, params.replace(shards))
-            model = functools.partial(runtime.run, state.buffers)
+            model = functools.partial(runtime.run_on, params.replace(shards), state.buffers)
             loss = self.loss_fn(model, batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-                got = (
-                    f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-                )
+                got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise TypeError(f"loss_fn must return a floating scalar tensor, got {got}")
             return loss.reshape(())
 
@@ -82,22 +110,21 @@ class TrainStep:
         # every backward intermediate alive for a second derivative nobody asked for.
         loss, vjp_fn = vjp(objective, params.shards)
         (grad_shards,) = vjp_fn(torch.ones_like(loss), retain_graph=False, create_graph=False)
-        grads = params.replace(grad_shards)
+        used = [u for u in params.plan.unit_names if u in runtime.gathers]
+        if not self.update_in_backward:
+            grads = params.replace(grad_shards)
+            for u in used:
+                square_norms[u] = grads[u].double().square().sum()
+            if len(used) == len(params):
+                self.optimizer.update(grads, opt_state, params)
+            else:
+                self.optimizer.update(select_units(grads, used), select_units(opt_state, used), select_units(params, used))
+            del grads, grad_shards
 
-        world = params.layout.world
-        stats = torch.stack(
-            [
-                loss.detach().double(),
-                sum((g.double().square().sum() for g in tree_leaves(grads)), torch.zeros((), dtype=torch.float64)),
-            ]
-        )
+        zero = torch.zeros((), dtype=torch.float64)
+        stats = torch.stack([loss.detach().double(), sum(square_norms.values(), zero)])
         all_reduce_(stats, params.group)
-        metrics = {"loss": (stats[0] / world).float(), "grad_norm": stats[1].sqrt().float()}
-
-        opt_state = state.opt_state
-        if not self.donate:
-            params, opt_state = tree_map(torch.clone, (params, opt_state))
-        params, opt_state = self.optimizer.update(grads, opt_state, params)
+        metrics = {"loss": (stats[0] / params.layout.world).float(), "grad_norm": stats[1].sqrt().float()}
         _average_changed_buffers(state.buffers, versions, params)
         return TrainState(params, opt_state, state.buffers, state.step + 1), metrics
 
@@ -114,7 +141,15 @@ def _average_changed_buffers(buffers: dict[str, torch.Tensor], versions: dict[st
         at += b.numel()
 
 
-def train_step(fn: Functional, loss_fn: LossFn, optimizer: Optimizer, *, donate: bool = True) -> TrainStep:
+def train_step(
+    fn: Functional,
+    loss_fn: LossFn,
+    optimizer: Optimizer,
+    *,
+    donate: bool = True,
+    reshard_after_forward: bool = True,
+    update_in_backward: bool = False,
+) -> TrainStep:
     """Build the sharded train step.
 
     ``loss_fn(model, batch) -> scalar`` calls ``model(*args, **kwargs)`` with whatever its
@@ -123,10 +158,21 @@ def train_step(fn: Functional, loss_fn: LossFn, optimizer: Optimizer, *, donate:
     are averaged over ranks, so equal per-rank batches give the gradient of the global
     batch's mean loss. ``donate=True`` updates shards and optimizer state in place (the
     returned state reuses the input's tensors); ``False`` leaves the input state intact.
+    ``reshard_after_forward=False`` keeps each unit gathered from its forward to its
+    backward (one all-gather less per unit, more memory: like ZeRO-2 / ``SHARD_GRAD_OP``).
+    ``update_in_backward=True`` steps each unit's optimizer as soon as its gradient shard
+    is reduce-scattered, so the gradient shards of all units never live at once.
 
     >>> import torch, torch.nn.functional as F
     >>> def loss_fn(model, batch):
     ...     x, y = batch
     ...     return F.mse_loss(model(x), y)
     """
-    return TrainStep(fn, loss_fn, optimizer, donate=donate)
+    return TrainStep(
+        fn,
+        loss_fn,
+        optimizer,
+        donate=donate,
+        reshard_after_forward=reshard_after_forward,
+        update_in_backward=update_in_backward,
+    )

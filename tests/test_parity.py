@@ -23,6 +23,10 @@ OPTIMIZERS = {
         partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
     ),
     "sgd": (lambda params: ff.sgd(lr=0.05, momentum=0.9), partial(torch.optim.SGD, lr=0.05, momentum=0.9)),
+    "sgd_dampened": (
+        lambda params: ff.sgd(lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.01),
+        partial(torch.optim.SGD, lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.01),
+    ),
     "torch_adam": (
         lambda params: ff.from_torch(torch.optim.Adam(list(params.values()), lr=1e-2)),
         partial(torch.optim.Adam, lr=1e-2),
@@ -30,14 +34,14 @@ OPTIMIZERS = {
 }
 
 
-def _train(group, kind: str, opt_name: str, steps: int = STEPS, **model_kw):
+def _train(group, kind: str, opt_name: str, steps: int = STEPS, step_kw=None, plan_kw=None, **model_kw):
     """Train sharded on this group; on rank 0 also train the reference and return the differences."""
     model, policy, loss_fn = make(kind, **model_kw)
     world, rank = group.size(), group.rank()
     fn = ff.functionalize(model)
-    params = ff.shard(fn.params, ff.make_plan(model, policy), group)
+    params = ff.shard(fn.params, ff.make_plan(model, policy, **(plan_kw or {})), group)
     make_ours, make_ref = OPTIMIZERS[opt_name]
-    step = ff.train_step(fn, loss_fn, make_ours(params))
+    step = ff.train_step(fn, loss_fn, make_ours(params), **(step_kw or {}))
     state = step.init(params)
     losses, norms = [], []
     for k in range(steps):
@@ -70,9 +74,28 @@ def test_parity_adamw(pool, kind, world):
     _check(figures)
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "torch_adam"])
+@pytest.mark.parametrize("opt_name", ["sgd", "sgd_dampened", "torch_adam"])
 def test_parity_other_optimizers(pool, opt_name):
     _check(pool.run(_train, "mlp", opt_name, world=3)[0])
+
+
+OPTIONS = {
+    "update_in_backward": {"step_kw": {"update_in_backward": True}},
+    "keep_gathered": {"step_kw": {"reshard_after_forward": False}},
+    "split_root": {"plan_kw": {"split_root": True}},
+    "all_three": {"step_kw": {"update_in_backward": True, "reshard_after_forward": False}, "plan_kw": {"split_root": True}},
+}
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+@pytest.mark.parametrize("world", [2, 3])
+def test_parity_memory_options(pool, option, world):
+    _check(pool.run(_train, "gpt", "adamw", world=world, **OPTIONS[option])[0])
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "sgd_dampened", "torch_adam"])
+def test_parity_update_in_backward_other_optimizers(pool, opt_name):
+    _check(pool.run(_train, "mlp", opt_name, world=2, **OPTIONS["update_in_backward"])[0])
 
 
 def test_parity_tied_gpt(pool):
