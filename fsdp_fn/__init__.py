@@ -13,7 +13,7 @@ from fsdp_fn._collectives import Collective, CommLog, all_gather, comm_log, redu
 from fsdp_fn._functional import Functional, functionalize
 from fsdp_fn._gather import UnitState, apply_sharded, gather_for
 from fsdp_fn._init import init_shards
-from fsdp_fn._memory import CATEGORIES, MemoryMeter
+from fsdp_fn._memory import CATEGORIES, MemoryEstimate, MemoryMeter, estimate_memory
 from fsdp_fn._optim import AdamWState, Optimizer, SGDState, adamw, from_torch, sgd, tree_leaves, tree_map
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Policy, Unit, layer_policy, make_plan, size_policy
 from fsdp_fn._shard import NAMESPACE, Sharded, reduce_grads, shard, unshard
@@ -28,6 +28,7 @@ __all__ = [
     "CommLog",
     "DivergenceError",
     "Functional",
+    "MemoryEstimate",
     "MemoryMeter",
     "Optimizer",
     "ParamSpec",
@@ -43,6 +44,7 @@ __all__ = [
     "all_gather",
     "apply_sharded",
     "comm_log",
+    "estimate_memory",
     "from_torch",
     "functionalize",
     "gather_for",

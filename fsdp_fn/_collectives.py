@@ -19,16 +19,23 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
+from fsdp_fn._memory import label
+
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective as issued by this rank. ``numel`` counts the full (unsharded) buffer."""
+    """One collective as issued by this rank. ``numel`` counts the full (unsharded) buffer.
+
+    ``impl`` is what actually ran when it differs from ``op`` (on gloo a reduce-scatter
+    runs as an in-place all-reduce: see ``reduce_scatter``).
+    """
 
     op: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast"
     unit: str | None
     numel: int
     dtype: torch.dtype
     world: int
+    impl: str = ""
 
     @property
     def bytes(self) -> int:
@@ -37,7 +44,7 @@ class Collective:
     @property
     def ring_bytes(self) -> float:
         """Bytes a rank sends in the ring model: ``(W-1)/W`` of the full buffer (2x for all-reduce)."""
-        factor = 2 if self.op == "all_reduce" else 1
+        factor = 2 if (self.impl or self.op) == "all_reduce" else 1
         return factor * self.bytes * (self.world - 1) / self.world
 
 
@@ -78,9 +85,9 @@ def comm_log() -> Iterator[CommLog]:
         stack.remove(log)
 
 
-def record(op: str, unit: str | None, numel: int, dtype: torch.dtype, world: int) -> None:
+def record(op: str, unit: str | None, numel: int, dtype: torch.dtype, world: int, impl: str = "") -> None:
     for log in _logs.__dict__.get("stack", ()):
-        log.records.append(Collective(op, unit, numel, dtype, world))
+        log.records.append(Collective(op, unit, numel, dtype, world, impl))
 
 
 # --- the raw collectives, on plain tensors -----------------------------------------------
@@ -96,16 +103,40 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessG
             dist.all_gather_single(out, shard, group=group)
 
 
-def reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float = 1.0) -> torch.Tensor:
-    """This rank's slice of ``scale * sum over ranks of full``; allocates one shard."""
+def reduce_scatter_by_all_reduce(group: dist.ProcessGroup) -> bool:
+    """Whether this backend's reduce-scatter is better done as an in-place all-reduce.
+
+    Gloo implements reduce_scatter as a copy of the whole buffer plus a full all_reduce
+    (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), and measured slower than
+    all_reduce on loopback (docs/performance.md). Reducing in place into a buffer we own
+    sends the same bytes without the copy. NCCL and others get a real reduce-scatter.
+    """
+    return dist.get_backend(group) == "gloo"
+
+
+def reduce_scatter(
+    full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float = 1.0, *, donate: bool = False
+) -> torch.Tensor:
+    """This rank's slice of ``scale * sum over ranks of full``; allocates one shard.
+
+    ``donate=True`` lets it reduce in place in ``full`` (the caller never reads it again).
+    """
     world = group.size()
-    record("reduce_scatter", unit, full.numel(), full.dtype, world)
+    via_all_reduce = world > 1 and reduce_scatter_by_all_reduce(group)
+    record("reduce_scatter", unit, full.numel(), full.dtype, world, "all_reduce" if via_all_reduce else "")
     with torch._C._DisableFuncTorch():
         full = full.contiguous()
-        if world == 1:
-            out = full.clone()
+        if world == 1:  # nothing to reduce: no copy either
+            return full.view(-1) if scale == 1.0 else full * scale
+        n = full.numel() // world
+        if via_all_reduce:
+            if not donate:
+                with label("comm"):
+                    full = full.clone()
+            dist.all_reduce(full, group=group)
+            out = full[group.rank() * n : (group.rank() + 1) * n].clone()
         else:
-            out = full.new_empty(full.numel() // world)
+            out = full.new_empty(n)
             dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)
         if scale != 1.0:
             out.mul_(scale)
@@ -150,18 +181,20 @@ class _AllGather(torch.autograd.Function):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float) -> torch.Tensor:
-        return reduce_scatter(full, group, unit, scale)
+    def forward(
+        full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float, donate: bool = False
+    ) -> torch.Tensor:
+        return reduce_scatter(full, group, unit, scale, donate=donate)
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, ctx.group, ctx.unit, ctx.scale = inputs  # type: ignore[attr-defined]
+        ctx.group, ctx.unit, ctx.scale = inputs[1:4]  # type: ignore[attr-defined]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         # d(scale * RS(x)) = scale * AG(g) = AG(scale * g); AG's own vjp is then scale * RS.
         scaled = grad * ctx.scale if ctx.scale != 1.0 else grad
-        return _AllGather.apply(scaled, ctx.group, ctx.unit, ctx.scale), None, None, None
+        return _AllGather.apply(scaled, ctx.group, ctx.unit, ctx.scale), None, None, None, None
 
 
 def all_gather(

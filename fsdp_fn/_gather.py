@@ -119,7 +119,8 @@ class _GatherUnit(torch.autograd.Function):
         rec: _Gathered = ctx.rec
         retag(_plain(grad), "grads")
         with label("grads"):
-            out = _ReduceScatter.apply(grad, rec.group, rec.unit.name, 1.0 / rec.group.size())
+            # The flat gradient comes from the split's backward (a fresh concatenation): ours to reduce into.
+            out = _ReduceScatter.apply(grad, rec.group, rec.unit.name, 1.0 / rec.group.size(), True)
         rec.release()
         if rec.runtime.on_grad is None:
             return out, None

@@ -16,6 +16,7 @@ otherwise ``"activations"`` (activations and temporaries).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +24,8 @@ import optree
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp_fn._plan import ROOT, Plan
 
 CATEGORIES = ("params", "gathered", "grads", "optimizer", "buffers", "comm", "activations")
 
@@ -184,3 +187,56 @@ class MemoryMeter(TorchDispatchMode):
     def category_peaks(self) -> dict[str, int]:
         """Each category's own maximum over the block (they need not coincide)."""
         return dict(self._category_peaks)
+
+
+# --- the estimate, from the plan alone --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-rank bytes a train step needs besides activations, predicted from the plan."""
+
+    params: int  # sharded parameters (padding included)
+    grads: int  # gradient shards alive at once
+    optimizer: int  # optimizer state
+    gathered: int  # gathered parameters in flight at most
+    full_grad: int  # the largest unit's full (unsharded) gradient, alive while it is reduce-scattered
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.gathered + self.full_grad
+
+
+def estimate_memory(
+    plan: Plan,
+    world: int,
+    *,
+    optimizer_slots: int = 2,
+    update_in_backward: bool = False,
+    units_in_flight: int = 1,
+) -> MemoryEstimate:
+    """Predict a step's per-rank memory from the plan alone, before anything is allocated.
+
+    ``optimizer_slots``: shard-sized state tensors per parameter (AdamW 2, SGD with
+    momentum 1, plain SGD 0). The root unit, when there is one, stays gathered for the
+    whole step; at most ``units_in_flight`` other units are gathered at once.
+
+    >>> from torch import nn
+    >>> from fsdp_fn import make_plan
+    >>> p = make_plan(nn.Linear(3, 2))
+    >>> estimate_memory(p, world=2).params  # 8 elements, 4 per rank
+    16
+    """
+    shard_bytes = {u.name: u.shard_numel(world) * u.dtype.itemsize for u in plan.units}
+    params = sum(shard_bytes.values())
+    others = sorted((u.gather_bytes(world) for u in plan.units if u.name != ROOT), reverse=True)
+    root = next((u.gather_bytes(world) for u in plan.units if u.name == ROOT), 0)
+    largest_shard = max(shard_bytes.values())
+    counters = 4 * len(plan.units) if optimizer_slots else 0  # one 0-d float32 step count per unit
+    return MemoryEstimate(
+        params=params,
+        grads=largest_shard if update_in_backward else params,
+        optimizer=optimizer_slots * params + counters,
+        gathered=root + sum(others[:units_in_flight]),
+        full_grad=max(u.gather_bytes(world) for u in plan.units),
+    )

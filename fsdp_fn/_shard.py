@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
 
-from fsdp_fn._collectives import all_gather, reduce_scatter_sum
+from fsdp_fn._collectives import _ReduceScatter, all_gather
 from fsdp_fn._group import Group, resolve_group
 from fsdp_fn._plan import Plan, Unit, unit_label
 
@@ -184,6 +184,7 @@ def shard(params: Mapping[str, torch.Tensor], plan: Plan, group: Group = None) -
     >>> from torch import nn
     >>> if not dist.is_initialized():
     ...     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29511", rank=0, world_size=1)
+    >>> from fsdp_fn import make_plan
     >>> m = nn.Linear(3, 2)
     >>> p = shard(dict(m.named_parameters()), make_plan(m))
     >>> p[""].shape  # 8 elements on one rank
@@ -262,5 +263,6 @@ def reduce_grads(grads: Mapping[str, torch.Tensor | None], like: Sharded, *, mea
         if pad:
             pieces.append(torch.zeros(pad, dtype=unit.dtype, device=like[unit.name].device))
         flat = torch.cat(pieces)
-        out[unit.name] = reduce_scatter_sum(flat, like.group, unit=unit.name, scale=1.0 / world if mean else 1.0)
+        scale = 1.0 / world if mean else 1.0
+        out[unit.name] = _ReduceScatter.apply(flat, like.group, unit.name, scale, True)  # flat is ours to reduce into
     return like.replace(out)
