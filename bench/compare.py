@@ -28,9 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import fsdp_fn as ff  # noqa: E402
-from examples.gpt import GPT, Block, GPTConfig, lm_loss, stdlib_text, token_batches  # noqa: E402
-from fsdp_fn.testing import RankPool  # noqa: E402
+import fsdp_fn as ff
+from examples.gpt import GPT, Block, GPTConfig, lm_loss, stdlib_text, token_batches
+from fsdp_fn.testing import RankPool
 
 SYSTEMS = ("fsdp_fn", "fsdp2", "fsdp1", "ddp", "single")
 
@@ -72,7 +72,11 @@ class CommMeter(TorchDispatchMode):
             tensors = first if isinstance(first, list | tuple) else [first]
             full = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
             if "reduce_scatter" in name:
-                full = sum(t.numel() * t.element_size() for t in args[1] if isinstance(t, torch.Tensor)) if isinstance(args[1], list | tuple) else args[1].numel() * args[1].element_size()
+                full = (
+                    sum(t.numel() * t.element_size() for t in args[1] if isinstance(t, torch.Tensor))
+                    if isinstance(args[1], list | tuple)
+                    else args[1].numel() * args[1].element_size()
+                )
             factor = 2 if "allreduce" in name else 1
             self.bytes += factor * full * (self.world - 1) / self.world
             self.ops += 1
@@ -119,7 +123,7 @@ def _build(system: str, cfg: Config, group: Any) -> tuple[Any, Any, Any]:
             holder["state"], metrics = step(holder["state"], batch)
             return metrics["loss"]
 
-        return run, lambda meter: meter.tag(holder["state"], "state"), None
+        return run, lambda meter: meter.tag(holder["state"], "state"), model
 
     model = GPT(cfg.gpt())
     if system == "fsdp2":
@@ -135,7 +139,9 @@ def _build(system: str, cfg: Config, group: Any) -> tuple[Any, Any, Any]:
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        wrapped = FullyShardedDataParallel(model, process_group=group, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+        wrapped = FullyShardedDataParallel(
+            model, process_group=group, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu")
+        )
     elif system == "ddp":
         wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=True)
     else:
@@ -158,21 +164,36 @@ def _build(system: str, cfg: Config, group: Any) -> tuple[Any, Any, Any]:
 
     def tag(meter: ff.MemoryMeter) -> None:
         meter.tag(list(wrapped.parameters()), "params")
-        meter.tag([v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0], "optimizer")
+        meter.tag(
+            [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0],
+            "optimizer",
+        )
         meter.tag(list(wrapped.buffers()), "buffers")
         if system == "fsdp1":
             from torch.distributed.fsdp import _traversal_utils
 
             for handle in _traversal_utils._get_fsdp_handles(wrapped):
-                meter.tag(handle.flat_param._full_param_padded, "gathered")
+                if hasattr(handle.flat_param, "_full_param_padded"):  # absent with NO_SHARD (W=1)
+                    meter.tag(handle.flat_param._full_param_padded, "gathered")
 
-    return run, tag, opt
+    return run, tag, wrapped
+
+
+def activation_floor(model: torch.nn.Module, batch: torch.Tensor) -> int:
+    """Live bytes a plain forward leaves for backward (activations, logits, loss) at this batch."""
+    with ff.MemoryMeter() as meter:
+        loss = lm_loss(model, batch)
+        meter.sample("end of forward")
+    live = meter.current["activations"]
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return live
 
 
 def run_system(group: Any, system: str, cfg: Config, world: int, measure: bool) -> dict[str, Any]:
     rank = group.rank()
     text = stdlib_text()
-    run, tag, _ = _build(system, cfg, group)
+    run, tag, module = _build(system, cfg, group)
     whole = system == "single"
     times, losses = [], []
     for k in range(cfg.warmup + cfg.steps):
@@ -190,11 +211,9 @@ def run_system(group: Any, system: str, cfg: Config, world: int, measure: bool) 
         rule = fsdp2_rule if system == "fsdp2" else None
         with CommMeter(world) as comm, ff.MemoryMeter(rule=rule) as meter:
             tag(meter)
-            if system == "single":
-                # the unsharded model's own footprint at one rank's batch: the activation floor
-                run(batch)
-            else:
-                run(batch)
+            run(batch)
+        if system == "single":
+            result["activation_floor"] = activation_floor(module, batch)
         result["peak"] = meter.peak()
         result["category_peaks"] = meter.category_peaks()
         result["comm_bytes"] = comm.bytes
@@ -221,22 +240,37 @@ def main() -> None:
         p.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
     world = args.world
     params = sum(p.numel() for p in GPT(cfg.gpt()).parameters())
-    print(f"GPT {params / 1e6:.1f}M params, W={world}, {cfg.batch}x{cfg.seq} tokens per rank, "
-          f"{args.threads} thread(s) per rank, {args.reps} reps x {cfg.steps} steps", flush=True)
+    print(
+        f"GPT {params / 1e6:.1f}M params, W={world}, {cfg.batch}x{cfg.seq} tokens per rank, "
+        f"{args.threads} thread(s) per rank, {args.reps} reps x {cfg.steps} steps",
+        flush=True,
+    )
 
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     started = time.perf_counter()
-    with RankPool(world, threads=args.threads, timeout=1800) as pool:
+    with RankPool(world, threads=args.threads, timeout=1800, warnings_as_errors=False) as pool:
         for rep in range(args.reps):
             for system in systems:
                 w = 1 if system == "single" else world
                 per_rank = pool.run(run_system, system, cfg, world, rep == 0, world=w, timeout=1800)
                 step_max = [max(ts) for ts in zip(*(r["times"] for r in per_rank), strict=True)]
-                runs[system].append({"step_s": step_max, "losses": per_rank[0]["losses"], **{k: per_rank[0][k] for k in ("peak", "category_peaks", "comm_bytes") if k in per_rank[0]}})
+                keep = ("peak", "category_peaks", "comm_bytes", "activation_floor")
+                runs[system].append(
+                    {
+                        "step_s": step_max,
+                        "losses": per_rank[0]["losses"],
+                        **{k: per_rank[0][k] for k in keep if k in per_rank[0]},
+                    }
+                )
                 print(f"  rep {rep + 1} {system:>8}: median step {statistics.median(step_max):.3f} s", flush=True)
 
     tokens = cfg.batch * cfg.seq * world
-    report: dict[str, Any] = {"world": world, "params": params, "config": {**asdict(cfg), "threads": args.threads, "reps": args.reps}, "systems": {}}
+    report: dict[str, Any] = {
+        "world": world,
+        "params": params,
+        "config": {**asdict(cfg), "threads": args.threads, "reps": args.reps},
+        "systems": {},
+    }
     for system, reps in runs.items():
         all_steps = [t for r in reps for t in r["step_s"]]
         medians = [statistics.median(r["step_s"]) for r in reps]
@@ -250,11 +284,13 @@ def main() -> None:
             "comm_bytes_per_step": reps[0].get("comm_bytes"),
             "losses": reps[0]["losses"],
         }
-    single = report["systems"].get("single")
     floor_state = 16 * params / world
-    report["floor"] = {"state_16psi_over_w": floor_state}
-    if single and single.get("peak_bytes"):
-        report["floor"]["activations"] = single["peak_bytes"]["activations"]
+    with torch.device("meta"):
+        meta = GPT(cfg.gpt())
+    unit = max(u.gather_bytes(world) for u in ff.make_plan(meta, ff.layer_policy([Block]), split_root=True).units)
+    report["floor"] = {"state_16psi_over_w": floor_state, "gathered_unit": unit}
+    if "single" in runs and "activation_floor" in runs["single"][0]:
+        report["floor"]["activations"] = runs["single"][0]["activation_floor"]
     report["elapsed_s"] = time.perf_counter() - started
     print_report(report)
     if args.json:
@@ -266,19 +302,45 @@ def print_report(report: dict[str, Any]) -> None:
     mib = 2**20
     systems = report["systems"]
     cats = ff.CATEGORIES
-    print(f"\nW={report['world']}, {report['params'] / 1e6:.1f}M params; peak live tensor bytes per rank (MiB) at the step's peak")
-    print(f"{'system':>8} {'step s':>8} {'min-max':>13} {'tok/s':>8} {'comm MB':>8} " + " ".join(f"{c[:9]:>9}" for c in cats) + f" {'total':>8}  loss[-1]")
+    print(
+        f"\nW={report['world']}, {report['params'] / 1e6:.1f}M params; peak live tensor bytes per rank (MiB) at the step's peak"
+    )
+    print(
+        f"{'system':>8} {'step s':>8} {'min-max':>13} {'tok/s':>8} {'comm MB':>8} "
+        + " ".join(f"{c[:9]:>9}" for c in cats)
+        + f" {'total':>8}  loss[-1]"
+    )
     for name, s in systems.items():
         peak = s["peak_bytes"] or {}
         lo, hi = min(s["step_s_rep_medians"]), max(s["step_s_rep_medians"])
         comm = s["comm_bytes_per_step"]
         print(
             f"{name:>8} {s['step_s_median']:>8.3f} {lo:>6.3f}-{hi:<6.3f} {s['tokens_per_s']:>8.0f} "
-            f"{(comm or 0) / 1e6:>8.1f} " + " ".join(f"{peak.get(c, 0) / mib:>9.1f}" for c in cats) + f" {peak.get('total', 0) / mib:>8.1f}  {s['losses'][-1]:.4f}"
+            f"{(comm or 0) / 1e6:>8.1f} "
+            + " ".join(f"{peak.get(c, 0) / mib:>9.1f}" for c in cats)
+            + f" {peak.get('total', 0) / mib:>8.1f}  {s['losses'][-1]:.4f}"
         )
     floor = report["floor"]
-    total = floor["state_16psi_over_w"] + floor.get("activations", 0)
-    print(f"floor: 16*psi/W = {floor['state_16psi_over_w'] / mib:.1f} MiB + activations {floor.get('activations', 0) / mib:.1f} MiB = {total / mib:.1f} MiB (+ gathered units in flight)")
+    total = floor["state_16psi_over_w"] + floor.get("activations", 0) + floor["gathered_unit"]
+    floor["total"] = total
+    print(
+        f"floor: 16*psi/W {floor['state_16psi_over_w'] / mib:.1f} + one unit gathered {floor['gathered_unit'] / mib:.1f} "
+        f"+ activations {floor.get('activations', 0) / mib:.1f} = {total / mib:.1f} MiB"
+    )
+    ours = systems.get("fsdp_fn", {}).get("peak_bytes")
+    if ours:
+        print(f"fsdp_fn peak = {ours['total'] / total:.2f} x floor", end="")
+        if systems.get("fsdp2", {}).get("peak_bytes"):
+            theirs = systems["fsdp2"]
+            print(
+                f", {ours['total'] / theirs['peak_bytes']['total']:.2f} x FSDP2; categories above FSDP2's (own maxima): "
+                f"{[c for c in cats if systems['fsdp_fn']['category_peaks'][c] > theirs['category_peaks'][c] + 4096] or 'none'} (4 KiB tolerance)",
+                end="",
+            )
+            print(f"; step time {systems['fsdp_fn']['step_s_median'] / theirs['step_s_median']:.2f} x FSDP2", end="")
+        if "ddp" in systems:
+            print(f", {systems['fsdp_fn']['step_s_median'] / systems['ddp']['step_s_median']:.2f} x DDP", end="")
+        print()
     if "single" in systems:
         ref = systems["single"]["losses"]
         for name, s in systems.items():

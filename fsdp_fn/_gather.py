@@ -76,15 +76,23 @@ class _Gathered:
 
     def gather(self, shard: torch.Tensor) -> None:
         self.shard = shard
+        self.state = UnitState.GATHERED
+        if self.alone:  # the shard is the whole unit: use it in place, nothing to free later
+            self.buffer = shard.view_as(shard)
+            return
         with label("gathered"):
             self.buffer = shard.new_empty(shard.numel() * self.group.size())
         all_gather_into(self.buffer, shard, self.group, self.unit.name)
-        self.state = UnitState.GATHERED
+
+    @property
+    def alone(self) -> bool:
+        return self.group.size() == 1
 
     def free(self) -> None:
         assert self.buffer is not None
-        self.buffer.untyped_storage().resize_(0)
-        self.state = UnitState.FREED
+        if not self.alone:
+            self.buffer.untyped_storage().resize_(0)
+            self.state = UnitState.FREED
 
     def refill(self) -> None:
         assert self.buffer is not None
@@ -95,7 +103,7 @@ class _Gathered:
 
     def release(self) -> None:
         """Backward is done with the unit: drop the buffer (autograd holds no views any more)."""
-        if self.buffer is not None and self.state is UnitState.GATHERED:
+        if self.buffer is not None and self.state is UnitState.GATHERED and not self.alone:
             self.buffer.untyped_storage().resize_(0)
         self.buffer = self.shard = None
         self.state = UnitState.SHARDED
@@ -108,7 +116,7 @@ class _GatherUnit(torch.autograd.Function):
     def forward(shard: torch.Tensor, rec: _Gathered) -> torch.Tensor:
         rec.gather(shard)
         assert rec.buffer is not None
-        return rec.buffer
+        return rec.buffer if not rec.alone else rec.buffer.view_as(rec.buffer)
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
