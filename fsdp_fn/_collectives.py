@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -93,14 +93,16 @@ def record(op: str, unit: str | None, numel: int, dtype: torch.dtype, world: int
 # --- the raw collectives, on plain tensors -----------------------------------------------
 
 
-def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, unit: str | None) -> None:
-    """``out`` (W * n) <- every rank's ``shard`` (n), in rank order."""
+def all_gather_into(
+    out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, unit: str | None, *, async_op: bool = False
+) -> dist.Work | None:
+    """``out`` (W * n) <- every rank's ``shard`` (n), in rank order. ``async_op``: returns the work to wait on."""
     record("all_gather", unit, out.numel(), out.dtype, group.size())
     with torch._C._DisableFuncTorch():
         if group.size() == 1:
             out.copy_(shard)
-        else:
-            dist.all_gather_single(out, shard, group=group)
+            return None
+        return dist.all_gather_single(out, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_by_all_reduce(group: dist.ProcessGroup) -> bool:
@@ -114,12 +116,14 @@ def reduce_scatter_by_all_reduce(group: dist.ProcessGroup) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def reduce_scatter(
+def reduce_scatter_start(
     full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float = 1.0, *, donate: bool = False
-) -> torch.Tensor:
-    """This rank's slice of ``scale * sum over ranks of full``; allocates one shard.
+) -> Callable[[], torch.Tensor]:
+    """Issue a reduce-scatter without waiting; call the result to wait and get this rank's shard.
 
     ``donate=True`` lets it reduce in place in ``full`` (the caller never reads it again).
+    Memory: one shard (plus, undonated on gloo, a copy of ``full``); ``full`` stays alive
+    until the result is taken.
     """
     world = group.size()
     via_all_reduce = world > 1 and reduce_scatter_by_all_reduce(group)
@@ -127,20 +131,41 @@ def reduce_scatter(
     with torch._C._DisableFuncTorch():
         full = full.contiguous()
         if world == 1:  # nothing to reduce: no copy either
-            return full.view(-1) if scale == 1.0 else full * scale
+            alone = full.view(-1) if scale == 1.0 else full * scale
+            return lambda: alone
         n = full.numel() // world
+        lo = group.rank() * n
         if via_all_reduce:
             if not donate:
                 with label("comm"):
                     full = full.clone()
-            dist.all_reduce(full, group=group)
-            out = full[group.rank() * n : (group.rank() + 1) * n].clone()
-        else:
-            out = full.new_empty(n)
-            dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)
-        if scale != 1.0:
-            out.mul_(scale)
-        return out
+            work = dist.all_reduce(full, group=group, async_op=True)
+
+            def finish() -> torch.Tensor:
+                assert work is not None
+                work.wait()
+                with torch._C._DisableFuncTorch(), label("grads"):
+                    out = full[lo : lo + n].clone()
+                    return out.mul_(scale) if scale != 1.0 else out
+
+            return finish
+        out = full.new_empty(n)
+        rs_work = dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+        def finish_rs() -> torch.Tensor:
+            assert rs_work is not None
+            rs_work.wait()
+            with torch._C._DisableFuncTorch():
+                return out.mul_(scale) if scale != 1.0 else out
+
+        return finish_rs
+
+
+def reduce_scatter(
+    full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float = 1.0, *, donate: bool = False
+) -> torch.Tensor:
+    """This rank's slice of ``scale * sum over ranks of full``; allocates one shard."""
+    return reduce_scatter_start(full, group, unit, scale, donate=donate)()
 
 
 def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup, unit: str | None = None) -> torch.Tensor:

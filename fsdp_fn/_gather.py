@@ -4,16 +4,24 @@ A unit moves through three states in one step (``UnitState``): SHARDED (only thi
 rank's shard exists) -> GATHERED (its flat buffer holds the full parameters; the unit's
 parameters are views into it) -> FREED (forward done, the buffer's storage released)
 -> GATHERED again just before its backward -> SHARDED once its gradient is
-reduce-scattered. This runs inside ``torch.func.grad``: saved-tensor hooks are refused
-there, so instead the buffer's storage is resized to zero after forward, and an identity
-``autograd.Function`` on the unit's outputs refills it before the unit's backward runs.
-Autograd's saved tensors alias that storage, so gradients stay exact.
+reduce-scattered. This runs inside ``torch.func`` transforms: saved-tensor hooks are
+refused there, so instead the buffer's storage is resized to zero after forward, and an
+identity ``autograd.Function`` on the unit's outputs refills it before the unit's
+backward runs. Autograd's saved tensors alias that storage, so gradients stay exact.
+
+Overlap (``Schedule``): all-gathers are issued asynchronously ahead of use, along the
+order the previous step ran the units in (forward) and the reverse of this step's order
+(backward); a unit waits only for its own gather; with ``update_in_backward`` the
+reduce-scatters run behind the next unit's backward too. At most ``max_inflight``
+non-root units are gathered at once.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +30,7 @@ from torch import nn
 from torch.autograd.function import FunctionCtx
 from torch.func import functional_call
 
-from fsdp_fn._collectives import _ReduceScatter, all_gather, all_gather_into
+from fsdp_fn._collectives import _ReduceScatter, all_gather, all_gather_into, reduce_scatter_start
 from fsdp_fn._functional import Functional
 from fsdp_fn._memory import label, retag
 from fsdp_fn._plan import ROOT, ParamSpec, Unit, unit_label
@@ -51,9 +59,34 @@ class UnitState(enum.Enum):
     SHARDED = "sharded"
     """Only this rank's shard exists; the gathered buffer is not allocated."""
     GATHERED = "gathered"
-    """The flat buffer holds the full parameters; forward or backward may use them."""
+    """The flat buffer holds (or, while its all-gather is in flight, will hold) the full parameters."""
     FREED = "freed"
     """Forward is done and the buffer's storage is released; backward will refill it."""
+
+
+class BackwardPrefetch(enum.Enum):
+    """When the next unit's all-gather is issued in backward (the seed's ``backward_prefetch``)."""
+
+    BACKWARD_PRE = "pre"
+    """Before computing this unit's gradients: most overlap, two units gathered at once."""
+    BACKWARD_POST = "post"
+    """After this unit's gradients are computed (and its reduce-scatter issued)."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When units are gathered and freed: a value, the same on every rank."""
+
+    reshard_after_forward: bool = True
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
+    forward_prefetch: bool = True
+    max_inflight: int = 2  # non-root units gathered at once, prefetches included
+
+    def __post_init__(self) -> None:
+        if self.max_inflight < 1:
+            raise ValueError(f"max_inflight must be at least 1 (the unit that runs), got {self.max_inflight}")
+        if self.backward_prefetch is not None and not isinstance(self.backward_prefetch, BackwardPrefetch):
+            raise TypeError(f"backward_prefetch must be a BackwardPrefetch or None, got {self.backward_prefetch!r}")
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -64,48 +97,60 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Gathered:
-    """One gathered instance of a unit inside one call: its buffer and lifecycle state."""
+    """One gathered instance of a unit inside one call: its buffer, pending work and state."""
 
-    def __init__(self, unit: Unit, runtime: Runtime) -> None:
+    def __init__(self, unit: Unit, runtime: Runtime, shard: torch.Tensor) -> None:
         self.unit = unit
         self.runtime = runtime
         self.group = runtime.params.group
+        self.shard = shard  # plain, 1-D
         self.state = UnitState.SHARDED
-        self.shard: torch.Tensor | None = None  # plain, 1-D
         self.buffer: torch.Tensor | None = None  # plain, 1-D, padded full size
+        self.work: Any = None
+        # Only non-root units on more than one rank take a buffer that counts against the limit.
+        self.counted = unit.name != ROOT and self.group.size() > 1
 
-    def gather(self, shard: torch.Tensor) -> None:
-        self.shard = shard
+    def start(self) -> None:
+        """Allocate (or re-grow) the buffer and issue the all-gather; do not wait."""
+        # Plain tensors only: a prefetch runs outside any autograd.Function, where a
+        # transform would otherwise wrap the new buffer.
+        with torch._C._DisableFuncTorch():
+            if self.group.size() == 1:  # the shard is the whole unit: use it in place
+                self.buffer = self.shard.view_as(self.shard)
+            elif self.buffer is None:
+                with label("gathered"):
+                    self.buffer = self.shard.new_empty(self.shard.numel() * self.group.size())
+            else:
+                self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
+            if self.group.size() > 1:
+                self.work = all_gather_into(self.buffer, self.shard, self.group, self.unit.name, async_op=True)
         self.state = UnitState.GATHERED
-        if self.alone:  # the shard is the whole unit: use it in place, nothing to free later
-            self.buffer = shard.view_as(shard)
-            return
-        with label("gathered"):
-            self.buffer = shard.new_empty(shard.numel() * self.group.size())
-        all_gather_into(self.buffer, shard, self.group, self.unit.name)
+        self.runtime.inflight += self.counted
 
-    @property
-    def alone(self) -> bool:
-        return self.group.size() == 1
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+    def _drop_storage(self) -> None:
+        assert self.buffer is not None
+        self.wait()
+        if self.group.size() > 1:
+            self.buffer.untyped_storage().resize_(0)
+        self.runtime.inflight -= self.counted
 
     def free(self) -> None:
-        assert self.buffer is not None
-        if not self.alone:
-            self.buffer.untyped_storage().resize_(0)
-            self.state = UnitState.FREED
-
-    def refill(self) -> None:
-        assert self.buffer is not None
-        assert self.shard is not None
-        self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
-        all_gather_into(self.buffer, self.shard, self.group, self.unit.name)
-        self.state = UnitState.GATHERED
+        """After forward: release the storage; backward will ``start`` it again."""
+        if self.group.size() == 1:
+            return  # nothing was allocated
+        self._drop_storage()
+        self.state = UnitState.FREED
 
     def release(self) -> None:
-        """Backward is done with the unit: drop the buffer (autograd holds no views any more)."""
-        if self.buffer is not None and self.state is UnitState.GATHERED and not self.alone:
-            self.buffer.untyped_storage().resize_(0)
-        self.buffer = self.shard = None
+        """After backward: autograd holds no views any more; drop everything."""
+        if self.state is UnitState.GATHERED:
+            self._drop_storage()
+        self.buffer = None
         self.state = UnitState.SHARDED
 
 
@@ -114,9 +159,11 @@ class _GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def forward(shard: torch.Tensor, rec: _Gathered) -> torch.Tensor:
-        rec.gather(shard)
+        if rec.state is UnitState.SHARDED:  # not prefetched
+            rec.start()
+        rec.wait()
         assert rec.buffer is not None
-        return rec.buffer if not rec.alone else rec.buffer.view_as(rec.buffer)
+        return rec.buffer if rec.group.size() > 1 else rec.buffer.view_as(rec.buffer)
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -125,16 +172,25 @@ class _GatherUnit(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         rec: _Gathered = ctx.rec
+        rt = rec.runtime
         retag(_plain(grad), "grads")
-        with label("grads"):
-            # The flat gradient comes from the split's backward (a fresh concatenation): ours to reduce into.
-            out = _ReduceScatter.apply(grad, rec.group, rec.unit.name, 1.0 / rec.group.size(), True)
-        rec.release()
-        if rec.runtime.on_grad is None:
+        scale = 1.0 / rec.group.size()
+        if rt.on_grad is None:
+            with label("grads"):
+                # The flat gradient comes from the split's backward (a fresh concatenation): ours to reduce into.
+                out = _ReduceScatter.apply(grad, rec.group, rec.unit.name, scale, True)
+            rec.release()
+            rt.after_backward(rec)
             return out, None
-        rec.runtime.deliver(rec.unit, _plain(out))
-        # The gradient was consumed in place; autograd gets a zero that owns no memory.
-        return torch.zeros((), dtype=out.dtype, device=out.device).expand(out.shape), None
+        with label("grads"):
+            finish = reduce_scatter_start(_plain(grad), rec.group, rec.unit.name, scale, donate=True)
+        rec.release()
+        rt.after_backward(rec)
+        rt.reductions.append((rec.unit, finish))
+        rt.drain(keep=1)  # one reduction in flight behind the next unit's backward
+        # The gradient is consumed in place by on_grad; autograd gets a zero that owns no memory.
+        shard = rec.shard
+        return torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.shape), None
 
 
 class _RefillBeforeBackward(torch.autograd.Function):
@@ -150,8 +206,12 @@ class _RefillBeforeBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        if ctx.rec.state is UnitState.FREED:
-            ctx.rec.refill()
+        rec: _Gathered = ctx.rec
+        if rec.state is UnitState.FREED:  # not prefetched
+            rec.start()
+        rec.wait()
+        if rec.runtime.schedule.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            rec.runtime.prefetch_backward(rec)
         return (None, *grads)
 
 
@@ -198,17 +258,25 @@ class Runtime:
         fn: Functional,
         params: Sharded,
         *,
-        reshard_after_forward: bool = True,
+        schedule: Schedule | None = None,
+        order_hint: Sequence[str] = (),
         on_grad: Callable[[str, torch.Tensor], None] | None = None,
     ) -> None:
         self.fn, self.params = fn, params
-        self.reshard_after_forward = reshard_after_forward
+        self.schedule = schedule or Schedule()
+        self.plan = params.plan
+        # The order units ran in last time: forward prefetch follows it.
+        self.order_hint = list(order_hint)
+        self._hint_at = -1
         # Called with (unit, gradient shard) once per unit in backward, as soon as the
         # unit's last gathered instance is reduce-scattered (all its uses summed).
         self.on_grad = on_grad
         self.gathers: dict[str, int] = {}  # gathered instances per unit in this forward
-        self._pending: dict[str, tuple[int, torch.Tensor]] = {}
-        self.plan = params.plan
+        self._sums: dict[str, tuple[int, torch.Tensor]] = {}
+        self.reductions: collections.deque[tuple[Unit, Callable[[], torch.Tensor]]] = collections.deque()
+        self.records: list[_Gathered] = []  # every gathered instance, in forward order
+        self.prefetched: dict[str, _Gathered] = {}
+        self.inflight = 0  # non-root unit buffers allocated now
         self.running: list[str] = []  # units whose forward is in progress, innermost last
         self.order: list[str] = []  # units in the order their forward ran
         self.live: dict[str, list[_Gathered]] = {}  # gathered instances whose forward is running
@@ -223,22 +291,67 @@ class Runtime:
                     slots.append((module.get_submodule(owner), attr, spec.name))
             self.slots[unit.name] = slots
 
+    # --- gradients ------------------------------------------------------------------------------
+
     def deliver(self, unit: Unit, grad: torch.Tensor) -> None:
-        seen, total = self._pending.get(unit.name, (0, None))
+        seen, total = self._sums.pop(unit.name, (0, None))
         total = grad if total is None else total + grad
         if seen + 1 < self.gathers[unit.name]:
-            self._pending[unit.name] = (seen + 1, total)
+            self._sums[unit.name] = (seen + 1, total)
             return
-        self._pending.pop(unit.name, None)
         assert self.on_grad is not None
         with torch._C._DisableFuncTorch(), torch.no_grad():
             self.on_grad(unit.name, total)
 
+    def drain(self, keep: int = 0) -> None:
+        """Wait for reduce-scatters issued in backward (oldest first) until ``keep`` are left."""
+        while len(self.reductions) > keep:
+            unit, finish = self.reductions.popleft()
+            self.deliver(unit, finish())
+
+    # --- gathering --------------------------------------------------------------------------------
+
+    def _new_record(self, unit: Unit) -> _Gathered:
+        shard = check_shard(self.params, unit)
+        rec = _Gathered(unit, self, _plain(shard))
+        self.records.append(rec)
+        return rec
+
     def _gather(self, unit: Unit) -> tuple[_Gathered, dict[str, torch.Tensor]]:
         self.gathers[unit.name] = self.gathers.get(unit.name, 0) + 1
-        rec = _Gathered(unit, self)
+        rec = self.prefetched.pop(unit.name, None) or self._new_record(unit)
         full = _GatherUnit.apply(check_shard(self.params, unit), rec)
         return rec, unit_views(unit, full)
+
+    def _next_in_hint(self, name: str) -> str | None:
+        hint = self.order_hint
+        try:
+            self._hint_at = hint.index(name, self._hint_at + 1)
+        except ValueError:
+            return None
+        return hint[self._hint_at + 1] if self._hint_at + 1 < len(hint) else None
+
+    def _prefetch(self, name: str | None) -> None:
+        """Start gathering ``name`` (the unit expected to run next) if the limit allows."""
+        if name is None or name in self.prefetched or self.inflight >= self.schedule.max_inflight:
+            return
+        rec = self._new_record(self.plan.unit(name))
+        rec.start()
+        self.prefetched[name] = rec
+
+    def prefetch_backward(self, rec: _Gathered) -> None:
+        """Start refilling the unit whose backward comes next (the previous one in forward order)."""
+        if self.inflight >= self.schedule.max_inflight:
+            return
+        at = self.records.index(rec)
+        for earlier in reversed(self.records[:at]):
+            if earlier.state is UnitState.FREED:
+                earlier.start()
+                return
+
+    def after_backward(self, rec: _Gathered) -> None:
+        if self.schedule.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            self.prefetch_backward(rec)
 
     def _after_forward(self, rec: _Gathered, output: Any, reshard: bool) -> Any:
         if not reshard:
@@ -251,6 +364,14 @@ class Runtime:
             for i, t in zip(idx, refilled, strict=True):
                 leaves[i] = t
         return torch_pytree.tree_unflatten(leaves, spec)
+
+    def _reshard(self, unit: Unit) -> bool:
+        if not self.schedule.reshard_after_forward:
+            return False
+        # The unit that ran last is needed again first: freeing it would only gather it twice.
+        return not (self.order_hint and self._hint_at == len(self.order_hint) - 1 and self.order_hint[-1] == unit.name)
+
+    # --- running ------------------------------------------------------------------------------------
 
     def run(self, buffers: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:
         return self.run_on(self.params, buffers, *args, **kwargs)
@@ -268,6 +389,8 @@ class Runtime:
             else:
                 tensors.update({p.name: _NotGathered(p, unit.name) for p in unit.params})
         tensors.update(buffers)
+        if self.schedule.forward_prefetch and self.order_hint:
+            self._prefetch(self.order_hint[0])
 
         handles = []
         swapped: list[tuple[nn.Module, str, Any]] = []
@@ -281,6 +404,8 @@ class Runtime:
         except Exception as e:
             where = f"unit {unit_label(self.running[-1])}" if self.running else "the root unit"
             e.add_note(f"fsdp_fn: raised in the forward of {where}")
+            for rec in self.prefetched.values():
+                rec.release()
             raise
         finally:
             for h in handles:
@@ -288,14 +413,18 @@ class Runtime:
             for owner, attr, original in reversed(swapped):
                 owner._parameters[attr] = original
             self.running.clear()
-        if root is not None:
-            out = self._after_forward(root[0], out, reshard=False)
+        for rec in self.prefetched.values():  # prefetched along the hint, but not run this time
+            rec.release()
+        self.prefetched.clear()
         return out
 
     def _pre_hook(self, unit: Unit, swapped: list[tuple[nn.Module, str, Any]]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             self.running.append(unit.name)
             rec, views = self._gather(unit)
+            upcoming = self._next_in_hint(unit.name)
+            if self.schedule.forward_prefetch:
+                self._prefetch(upcoming)
             for owner, attr, name in self.slots[unit.name]:
                 swapped.append((owner, attr, owner._parameters[attr]))
                 owner._parameters[attr] = views[name]  # type: ignore[assignment]
@@ -310,7 +439,7 @@ class Runtime:
                 owner, attr, original = swapped.pop()
                 owner._parameters[attr] = original
             self.running.pop()
-            return self._after_forward(self.live[unit.name].pop(), output, self.reshard_after_forward)
+            return self._after_forward(self.live[unit.name].pop(), output, self._reshard(unit))
 
         return hook
 

@@ -200,7 +200,7 @@ class MemoryEstimate:
     grads: int  # gradient shards alive at once
     optimizer: int  # optimizer state
     gathered: int  # gathered parameters in flight at most
-    full_grad: int  # the largest unit's full (unsharded) gradient, alive while it is reduce-scattered
+    full_grad: int  # full (unsharded) unit gradients alive while they are reduce-scattered
 
     @property
     def total(self) -> int:
@@ -238,5 +238,6 @@ def estimate_memory(
         grads=largest_shard if update_in_backward else params,
         optimizer=optimizer_slots * params + counters,
         gathered=root + sum(others[:units_in_flight]),
-        full_grad=max(u.gather_bytes(world) for u in plan.units),
+        # With update_in_backward one reduce-scatter stays in flight behind the next unit's backward.
+        full_grad=(2 if update_in_backward else 1) * max(u.gather_bytes(world) for u in plan.units),
     )

@@ -11,7 +11,7 @@ from torch.func import vjp
 
 from fsdp_fn._collectives import all_reduce_, broadcast_
 from fsdp_fn._functional import Functional
-from fsdp_fn._gather import Runtime
+from fsdp_fn._gather import BackwardPrefetch, Runtime, Schedule
 from fsdp_fn._memory import label
 from fsdp_fn._optim import Optimizer, select_units, tree_map
 from fsdp_fn._shard import Sharded
@@ -40,6 +40,9 @@ class TrainStep:
         donate: bool = True,
         reshard_after_forward: bool = True,
         update_in_backward: bool = False,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        forward_prefetch: bool = True,
+        max_inflight: int = 2,
     ) -> None:
         if not isinstance(fn, Functional):
             raise TypeError(f"train_step wants the Functional from functionalize(module), got {type(fn).__name__}")
@@ -53,8 +56,9 @@ class TrainStep:
         if update_in_backward and not donate:
             raise ValueError("update_in_backward writes the shards during backward; it needs donate=True")
         self.fn, self.loss_fn, self.optimizer, self.donate = fn, loss_fn, optimizer, donate
-        self.reshard_after_forward = reshard_after_forward
+        self.schedule = Schedule(reshard_after_forward, backward_prefetch, forward_prefetch, max_inflight)
         self.update_in_backward = update_in_backward
+        self.unit_order: list[str] = []  # the order the last step ran the units in: forward prefetch follows it
 
     def init(self, params: Sharded, buffers: Mapping[str, torch.Tensor] | None = None) -> TrainState:
         """The first state. Buffers (default: the module's) are copied and broadcast from rank 0, as DDP does."""
@@ -94,7 +98,8 @@ class TrainStep:
         runtime = Runtime(
             self.fn,
             params,
-            reshard_after_forward=self.reshard_after_forward,
+            schedule=self.schedule,
+            order_hint=self.unit_order,
             on_grad=step_unit if self.update_in_backward else None,
         )
 
@@ -110,6 +115,8 @@ class TrainStep:
         # every backward intermediate alive for a second derivative nobody asked for.
         loss, vjp_fn = vjp(objective, params.shards)
         (grad_shards,) = vjp_fn(torch.ones_like(loss), retain_graph=False, create_graph=False)
+        runtime.drain()  # the reduce-scatters still in flight, before anything reads a gradient
+        self.unit_order = runtime.order
         used = [u for u in params.plan.unit_names if u in runtime.gathers]
         if not self.update_in_backward:
             grads = params.replace(grad_shards)
@@ -149,6 +156,9 @@ def train_step(
     donate: bool = True,
     reshard_after_forward: bool = True,
     update_in_backward: bool = False,
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+    forward_prefetch: bool = True,
+    max_inflight: int = 2,
 ) -> TrainStep:
     """Build the sharded train step.
 
@@ -162,6 +172,9 @@ def train_step(
     backward (one all-gather less per unit, more memory: like ZeRO-2 / ``SHARD_GRAD_OP``).
     ``update_in_backward=True`` steps each unit's optimizer as soon as its gradient shard
     is reduce-scattered, so the gradient shards of all units never live at once.
+    ``backward_prefetch`` (``BACKWARD_PRE``, ``BACKWARD_POST``, ``None``) and
+    ``forward_prefetch`` issue the next unit's all-gather early, overlapping it with
+    compute; ``max_inflight`` caps the non-root units gathered at once (prefetch included).
 
     >>> import torch, torch.nn.functional as F
     >>> def loss_fn(model, batch):
@@ -175,4 +188,7 @@ def train_step(
         donate=donate,
         reshard_after_forward=reshard_after_forward,
         update_in_backward=update_in_backward,
+        backward_prefetch=backward_prefetch,
+        forward_prefetch=forward_prefetch,
+        max_inflight=max_inflight,
     )

@@ -13,7 +13,7 @@ from tests.helpers import local_part
 CFG = GPTConfig(vocab=64, seq=16, d_model=32, n_layers=6, n_heads=2)
 
 
-def _measured_step(group, split_root=False, update_in_backward=False, reshard_after_forward=True):
+def _measured_step(group, split_root=False, update_in_backward=False, reshard_after_forward=True, prefetch=True):
     world, rank = group.size(), group.rank()
     torch.manual_seed(0)
     model = GPT(CFG)
@@ -21,7 +21,13 @@ def _measured_step(group, split_root=False, update_in_backward=False, reshard_af
     plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=split_root)
     params = ff.shard(fn.params, plan, group)
     step = ff.train_step(
-        fn, lm_loss, ff.adamw(), update_in_backward=update_in_backward, reshard_after_forward=reshard_after_forward
+        fn,
+        lm_loss,
+        ff.adamw(),
+        update_in_backward=update_in_backward,
+        reshard_after_forward=reshard_after_forward,
+        forward_prefetch=prefetch,
+        backward_prefetch=ff.BackwardPrefetch.BACKWARD_PRE if prefetch else None,
     )
     state = step.init(params)
     batch = local_part(torch.randint(0, CFG.vocab, (4 * world, CFG.seq + 1), generator=torch.Generator().manual_seed(0)), rank, world)
@@ -30,7 +36,7 @@ def _measured_step(group, split_root=False, update_in_backward=False, reshard_af
         meter.tag(state, "state")
         state, _ = step(state, batch)
         meter.sample("after the step")
-    estimate = ff.estimate_memory(plan, world, update_in_backward=update_in_backward)
+    estimate = ff.estimate_memory(plan, world, update_in_backward=update_in_backward, units_in_flight=2 if prefetch else 1)
     return {
         "peaks": meter.category_peaks(),
         "after": dict(meter.current),
@@ -41,16 +47,18 @@ def _measured_step(group, split_root=False, update_in_backward=False, reshard_af
     }
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_one_unit_in_flight_and_only_shards_after_a_step(pool, world):
-    out = pool.run(_measured_step, world=world)[0]
+@pytest.mark.parametrize(("world", "prefetch"), [(2, False), (3, False), (2, True), (3, True)])
+def test_units_in_flight_and_only_shards_after_a_step(pool, world, prefetch):
+    out = pool.run(_measured_step, world=world, prefetch=prefetch)[0]
     plan, peaks, est = out["plan"], out["peaks"], out["estimate"]
     root = plan.unit("").gather_bytes(world)
-    largest_block = max(u.gather_bytes(world) for u in plan.units if u.name)
+    block = max(u.gather_bytes(world) for u in plan.units if u.name)
     assert len(plan.units) == 7  # root + 6 blocks
-    # Gathered parameters never exceed the root plus one block (no prefetch).
-    assert peaks["gathered"] <= root + largest_block
-    assert peaks["gathered"] > root  # and a block really was gathered
+    # Gathered parameters never exceed the root plus the blocks the schedule allows in
+    # flight: one without prefetching, two with it.
+    in_flight = 2 if prefetch else 1
+    assert peaks["gathered"] <= root + in_flight * block
+    assert peaks["gathered"] > root + (in_flight - 1) * block  # and that many really were gathered
     assert peaks["gathered"] <= est.gathered
     # Steady state: parameter bytes per rank are total / W plus padding, exactly.
     assert out["after"]["params"] == out["shard_bytes"] == est.params
@@ -68,13 +76,16 @@ def test_update_in_backward_keeps_gradient_shards_to_one_unit(pool):
     full_grad = max(u.gather_bytes(2) for u in lean["plan"].units)
     # Without it, every unit's gradient shard lives until the optimizer runs.
     assert plain["peaks"]["grads"] >= plain["estimate"].params
-    assert lean["peaks"]["grads"] <= full_grad + lean["estimate"].grads
+    # With it: the unit being reduced (one reduction stays in flight behind the next
+    # unit's backward, so two full unit gradients at most) and one gradient shard.
+    assert lean["estimate"].full_grad == 2 * full_grad
+    assert lean["peaks"]["grads"] <= lean["estimate"].full_grad + lean["estimate"].grads
     assert lean["peaks"]["grads"] < plain["peaks"]["grads"]
 
 
 def test_split_root_lowers_gathered_peak(pool):
-    whole = pool.run(_measured_step, world=2)[0]
-    split = pool.run(_measured_step, world=2, split_root=True)[0]
+    whole = pool.run(_measured_step, world=2, prefetch=False)[0]
+    split = pool.run(_measured_step, world=2, split_root=True, prefetch=False)[0]
     assert "" not in split["plan"].unit_names
     largest = max(u.gather_bytes(2) for u in split["plan"].units)
     assert split["peaks"]["gathered"] <= largest
@@ -82,10 +93,13 @@ def test_split_root_lowers_gathered_peak(pool):
 
 
 def test_keep_gathered_trades_memory_for_one_all_gather_per_unit(pool):
-    resharded = pool.run(_measured_step, world=2)[0]
-    kept = pool.run(_measured_step, world=2, reshard_after_forward=False)[0]
+    resharded = pool.run(_measured_step, world=2, prefetch=False)[0]
+    kept = pool.run(_measured_step, world=2, reshard_after_forward=False, prefetch=False)[0]
     blocks = sum(1 for u in kept["plan"].units if u.name)
-    assert resharded["all_gathers"] - kept["all_gathers"] == blocks
+    # Every block but the last is gathered again for backward (the last one, needed again
+    # first, is kept from the second step on), so keeping them saves blocks - 1 gathers.
+    assert kept["all_gathers"] == len(kept["plan"].units)
+    assert resharded["all_gathers"] - kept["all_gathers"] == blocks - 1
     assert kept["peaks"]["gathered"] > resharded["peaks"]["gathered"]
 
 
