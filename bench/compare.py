@@ -45,7 +45,7 @@ class Config:
     batch: int = 2  # sequences per rank
     steps: int = 4  # timed steps per repetition
     warmup: int = 1
-    lr: float = 1e-3
+    lr: float = 3e-4
     # fsdp_fn's memory levers (see docs/memory.md); 0 turns one off
     split_root: int = 1
     update_in_backward: int = 1
@@ -58,28 +58,39 @@ class Config:
 
 
 class CommMeter(TorchDispatchMode):
-    """Ring-model bytes each rank sends: (W-1)/W of a collective's full buffer, 2x for all-reduce."""
+    """Bytes each rank sends per step, in the ring model for collectives.
+
+    A collective over a full buffer of B bytes counts (W-1)/W * B (2x for all-reduce); a
+    point-to-point send counts its bytes. DDP's all-reduces come from C++ and are not
+    seen by a dispatch mode: its figure is the model (2 (W-1)/W * gradient bytes).
+    """
 
     def __init__(self, world: int) -> None:
         super().__init__()
         self.world, self.bytes, self.ops = world, 0.0, 0
 
+    @staticmethod
+    def _nbytes(x: Any) -> int:
+        items = x if isinstance(x, list | tuple) else [x]
+        return sum(t.numel() * t.element_size() for t in items if isinstance(t, torch.Tensor))
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         name = str(func)
-        if name.startswith("c10d.") and self.world > 1:
-            first = args[0]
-            tensors = first if isinstance(first, list | tuple) else [first]
-            full = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-            if "reduce_scatter" in name:
-                full = (
-                    sum(t.numel() * t.element_size() for t in args[1] if isinstance(t, torch.Tensor))
-                    if isinstance(args[1], list | tuple)
-                    else args[1].numel() * args[1].element_size()
-                )
-            factor = 2 if "allreduce" in name else 1
-            self.bytes += factor * full * (self.world - 1) / self.world
-            self.ops += 1
+        if not name.startswith("c10d.") or self.world == 1:
+            return out
+        self.ops += 1
+        share = (self.world - 1) / self.world
+        if name.startswith("c10d.send"):
+            self.bytes += self._nbytes(args[0])
+        elif "recv" in name or "barrier" in name:
+            pass
+        elif "reduce_scatter" in name:
+            self.bytes += share * self._nbytes(args[1])
+        elif "allreduce" in name:
+            self.bytes += 2 * share * self._nbytes(args[0])
+        else:  # all-gather, broadcast: the first argument is the full (output) buffer
+            self.bytes += share * self._nbytes(args[0])
         return out
 
 
@@ -217,6 +228,8 @@ def run_system(group: Any, system: str, cfg: Config, world: int, measure: bool) 
         result["peak"] = meter.peak()
         result["category_peaks"] = meter.category_peaks()
         result["comm_bytes"] = comm.bytes
+        if system == "ddp":  # its all-reduces are issued from C++, out of the dispatch mode's sight
+            result["comm_bytes"] = 2 * (world - 1) / world * sum(p.numel() * p.element_size() for p in module.parameters())
     return result
 
 

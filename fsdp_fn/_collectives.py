@@ -24,18 +24,13 @@ from fsdp_fn._memory import label
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective as issued by this rank. ``numel`` counts the full (unsharded) buffer.
-
-    ``impl`` is what actually ran when it differs from ``op`` (on gloo a reduce-scatter
-    runs as an in-place all-reduce: see ``reduce_scatter``).
-    """
+    """One collective as issued by this rank. ``numel`` counts the full (unsharded) buffer."""
 
     op: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast"
     unit: str | None
     numel: int
     dtype: torch.dtype
     world: int
-    impl: str = ""
 
     @property
     def bytes(self) -> int:
@@ -44,7 +39,7 @@ class Collective:
     @property
     def ring_bytes(self) -> float:
         """Bytes a rank sends in the ring model: ``(W-1)/W`` of the full buffer (2x for all-reduce)."""
-        factor = 2 if (self.impl or self.op) == "all_reduce" else 1
+        factor = 2 if self.op == "all_reduce" else 1
         return factor * self.bytes * (self.world - 1) / self.world
 
 
@@ -85,87 +80,123 @@ def comm_log() -> Iterator[CommLog]:
         stack.remove(log)
 
 
-def record(op: str, unit: str | None, numel: int, dtype: torch.dtype, world: int, impl: str = "") -> None:
+def record(op: str, unit: str | None, numel: int, dtype: torch.dtype, world: int) -> None:
     for log in _logs.__dict__.get("stack", ()):
-        log.records.append(Collective(op, unit, numel, dtype, world, impl))
+        log.records.append(Collective(op, unit, numel, dtype, world))
 
 
 # --- the raw collectives, on plain tensors -----------------------------------------------
 
 
+def pairwise(group: dist.ProcessGroup) -> bool:
+    """Whether to run all-gather and reduce-scatter as pairwise sends and receives.
+
+    On gloo, measured on loopback with a 16 MB buffer (bench/collectives.py; W=2 / W=4):
+    all_gather 15.5 / 27.2 ms, all_reduce 14.5 / 26.3 ms, reduce_scatter 23.4 / 40.1 ms
+    (a copy plus a full all-reduce inside gloo), pairwise exchange 6.3 / 14.7 ms as an
+    all-gather and 9.2 / 14.8 ms as a reduce-scatter. Each rank still sends exactly
+    ``(W-1)/W`` of the buffer. NCCL and other backends use their own collectives.
+    """
+    return group.size() > 1 and dist.get_backend(group) == "gloo"
+
+
+class Pending:
+    """Work handles issued together; ``wait()`` waits for all of them."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works = []
+
+
+def _exchange(group: dist.ProcessGroup, sends: list[torch.Tensor | None], recvs: list[torch.Tensor | None]) -> Pending:
+    """Send ``sends[j]`` to group rank ``j`` and receive ``recvs[j]`` from it, for every other rank."""
+    ops = []
+    for j, (out, into) in enumerate(zip(sends, recvs, strict=True)):
+        if out is not None:
+            ops.append(dist.P2POp(dist.isend, out, group=group, group_peer=j))
+        if into is not None:
+            ops.append(dist.P2POp(dist.irecv, into, group=group, group_peer=j))
+    return Pending(dist.batch_isend_irecv(ops) if ops else [])
+
+
 def all_gather_into(
     out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, unit: str | None, *, async_op: bool = False
-) -> dist.Work | None:
-    """``out`` (W * n) <- every rank's ``shard`` (n), in rank order. ``async_op``: returns the work to wait on."""
-    record("all_gather", unit, out.numel(), out.dtype, group.size())
+) -> Any:
+    """``out`` (W * n) <- every rank's ``shard`` (n), in rank order. ``async_op``: returns what to ``wait()`` on."""
+    world, rank = group.size(), group.rank()
+    record("all_gather", unit, out.numel(), out.dtype, world)
     with torch._C._DisableFuncTorch():
-        if group.size() == 1:
+        if world == 1:
             out.copy_(shard)
             return None
-        return dist.all_gather_single(out, shard, group=group, async_op=async_op)
-
-
-def reduce_scatter_by_all_reduce(group: dist.ProcessGroup) -> bool:
-    """Whether this backend's reduce-scatter is better done as an in-place all-reduce.
-
-    Gloo implements reduce_scatter as a copy of the whole buffer plus a full all_reduce
-    (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), and measured slower than
-    all_reduce on loopback (docs/performance.md). Reducing in place into a buffer we own
-    sends the same bytes without the copy. NCCL and others get a real reduce-scatter.
-    """
-    return dist.get_backend(group) == "gloo"
+        if not pairwise(group):
+            return dist.all_gather_single(out, shard, group=group, async_op=async_op)
+        chunks = list(out.chunk(world))
+        pending = _exchange(
+            group,
+            [None if j == rank else shard for j in range(world)],
+            [None if j == rank else c for j, c in enumerate(chunks)],
+        )
+        chunks[rank].copy_(shard)
+        if not async_op:
+            pending.wait()
+            return None
+        return pending
 
 
 def reduce_scatter_start(
-    full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float = 1.0, *, donate: bool = False
+    full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float = 1.0
 ) -> Callable[[], torch.Tensor]:
     """Issue a reduce-scatter without waiting; call the result to wait and get this rank's shard.
 
-    ``donate=True`` lets it reduce in place in ``full`` (the caller never reads it again).
-    Memory: one shard (plus, undonated on gloo, a copy of ``full``); ``full`` stays alive
-    until the result is taken.
+    Memory: one shard, plus (pairwise) ``W-1`` received shards until the result is taken;
+    ``full`` stays alive until then. The sum runs in rank order on every rank.
     """
-    world = group.size()
-    via_all_reduce = world > 1 and reduce_scatter_by_all_reduce(group)
-    record("reduce_scatter", unit, full.numel(), full.dtype, world, "all_reduce" if via_all_reduce else "")
+    world, rank = group.size(), group.rank()
+    record("reduce_scatter", unit, full.numel(), full.dtype, world)
     with torch._C._DisableFuncTorch():
         full = full.contiguous()
         if world == 1:  # nothing to reduce: no copy either
             alone = full.view(-1) if scale == 1.0 else full * scale
             return lambda: alone
         n = full.numel() // world
-        lo = group.rank() * n
-        if via_all_reduce:
-            if not donate:
-                with label("comm"):
-                    full = full.clone()
-            work = dist.all_reduce(full, group=group, async_op=True)
+        if not pairwise(group):
+            out = full.new_empty(n)
+            work = dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
-            def finish() -> torch.Tensor:
+            def finish_native() -> torch.Tensor:
                 assert work is not None
                 work.wait()
-                with torch._C._DisableFuncTorch(), label("grads"):
-                    out = full[lo : lo + n].clone()
-                    return out.mul_(scale) if scale != 1.0 else out
-
-            return finish
-        out = full.new_empty(n)
-        rs_work = dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
-
-        def finish_rs() -> torch.Tensor:
-            assert rs_work is not None
-            rs_work.wait()
-            with torch._C._DisableFuncTorch():
                 return out.mul_(scale) if scale != 1.0 else out
 
-        return finish_rs
+            return finish_native
+        chunks = list(full.chunk(world))
+        with label("comm"):
+            received = full.new_empty(world - 1, n)
+        into: list[torch.Tensor | None] = [None] * world
+        for k, j in enumerate(j for j in range(world) if j != rank):
+            into[j] = received[k]
+        pending = _exchange(group, [None if j == rank else c for j, c in enumerate(chunks)], into)
+
+        def finish() -> torch.Tensor:
+            pending.wait()
+            with torch._C._DisableFuncTorch(), label("grads"):
+                parts = [chunks[j] if j == rank else into[j] for j in range(world)]
+                out = parts[0].clone()
+                for part in parts[1:]:
+                    out.add_(part)
+                return out.mul_(scale) if scale != 1.0 else out
+
+        return finish
 
 
-def reduce_scatter(
-    full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float = 1.0, *, donate: bool = False
-) -> torch.Tensor:
+def reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float = 1.0) -> torch.Tensor:
     """This rank's slice of ``scale * sum over ranks of full``; allocates one shard."""
-    return reduce_scatter_start(full, group, unit, scale, donate=donate)()
+    return reduce_scatter_start(full, group, unit, scale)()
 
 
 def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup, unit: str | None = None) -> torch.Tensor:
@@ -206,20 +237,18 @@ class _AllGather(torch.autograd.Function):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(
-        full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float, donate: bool = False
-    ) -> torch.Tensor:
-        return reduce_scatter(full, group, unit, scale, donate=donate)
+    def forward(full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float) -> torch.Tensor:
+        return reduce_scatter(full, group, unit, scale)
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
         ctx.group, ctx.unit, ctx.scale = inputs[1:4]  # type: ignore[attr-defined]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         # d(scale * RS(x)) = scale * AG(g) = AG(scale * g); AG's own vjp is then scale * RS.
         scaled = grad * ctx.scale if ctx.scale != 1.0 else grad
-        return _AllGather.apply(scaled, ctx.group, ctx.unit, ctx.scale), None, None, None, None
+        return _AllGather.apply(scaled, ctx.group, ctx.unit, ctx.scale), None, None, None
 
 
 def all_gather(

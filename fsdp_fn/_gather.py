@@ -177,13 +177,12 @@ class _GatherUnit(torch.autograd.Function):
         scale = 1.0 / rec.group.size()
         if rt.on_grad is None:
             with label("grads"):
-                # The flat gradient comes from the split's backward (a fresh concatenation): ours to reduce into.
-                out = _ReduceScatter.apply(grad, rec.group, rec.unit.name, scale, True)
+                out = _ReduceScatter.apply(grad, rec.group, rec.unit.name, scale)
             rec.release()
             rt.after_backward(rec)
             return out, None
         with label("grads"):
-            finish = reduce_scatter_start(_plain(grad), rec.group, rec.unit.name, scale, donate=True)
+            finish = reduce_scatter_start(_plain(grad), rec.group, rec.unit.name, scale)
         rec.release()
         rt.after_backward(rec)
         rt.reductions.append((rec.unit, finish))

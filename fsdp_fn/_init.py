@@ -116,7 +116,9 @@ def init_shards(
 
 def _materialise(unit: Unit, device: torch.device | str) -> dict[str, torch.Tensor]:
     return {
-        spec.name: nn.Parameter(torch.empty(spec.shape, dtype=spec.dtype, device=device), requires_grad=spec.requires_grad)
+        spec.name: nn.Parameter(
+            torch.empty(spec.shape, dtype=spec.dtype, device=device), requires_grad=spec.requires_grad
+        )
         for spec in unit.params
     }
 

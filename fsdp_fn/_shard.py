@@ -264,5 +264,5 @@ def reduce_grads(grads: Mapping[str, torch.Tensor | None], like: Sharded, *, mea
             pieces.append(torch.zeros(pad, dtype=unit.dtype, device=like[unit.name].device))
         flat = torch.cat(pieces)
         scale = 1.0 / world if mean else 1.0
-        out[unit.name] = _ReduceScatter.apply(flat, like.group, unit.name, scale, True)  # flat is ours to reduce into
+        out[unit.name] = _ReduceScatter.apply(flat, like.group, unit.name, scale)
     return like.replace(out)

@@ -93,7 +93,11 @@ class TrainStep:
         def step_unit(unit: str, grad: torch.Tensor) -> None:
             square_norms[unit] = grad.double().square().sum()
             one = [unit]
-            self.optimizer.update(select_units(params.replace_one(unit, grad), one), select_units(opt_state, one), select_units(params, one))
+            self.optimizer.update(
+                select_units(params.replace_one(unit, grad), one),
+                select_units(opt_state, one),
+                select_units(params, one),
+            )
 
         runtime = Runtime(
             self.fn,
@@ -107,7 +111,9 @@ class TrainStep:
             model = functools.partial(runtime.run_on, params.replace(shards), state.buffers)
             loss = self.loss_fn(model, batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-                got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+                got = (
+                    f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+                )
                 raise TypeError(f"loss_fn must return a floating scalar tensor, got {got}")
             return loss.reshape(())
 
@@ -125,7 +131,9 @@ class TrainStep:
             if len(used) == len(params):
                 self.optimizer.update(grads, opt_state, params)
             else:
-                self.optimizer.update(select_units(grads, used), select_units(opt_state, used), select_units(params, used))
+                self.optimizer.update(
+                    select_units(grads, used), select_units(opt_state, used), select_units(params, used)
+                )
             del grads, grad_shards
 
         zero = torch.zeros((), dtype=torch.float64)
