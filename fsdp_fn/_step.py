@@ -91,7 +91,7 @@ class TrainStep:
         square_norms: dict[str, torch.Tensor] = {}
 
         def step_unit(unit: str, grad: torch.Tensor) -> None:
-            square_norms[unit] = grad.double().square().sum()
+            square_norms[unit] = _square_norm(grad)
             one = [unit]
             self.optimizer.update(
                 select_units(params.replace_one(unit, grad), one),
@@ -127,7 +127,7 @@ class TrainStep:
         if not self.update_in_backward:
             grads = params.replace(grad_shards)
             for u in used:
-                square_norms[u] = grads[u].double().square().sum()
+                square_norms[u] = _square_norm(grads[u])
             if len(used) == len(params):
                 self.optimizer.update(grads, opt_state, params)
             else:
@@ -142,6 +142,11 @@ class TrainStep:
         metrics = {"loss": (stats[0] / params.layout.world).float(), "grad_norm": stats[1].sqrt().float()}
         _average_changed_buffers(state.buffers, versions, params)
         return TrainState(params, opt_state, state.buffers, state.step + 1), metrics
+
+
+def _square_norm(t: torch.Tensor) -> torch.Tensor:
+    # One fast fp32 pass (as clip_grad_norm_ does), squared in float64 for the sum over units.
+    return torch.linalg.vector_norm(t).double().square()
 
 
 def _average_changed_buffers(buffers: dict[str, torch.Tensor], versions: dict[str, int], params: Sharded) -> None:
