@@ -49,6 +49,7 @@ class Config:
     # fsdp_fn's memory levers (see docs/memory.md); 0 turns one off
     split_root: int = 1
     update_in_backward: int = 1
+    device: str = "cpu"  # "cuda": NCCL, one GPU per rank, MFU reported
 
     def gpt(self) -> GPTConfig:
         return GPTConfig(vocab=self.vocab, seq=self.seq, d_model=self.d_model, n_layers=self.layers, n_heads=self.heads)
@@ -114,12 +115,13 @@ def _batches(text: bytes, cfg: Config, k: int, rank: int, world: int, whole: boo
 
 
 def _build(system: str, cfg: Config, group: Any) -> tuple[Any, Any, Any]:
-    """(run_one_step(batch) -> loss tensor (this rank's), tag(meter), optimizer-ish) for a system."""
+    """(run_one_step(batch) -> loss tensor (this rank's), tag(meter), module) for a system."""
     torch.manual_seed(0)
+    device = torch.device(cfg.device, torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     if system == "fsdp_fn":
         # The same initial weights as the other systems; the module itself lives on meta, so
         # after sharding no rank holds the full model (as after FSDP2's fully_shard).
-        full = GPT(cfg.gpt())
+        full = GPT(cfg.gpt()).to(device)
         with torch.device("meta"):
             model = GPT(cfg.gpt())
         plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=cfg.split_root)
@@ -136,12 +138,12 @@ def _build(system: str, cfg: Config, group: Any) -> tuple[Any, Any, Any]:
 
         return run, lambda meter: meter.tag(holder["state"], "state"), model
 
-    model = GPT(cfg.gpt())
+    model = GPT(cfg.gpt()).to(device)
     if system == "fsdp2":
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = DeviceMesh.from_group(group, "cpu")
+        mesh = DeviceMesh.from_group(group, device.type)
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -201,6 +203,11 @@ def activation_floor(model: torch.nn.Module, batch: torch.Tensor) -> int:
     return live
 
 
+def _sync(cfg: Config) -> None:
+    if cfg.device == "cuda":
+        torch.cuda.synchronize()
+
+
 def run_system(group: Any, system: str, cfg: Config, world: int, measure: bool) -> dict[str, Any]:
     rank = group.rank()
     text = stdlib_text()
@@ -208,17 +215,19 @@ def run_system(group: Any, system: str, cfg: Config, world: int, measure: bool) 
     whole = system == "single"
     times, losses = [], []
     for k in range(cfg.warmup + cfg.steps):
-        batch = _batches(text, cfg, k, rank, world, whole)
+        batch = _batches(text, cfg, k, rank, world, whole).to(cfg.device)
         if group.size() > 1:
             dist.barrier(group=group)
+        _sync(cfg)
         t0 = time.perf_counter()
         loss = run(batch)
+        _sync(cfg)
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     result: dict[str, Any] = {"times": times[cfg.warmup :], "losses": losses}
     if measure:
         k = cfg.warmup + cfg.steps
-        batch = _batches(text, cfg, k, rank, world, whole=False)  # memory at the per-rank batch
+        batch = _batches(text, cfg, k, rank, world, whole=False).to(cfg.device)  # memory at the per-rank batch
         rule = fsdp2_rule if system == "fsdp2" else None
         with CommMeter(world) as comm, ff.MemoryMeter(rule=rule) as meter:
             tag(meter)
@@ -229,7 +238,9 @@ def run_system(group: Any, system: str, cfg: Config, world: int, measure: bool) 
         result["category_peaks"] = meter.category_peaks()
         result["comm_bytes"] = comm.bytes
         if system == "ddp":  # its all-reduces are issued from C++, out of the dispatch mode's sight
-            result["comm_bytes"] = 2 * (world - 1) / world * sum(p.numel() * p.element_size() for p in module.parameters())
+            result["comm_bytes"] = (
+                2 * (world - 1) / world * sum(p.numel() * p.element_size() for p in module.parameters())
+            )
     return result
 
 
@@ -243,6 +254,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--json", type=pathlib.Path)
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="the device's peak (fp32) TFLOP/s, to report MFU")
     for field, default in asdict(Config()).items():
         p.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
     args = p.parse_args()
@@ -261,7 +273,8 @@ def main() -> None:
 
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     started = time.perf_counter()
-    with RankPool(world, threads=args.threads, timeout=1800, warnings_as_errors=False) as pool:
+    backend = "nccl" if cfg.device == "cuda" else "gloo"
+    with RankPool(world, threads=args.threads, timeout=1800, warnings_as_errors=False, backend=backend) as pool:
         for rep in range(args.reps):
             for system in systems:
                 w = 1 if system == "single" else world
@@ -290,6 +303,8 @@ def main() -> None:
         med = statistics.median(all_steps)
         report["systems"][system] = {
             "step_s_median": med,
+            # Model FLOPs: 6 per parameter per token, plus attention (12 * layers * d_model * seq per token).
+            "model_tflops_per_s": (6 * params + 12 * cfg.layers * cfg.d_model * cfg.seq) * tokens / med / 1e12,
             "step_s_rep_medians": medians,
             "tokens_per_s": tokens / med,
             "peak_bytes": reps[0].get("peak"),
@@ -305,6 +320,9 @@ def main() -> None:
     if "single" in runs and "activation_floor" in runs["single"][0]:
         report["floor"]["activations"] = runs["single"][0]["activation_floor"]
     report["elapsed_s"] = time.perf_counter() - started
+    if args.peak_tflops:
+        for entry in report["systems"].values():
+            entry["mfu"] = entry["model_tflops_per_s"] / args.peak_tflops
     print_report(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

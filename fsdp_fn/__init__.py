@@ -11,7 +11,7 @@ step   = train_step(fn, loss_fn, adamw())      # torch.func composes them into o
 from fsdp_fn._agree import DivergenceError
 from fsdp_fn._collectives import Collective, CommLog, all_gather, comm_log, reduce_scatter_sum
 from fsdp_fn._functional import Functional, functionalize
-from fsdp_fn._gather import BackwardPrefetch, Schedule, UnitState, apply_sharded, gather_for
+from fsdp_fn._gather import BackwardPrefetch, Schedule, UnitState, apply_sharded, gather_for, predict_collectives
 from fsdp_fn._init import init_shards
 from fsdp_fn._memory import CATEGORIES, MemoryEstimate, MemoryMeter, estimate_memory
 from fsdp_fn._optim import AdamWState, Optimizer, SGDState, adamw, from_torch, sgd, tree_leaves, tree_map
@@ -53,6 +53,7 @@ __all__ = [
     "init_shards",
     "layer_policy",
     "make_plan",
+    "predict_collectives",
     "reduce_grads",
     "reduce_scatter_sum",
     "sgd",

@@ -30,10 +30,10 @@ from torch import nn
 from torch.autograd.function import FunctionCtx
 from torch.func import functional_call
 
-from fsdp_fn._collectives import _ReduceScatter, all_gather, all_gather_into, reduce_scatter_start
+from fsdp_fn._collectives import Collective, _ReduceScatter, all_gather, all_gather_into, reduce_scatter_start
 from fsdp_fn._functional import Functional
 from fsdp_fn._memory import label, retag
-from fsdp_fn._plan import ROOT, ParamSpec, Unit, unit_label
+from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
 from fsdp_fn._shard import Sharded, check_shard, unit_views
 
 
@@ -87,6 +87,31 @@ class Schedule:
             raise ValueError(f"max_inflight must be at least 1 (the unit that runs), got {self.max_inflight}")
         if self.backward_prefetch is not None and not isinstance(self.backward_prefetch, BackwardPrefetch):
             raise TypeError(f"backward_prefetch must be a BackwardPrefetch or None, got {self.backward_prefetch!r}")
+
+
+def predict_collectives(
+    plan: Plan, world: int, schedule: Schedule | None = None, *, first_step: bool = True, trainable: bool = True
+) -> list[Collective]:
+    """What one train step issues on each rank, from the plan alone (for units that run in plan order).
+
+    Per unit: one all-gather in forward; one more in backward when it is resharded after
+    forward (never the root; from the second step on, not the unit that ran last, which
+    is needed again first); one reduce-scatter in backward. Then one all-reduce of two
+    float64 numbers (the step's loss and gradient norm).
+    """
+    schedule = schedule or Schedule()
+    last = [u.name for u in plan.units if u.name != ROOT][-1:]
+    out: list[Collective] = []
+    for u in plan.units:
+        n = u.padded_numel(world)
+        out.append(Collective("all_gather", u.name, n, u.dtype, world))
+        resharded = schedule.reshard_after_forward and u.name != ROOT and (first_step or [u.name] != last)
+        if resharded:
+            out.append(Collective("all_gather", u.name, n, u.dtype, world))
+        if trainable:
+            out.append(Collective("reduce_scatter", u.name, n, u.dtype, world))
+    out.append(Collective("all_reduce", None, 2, torch.float64, world))
+    return out
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

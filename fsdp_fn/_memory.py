@@ -16,8 +16,8 @@ otherwise ``"activations"`` (activations and temporaries).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import optree

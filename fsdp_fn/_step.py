@@ -136,8 +136,8 @@ class TrainStep:
                 )
             del grads, grad_shards
 
-        zero = torch.zeros((), dtype=torch.float64)
-        stats = torch.stack([loss.detach().double(), sum(square_norms.values(), zero)])
+        zero = torch.zeros((), dtype=torch.float64, device=loss.device)
+        stats = torch.stack([loss.detach().double(), sum((n.to(loss.device) for n in square_norms.values()), zero)])
         all_reduce_(stats, params.group)
         metrics = {"loss": (stats[0] / params.layout.world).float(), "grad_norm": stats[1].sqrt().float()}
         _average_changed_buffers(state.buffers, versions, params)

@@ -46,7 +46,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, world: int, port: int, conn: Connection, threads: int, timeout_s: float, strict: bool) -> None:
+def _worker(
+    rank: int, world: int, port: int, conn: Connection, threads: int, timeout_s: float, strict: bool, backend: str
+) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import warnings
 
@@ -54,8 +56,10 @@ def _worker(rank: int, world: int, port: int, conn: Connection, threads: int, ti
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
@@ -105,12 +109,14 @@ class RankPool:
         timeout: float = 300.0,
         collective_timeout: float = 60.0,
         warnings_as_errors: bool = True,
+        backend: str = "gloo",
     ) -> None:
         if world < 1:
             raise ValueError(f"a pool needs at least one rank, got world={world}")
         self.world, self.threads, self.timeout = world, threads, timeout
         self.collective_timeout = collective_timeout
         self.warnings_as_errors = warnings_as_errors
+        self.backend = backend
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
 
@@ -121,7 +127,16 @@ class RankPool:
             here, there = ctx.Pipe()
             p = ctx.Process(
                 target=_worker,
-                args=(rank, self.world, port, there, self.threads, self.collective_timeout, self.warnings_as_errors),
+                args=(
+                    rank,
+                    self.world,
+                    port,
+                    there,
+                    self.threads,
+                    self.collective_timeout,
+                    self.warnings_as_errors,
+                    self.backend,
+                ),
                 daemon=True,
                 name=f"fsdp_fn-rank{rank}",
             )

@@ -30,13 +30,17 @@ def _measured_step(group, split_root=False, update_in_backward=False, reshard_af
         backward_prefetch=ff.BackwardPrefetch.BACKWARD_PRE if prefetch else None,
     )
     state = step.init(params)
-    batch = local_part(torch.randint(0, CFG.vocab, (4 * world, CFG.seq + 1), generator=torch.Generator().manual_seed(0)), rank, world)
+    batch = local_part(
+        torch.randint(0, CFG.vocab, (4 * world, CFG.seq + 1), generator=torch.Generator().manual_seed(0)), rank, world
+    )
     state, _ = step(state, batch)  # warm: nothing is created lazily in the measured step
     with ff.MemoryMeter() as meter, ff.comm_log() as log:
         meter.tag(state, "state")
         state, _ = step(state, batch)
         meter.sample("after the step")
-    estimate = ff.estimate_memory(plan, world, update_in_backward=update_in_backward, units_in_flight=2 if prefetch else 1)
+    estimate = ff.estimate_memory(
+        plan, world, update_in_backward=update_in_backward, units_in_flight=2 if prefetch else 1
+    )
     return {
         "peaks": meter.category_peaks(),
         "after": dict(meter.current),
@@ -159,7 +163,9 @@ def _meta_without_initialiser(group):
         ff.init_shards(m, plan, group)
     except ValueError as e:
         message = str(e)
-    params, _ = ff.init_shards(m, plan, group, init=lambda mod: [nn.init.ones_(p) for p in mod.parameters(recurse=False)])
+    params, _ = ff.init_shards(
+        m, plan, group, init=lambda mod: [nn.init.ones_(p) for p in mod.parameters(recurse=False)]
+    )
     return message, ff.unshard(params)["1.w"].sum().item()
 
 

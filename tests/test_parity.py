@@ -83,7 +83,10 @@ OPTIONS = {
     "update_in_backward": {"step_kw": {"update_in_backward": True}},
     "keep_gathered": {"step_kw": {"reshard_after_forward": False}},
     "split_root": {"plan_kw": {"split_root": True}},
-    "all_three": {"step_kw": {"update_in_backward": True, "reshard_after_forward": False}, "plan_kw": {"split_root": True}},
+    "all_three": {
+        "step_kw": {"update_in_backward": True, "reshard_after_forward": False},
+        "plan_kw": {"split_root": True},
+    },
 }
 
 

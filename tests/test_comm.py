@@ -1,0 +1,70 @@
+"""Every collective a step issues is counted, and equals what the plan predicts."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import fsdp_fn as ff
+from examples.gpt import GPT, Block, GPTConfig, lm_loss
+from tests.helpers import local_part
+
+CFG = GPTConfig(vocab=50, seq=8, d_model=12, n_layers=4, n_heads=2)
+
+
+def _logged_steps(group, split_root, step_kw):
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=split_root)
+    params = ff.shard(fn.params, plan, group)
+    step = ff.train_step(fn, lm_loss, ff.adamw(), **step_kw)
+    state = step.init(params)
+    logs = []
+    for k in range(2):
+        batch = local_part(
+            torch.randint(0, CFG.vocab, (2 * world, CFG.seq + 1), generator=torch.Generator().manual_seed(k)),
+            rank,
+            world,
+        )
+        with ff.comm_log() as log:
+            state, _ = step(state, batch)
+        logs.append(log.records)
+    return plan, logs
+
+
+def key(c):
+    return (c.op, c.unit, c.numel, c.dtype)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("split_root", [False, True])
+@pytest.mark.parametrize("variant", ["default", "keep_gathered", "in_backward_no_prefetch"])
+def test_step_issues_exactly_the_predicted_collectives(pool, world, split_root, variant):
+    step_kw = {
+        "default": {},
+        "keep_gathered": {"reshard_after_forward": False},
+        "in_backward_no_prefetch": {"update_in_backward": True, "backward_prefetch": None, "forward_prefetch": False},
+    }[variant]
+    results = pool.run(_logged_steps, split_root, step_kw, world=world)
+    plan = results[0][0]
+    schedule = ff.Schedule(reshard_after_forward=step_kw.get("reshard_after_forward", True))
+    for _, logs in results:  # every rank issues the same
+        for k, records in enumerate(logs):
+            predicted = ff.predict_collectives(plan, world, schedule, first_step=k == 0)
+            assert Counter(map(key, records)) == Counter(map(key, predicted))
+            # one collective per unit per phase: forward all-gathers run in plan order
+            forward = [c.unit for c in records if c.op == "all_gather"][: len(plan.units)]
+            assert forward == list(plan.unit_names)
+            # bytes: 3 x (W-1)/W x parameter bytes, less a gather for every unit kept gathered
+            param_bytes = sum(u.padded_numel(world) * 4 for u in plan.units)
+            kept = sum(
+                u.padded_numel(world) * 4
+                for u in plan.units
+                if not any(c.unit == u.name and c.op == "all_gather" for c in records[len(plan.units) :])
+            )
+            sent = sum(c.ring_bytes for c in records if c.op != "all_reduce")
+            assert sent == pytest.approx((3 * param_bytes - kept) * (world - 1) / world)
