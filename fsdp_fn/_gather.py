@@ -121,6 +121,16 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _lift(buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Buffers as tensors of the current torch.func level, so the forward may update them in
+    place (BatchNorm statistics); a transform refuses in-place writes to captured tensors.
+    The write still lands in the buffer itself."""
+    level = torch._C._functorch.maybe_current_level()
+    if level is None:
+        return dict(buffers)
+    return {k: torch._C._functorch._wrap_for_grad(v, level) for k, v in buffers.items()}
+
+
 class _Gathered:
     """One gathered instance of a unit inside one call: its buffer, pending work and state."""
 
@@ -412,7 +422,7 @@ class Runtime:
                 tensors.update(root[1])
             else:
                 tensors.update({p.name: _NotGathered(p, unit.name) for p in unit.params})
-        tensors.update(buffers)
+        tensors.update(_lift(buffers))
         if self.schedule.forward_prefetch and self.order_hint:
             self._prefetch(self.order_hint[0])
 

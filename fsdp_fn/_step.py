@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch.func import vjp
 
 from fsdp_fn._collectives import all_reduce_, broadcast_
@@ -43,6 +44,7 @@ class TrainStep:
         backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
         forward_prefetch: bool = True,
         max_inflight: int = 2,
+        buffer_sync: BufferSync = "broadcast",
     ) -> None:
         if not isinstance(fn, Functional):
             raise TypeError(f"train_step wants the Functional from functionalize(module), got {type(fn).__name__}")
@@ -58,6 +60,9 @@ class TrainStep:
         self.fn, self.loss_fn, self.optimizer, self.donate = fn, loss_fn, optimizer, donate
         self.schedule = Schedule(reshard_after_forward, backward_prefetch, forward_prefetch, max_inflight)
         self.update_in_backward = update_in_backward
+        if buffer_sync not in ("broadcast", "mean", None):
+            raise ValueError(f"buffer_sync must be 'broadcast', 'mean' or None, got {buffer_sync!r}")
+        self.buffer_sync = buffer_sync
         self.unit_order: list[str] = []  # the order the last step ran the units in: forward prefetch follows it
 
     def init(self, params: Sharded, buffers: Mapping[str, torch.Tensor] | None = None) -> TrainState:
@@ -78,8 +83,8 @@ class TrainStep:
         Memory: shards + units in flight + activations; full gradients exist one unit at a
         time (with ``update_in_backward`` the gradient shards too). Communication: per
         unit, an all-gather in forward and in backward and one reduce-scatter; one
-        all-reduce of two numbers for the metrics; one all-reduce of the buffers the
-        forward changed (e.g. BatchNorm statistics, averaged over ranks). If the forward or
+        all-reduce of two numbers for the metrics; with buffers, one broadcast (or all-reduce)
+        of them per dtype. If the forward or
         the loss raises, ``state`` is untouched. Units the forward never ran are not stepped
         (as torch.optim skips parameters without a gradient).
         """
@@ -87,7 +92,6 @@ class TrainStep:
         opt_state = state.opt_state
         if not self.donate:
             params, opt_state = tree_map(torch.clone, (params, opt_state))
-        versions = {k: b._version for k, b in state.buffers.items()}
         square_norms: dict[str, torch.Tensor] = {}
 
         def step_unit(unit: str, grad: torch.Tensor) -> None:
@@ -140,7 +144,7 @@ class TrainStep:
         stats = torch.stack([loss.detach().double(), sum((n.to(loss.device) for n in square_norms.values()), zero)])
         all_reduce_(stats, params.group)
         metrics = {"loss": (stats[0] / params.layout.world).float(), "grad_norm": stats[1].sqrt().float()}
-        _average_changed_buffers(state.buffers, versions, params)
+        sync_buffers(state.buffers, params.group, self.buffer_sync)
         return TrainState(params, opt_state, state.buffers, state.step + 1), metrics
 
 
@@ -149,16 +153,33 @@ def _square_norm(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t).double().square()
 
 
-def _average_changed_buffers(buffers: dict[str, torch.Tensor], versions: dict[str, int], params: Sharded) -> None:
-    changed = [b for k, b in buffers.items() if b._version != versions[k] and b.is_floating_point()]
-    if not changed or params.layout.world == 1:
+BufferSync = Literal["broadcast", "mean"] | None
+
+
+def sync_buffers(buffers: Mapping[str, torch.Tensor], group: dist.ProcessGroup, mode: BufferSync) -> None:
+    """Make replicated buffers equal on every rank again after a forward moved them.
+
+    ``"broadcast"``: rank 0's values win (DDP's rule). ``"mean"``: floating buffers are
+    averaged (every rank's statistics count); integer ones are left as they are (equal
+    by construction, e.g. ``num_batches_tracked``). ``None``: no communication.
+    Communication: one collective per buffer dtype (buffers flattened together).
+    """
+    if mode is None or group.size() == 1 or not buffers:
         return
-    flat = torch.cat([b.reshape(-1) for b in changed])
-    all_reduce_(flat, params.group).div_(params.layout.world)
-    at = 0
-    for b in changed:
-        b.copy_(flat[at : at + b.numel()].view_as(b))
-        at += b.numel()
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for b in buffers.values():
+        if mode == "broadcast" or b.is_floating_point():
+            by_dtype.setdefault(b.dtype, []).append(b)
+    for tensors in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        if mode == "broadcast":
+            broadcast_(flat, group)
+        else:
+            all_reduce_(flat, group).div_(group.size())
+        at = 0
+        for t in tensors:
+            t.copy_(flat[at : at + t.numel()].view_as(t))
+            at += t.numel()
 
 
 def train_step(
@@ -172,6 +193,7 @@ def train_step(
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
     forward_prefetch: bool = True,
     max_inflight: int = 2,
+    buffer_sync: BufferSync = "broadcast",
 ) -> TrainStep:
     """Build the sharded train step.
 
@@ -188,6 +210,8 @@ def train_step(
     ``backward_prefetch`` (``BACKWARD_PRE``, ``BACKWARD_POST``, ``None``) and
     ``forward_prefetch`` issue the next unit's all-gather early, overlapping it with
     compute; ``max_inflight`` caps the non-root units gathered at once (prefetch included).
+    ``buffer_sync`` keeps replicated buffers (BatchNorm statistics) equal across ranks after
+    each step: ``"broadcast"`` from rank 0 as DDP does, ``"mean"``, or ``None``.
 
     >>> import torch, torch.nn.functional as F
     >>> def loss_fn(model, batch):
@@ -204,4 +228,5 @@ def train_step(
         backward_prefetch=backward_prefetch,
         forward_prefetch=forward_prefetch,
         max_inflight=max_inflight,
+        buffer_sync=buffer_sync,
     )

@@ -193,3 +193,36 @@ def _kwargs_forward(group):
 
 def test_forward_takes_args_and_kwargs(pool):
     assert max(pool.run(_kwargs_forward, world=2)) < 1e-6
+
+
+def _mesh_and_buffers(group, buffer_sync):
+    """A 1-D DeviceMesh as the group, and replicated BatchNorm statistics kept consistent."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world, rank = group.size(), group.rank()
+    mesh = DeviceMesh.from_group(group, "cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.Tanh(), nn.Linear(7, 2))
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), mesh)
+    assert params.group is mesh.get_group()
+    step = ff.train_step(fn, mse_loss, ff.sgd(lr=0.1), buffer_sync=buffer_sync)
+    mine = {k: v + rank for k, v in fn.buffers.items()}  # ranks start out of step on purpose
+    state = step.init(params, mine)
+    started_equal = torch.equal(state.buffers["1.running_mean"], fn.buffers["1.running_mean"])
+    for k in range(3):
+        g = torch.Generator().manual_seed(k)
+        x, y = torch.randn(4 * world, 5, generator=g), torch.randn(4 * world, 2, generator=g)
+        state, _ = step(state, (x.chunk(world)[rank] * (rank + 1), y.chunk(world)[rank]))
+    stats = torch.cat([state.buffers["1.running_mean"], state.buffers["1.running_var"]])
+    gathered = [torch.empty_like(stats) for _ in range(world)]
+    torch.distributed.all_gather(gathered, stats, group=group)
+    return started_equal, all(torch.equal(gathered[0], t) for t in gathered), state.buffers["1.num_batches_tracked"].item()
+
+
+@pytest.mark.parametrize("buffer_sync", ["broadcast", "mean"])
+def test_device_mesh_group_and_consistent_buffers(pool, buffer_sync):
+    for started_equal, consistent, tracked in pool.run(_mesh_and_buffers, buffer_sync, world=3):
+        assert started_equal  # broadcast from rank 0 at init
+        assert consistent  # every rank's forward moved its statistics; the step made them equal again
+        assert tracked == 3
