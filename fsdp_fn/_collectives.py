@@ -81,6 +81,8 @@ def comm_log() -> Iterator[CommLog]:
 
 
 def record(op: str, unit: str | None, numel: int, dtype: torch.dtype, world: int) -> None:
+    if world == 1:  # one rank communicates nothing
+        return
     for log in _logs.__dict__.get("stack", ()):
         log.records.append(Collective(op, unit, numel, dtype, world))
 
@@ -148,6 +150,11 @@ def all_gather_into(
         return pending
 
 
+def _others_in_order(world: int, rank: int) -> list[tuple[int, int]]:
+    """(index into the received rows, rank) for every rank in order; this rank's index is unused."""
+    return [(j - (j > rank), j) for j in range(world)]
+
+
 def reduce_scatter_start(
     full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float = 1.0
 ) -> Callable[[], torch.Tensor]:
@@ -178,14 +185,15 @@ def reduce_scatter_start(
         with label("comm"):
             received = full.new_empty(world - 1, n)
         into: list[torch.Tensor | None] = [None] * world
-        for k, j in enumerate(j for j in range(world) if j != rank):
-            into[j] = received[k]
+        for k, j in _others_in_order(world, rank):
+            if j != rank:
+                into[j] = received[k]
         pending = _exchange(group, [None if j == rank else c for j, c in enumerate(chunks)], into)
 
         def finish() -> torch.Tensor:
             pending.wait()
             with torch._C._DisableFuncTorch(), label("grads"):
-                parts = [chunks[j] if j == rank else into[j] for j in range(world)]
+                parts = [chunks[j] if j == rank else received[k] for k, j in _others_in_order(world, rank)]
                 out = parts[0].clone()
                 for part in parts[1:]:
                     out.add_(part)

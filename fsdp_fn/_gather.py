@@ -102,6 +102,8 @@ def predict_collectives(
     schedule = schedule or Schedule()
     last = [u.name for u in plan.units if u.name != ROOT][-1:]
     out: list[Collective] = []
+    if world == 1:  # one rank communicates nothing
+        return out
     for u in plan.units:
         n = u.padded_numel(world)
         out.append(Collective("all_gather", u.name, n, u.dtype, world))

@@ -88,18 +88,22 @@ def init_shards(
             for name in (spec.name, *spec.aliases):
                 owner, _, attr = name.rpartition(".")
                 param_slots.setdefault(unit.name, []).append((module.get_submodule(owner), attr, spec.name))
-    buffer_slots, buffers = [], {}
+    buffer_slots: list[tuple[nn.Module, str, str]] = []
+    buffers: dict[str, torch.Tensor] = {}
+    first_name: dict[int, str] = {}  # a buffer shared under several names is materialised once
     for name, b in module.named_buffers(remove_duplicate=False):
         owner, _, attr = name.rpartition(".")
-        buffer_slots.append((module.get_submodule(owner), attr, name))
-        buffers.setdefault(name, torch.zeros(b.shape, dtype=b.dtype, device=device))
+        canonical = first_name.setdefault(id(b), name)
+        buffer_slots.append((module.get_submodule(owner), attr, canonical))
+        if canonical == name:
+            buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
 
     def initialise() -> None:
         for m in _post_order(module):
             if init is not None:
                 init(m)
-            elif hasattr(m, "reset_parameters"):
-                m.reset_parameters()
+            elif callable(reset := getattr(m, "reset_parameters", None)):
+                reset()
 
     shards: dict[str, torch.Tensor] = {}
     with _swapped(buffer_slots, buffers, "buffer"), torch.random.fork_rng(devices=[]):
@@ -110,8 +114,7 @@ def init_shards(
                 initialise()
             shards[unit.name] = local_slice(unit, full, world, rank)
             del full
-    canonical = {name: t for name, t in buffers.items() if name in dict(module.named_buffers())}
-    return Sharded(shards, Layout(plan, pg)), canonical
+    return Sharded(shards, Layout(plan, pg)), buffers
 
 
 def _materialise(unit: Unit, device: torch.device | str) -> dict[str, torch.Tensor]:

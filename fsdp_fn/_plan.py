@@ -352,12 +352,12 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
 
     if split_root:
         for spec in members.pop(ROOT, []):
-            owners = {n.rpartition(".")[0] for n in (spec.name, *spec.aliases)}
-            owner = owners.pop() if len(owners) == 1 else ROOT
-            if owner != ROOT and not _has_forward(module.get_submodule(owner)):
-                owner = ROOT
-            members.setdefault(owner, []).append(spec)
-            unit_set.add(owner)
+            holders = {n.rpartition(".")[0] for n in (spec.name, *spec.aliases)}
+            home = holders.pop() if len(holders) == 1 else ROOT
+            if home != ROOT and not _has_forward(module.get_submodule(home)):
+                home = ROOT
+            members.setdefault(home, []).append(spec)
+            unit_set.add(home)
     order = [ROOT, *(n for n, _ in module.named_modules() if n in unit_set and n != ROOT)]
     units = tuple(Unit(name, tuple(members[name])) for name in order if members.get(name))
     for u in units:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -123,7 +123,7 @@ class TrainStep:
 
         # vjp rather than grad: grad always differentiates with create_graph=True, which keeps
         # every backward intermediate alive for a second derivative nobody asked for.
-        loss, vjp_fn = vjp(objective, params.shards)
+        loss, vjp_fn = vjp(objective, params.shards)  # type: ignore[misc]
         (grad_shards,) = vjp_fn(torch.ones_like(loss), retain_graph=False, create_graph=False)
         runtime.drain()  # the reduce-scatters still in flight, before anything reads a gradient
         self.unit_order = runtime.order
@@ -150,7 +150,7 @@ class TrainStep:
 
 def _square_norm(t: torch.Tensor) -> torch.Tensor:
     # One fast fp32 pass (as clip_grad_norm_ does), squared in float64 for the sum over units.
-    return torch.linalg.vector_norm(t).double().square()
+    return cast(torch.Tensor, torch.linalg.vector_norm(t).double().square())
 
 
 BufferSync = Literal["broadcast", "mean"] | None

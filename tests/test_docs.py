@@ -30,3 +30,23 @@ def solo():
 def test_docstring_examples(solo, name):
     failed, attempted = solo.run(_doctest, name)[0]
     assert failed == 0, f"{failed} of {attempted} examples failed in {name}"
+
+
+def _markdown_blocks(group, path):
+    import pathlib
+    import re
+
+    text = pathlib.Path(path).read_text()
+    namespace: dict = {}
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    for i, block in enumerate(blocks):
+        try:
+            exec(compile(block, f"{path} block {i + 1}", "exec"), namespace)
+        except Exception as e:
+            raise AssertionError(f"{path}: block {i + 1} failed: {type(e).__name__}: {e}") from e
+    return len(blocks)
+
+
+@pytest.mark.parametrize("page", ["docs/api.md"])
+def test_documentation_examples_run(solo, page):
+    assert solo.run(_markdown_blocks, page)[0] > 3

@@ -217,7 +217,11 @@ def _mesh_and_buffers(group, buffer_sync):
     stats = torch.cat([state.buffers["1.running_mean"], state.buffers["1.running_var"]])
     gathered = [torch.empty_like(stats) for _ in range(world)]
     torch.distributed.all_gather(gathered, stats, group=group)
-    return started_equal, all(torch.equal(gathered[0], t) for t in gathered), state.buffers["1.num_batches_tracked"].item()
+    return (
+        started_equal,
+        all(torch.equal(gathered[0], t) for t in gathered),
+        state.buffers["1.num_batches_tracked"].item(),
+    )
 
 
 @pytest.mark.parametrize("buffer_sync", ["broadcast", "mean"])
