@@ -11,10 +11,11 @@ step   = train_step(fn, loss_fn, adamw())      # torch.func composes them into o
 from fsdp_fn._agree import DivergenceError
 from fsdp_fn._collectives import Collective, CommLog, all_gather, comm_log, reduce_scatter_sum
 from fsdp_fn._functional import Functional, functionalize
-from fsdp_fn._gather import BackwardPrefetch, Schedule, UnitState, apply_sharded, gather_for, predict_collectives
+from fsdp_fn._gather import UnitState, apply_sharded, gather_for, predict_collectives
 from fsdp_fn._init import init_shards
 from fsdp_fn._memory import CATEGORIES, MemoryEstimate, MemoryMeter, estimate_memory
 from fsdp_fn._optim import AdamWState, Optimizer, SGDState, adamw, from_torch, sgd, tree_leaves, tree_map
+from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedule
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Policy, Unit, layer_policy, make_plan, size_policy
 from fsdp_fn._shard import NAMESPACE, Sharded, reduce_grads, shard, unshard
 from fsdp_fn._step import TrainState, TrainStep, train_step
@@ -25,12 +26,14 @@ __all__ = [
     "CATEGORIES",
     "AdamWState",
     "BackwardPrefetch",
+    "CPUOffload",
     "Collective",
     "CommLog",
     "DivergenceError",
     "Functional",
     "MemoryEstimate",
     "MemoryMeter",
+    "MixedPrecision",
     "Optimizer",
     "ParamSpec",
     "Plan",

@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import enum
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,11 +29,12 @@ from torch import nn
 from torch.autograd.function import FunctionCtx
 from torch.func import functional_call
 
-from fsdp_fn._collectives import Collective, _ReduceScatter, all_gather, all_gather_into, reduce_scatter_start
+from fsdp_fn._collectives import Collective, all_gather, all_gather_into, all_reduce_, reduce_scatter_start
 from fsdp_fn._functional import Functional
 from fsdp_fn._memory import label, retag
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
-from fsdp_fn._shard import Sharded, check_shard, unit_views
+from fsdp_fn._policy import BackwardPrefetch, Schedule
+from fsdp_fn._shard import Sharded, check_shard, shards_of, unit_views
 
 
 def gather_for(unit: str | Unit) -> Callable[[Sharded], dict[str, torch.Tensor]]:
@@ -64,56 +64,38 @@ class UnitState(enum.Enum):
     """Forward is done and the buffer's storage is released; backward will refill it."""
 
 
-class BackwardPrefetch(enum.Enum):
-    """When the next unit's all-gather is issued in backward (the seed's ``backward_prefetch``)."""
-
-    BACKWARD_PRE = "pre"
-    """Before computing this unit's gradients: most overlap, two units gathered at once."""
-    BACKWARD_POST = "post"
-    """After this unit's gradients are computed (and its reduce-scatter issued)."""
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """When units are gathered and freed: a value, the same on every rank."""
-
-    reshard_after_forward: bool = True
-    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
-    forward_prefetch: bool = True
-    max_inflight: int = 2  # non-root units gathered at once, prefetches included
-
-    def __post_init__(self) -> None:
-        if self.max_inflight < 1:
-            raise ValueError(f"max_inflight must be at least 1 (the unit that runs), got {self.max_inflight}")
-        if self.backward_prefetch is not None and not isinstance(self.backward_prefetch, BackwardPrefetch):
-            raise TypeError(f"backward_prefetch must be a BackwardPrefetch or None, got {self.backward_prefetch!r}")
-
-
 def predict_collectives(
-    plan: Plan, world: int, schedule: Schedule | None = None, *, first_step: bool = True, trainable: bool = True
+    plan: Plan, world: int, schedule: Schedule | None = None, *, first_step: bool = True, replicas: int = 1
 ) -> list[Collective]:
     """What one train step issues on each rank, from the plan alone (for units that run in plan order).
 
-    Per unit: one all-gather in forward; one more in backward when it is resharded after
-    forward (never the root; from the second step on, not the unit that ran last, which
-    is needed again first); one reduce-scatter in backward. Then one all-reduce of two
-    float64 numbers (the step's loss and gradient norm).
+    Per use of a unit (a shared tied parameter is used by each of its modules), per flat
+    part (trainable, frozen): one all-gather in forward in the gather dtype; one more in
+    backward when the unit is resharded after forward (never the root; from the second
+    step on, not the unit that ran last, which is needed again first). Per use, one
+    reduce-scatter of the trainable part in the reduce dtype and, with ``replicas``
+    (hybrid sharding), one all-reduce of the gradient shard across them. Then one
+    all-reduce of two float64 numbers (the step's loss and gradient norm).
     """
     schedule = schedule or Schedule()
     last = [u.name for u in plan.units if u.name != ROOT][-1:]
     out: list[Collective] = []
-    if world == 1:  # one rank communicates nothing
-        return out
     for u in plan.units:
-        n = u.padded_numel(world)
-        out.append(Collective("all_gather", u.name, n, u.dtype, world))
         resharded = schedule.reshard_after_forward and u.name != ROOT and (first_step or [u.name] != last)
-        if resharded:
-            out.append(Collective("all_gather", u.name, n, u.dtype, world))
-        if trainable:
-            out.append(Collective("reduce_scatter", u.name, n, u.dtype, world))
+        parts = [p for p in (u, u.frozen_part) if p.params]
+        for _ in u.modules:
+            for part in parts:
+                n, gather = part.padded_numel(world), schedule.gather_dtype(part.dtype)
+                out += [Collective("all_gather", u.name, n, gather, world)] * (1 + resharded)
+            if u.params:
+                reduce = schedule.reduce_dtype(u.dtype)
+                out.append(Collective("reduce_scatter", u.name, u.padded_numel(world), reduce, world))
+                if replicas > 1:
+                    out.append(Collective("all_reduce", u.name, u.shard_numel(world), reduce, replicas))
     out.append(Collective("all_reduce", None, 2, torch.float64, world))
-    return out
+    if replicas > 1:
+        out.append(Collective("all_reduce", None, 2, torch.float64, replicas))
+    return [c for c in out if c.world > 1]
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -133,62 +115,107 @@ def _lift(buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: torch._C._functorch._wrap_for_grad(v, level) for k, v in buffers.items()}
 
 
-class _Gathered:
-    """One gathered instance of a unit inside one call: its buffer, pending work and state."""
+class _Flat:
+    """One flat part of a gathered unit: this rank's shard, the gathered buffer, the pending gather."""
 
-    def __init__(self, unit: Unit, runtime: Runtime, shard: torch.Tensor) -> None:
-        self.unit = unit
-        self.runtime = runtime
-        self.group = runtime.params.group
-        self.shard = shard  # plain, 1-D
-        self.state = UnitState.SHARDED
-        self.buffer: torch.Tensor | None = None  # plain, 1-D, padded full size
+    def __init__(self, part: Unit, shard: torch.Tensor, group: Any, dtype: torch.dtype, device: torch.device) -> None:
+        self.part, self.shard, self.group = part, shard, group  # shard: plain, 1-D
+        self.dtype, self.device = dtype, device
+        # One rank, same dtype and device: the shard is the whole unit, used in place.
+        self.in_place = group.size() == 1 and shard.dtype == dtype and shard.device == device
+        self.buffer: torch.Tensor | None = None
         self.work: Any = None
-        # Only non-root units on more than one rank take a buffer that counts against the limit.
-        self.counted = unit.name != ROOT and self.group.size() > 1
+        self._source: torch.Tensor | None = None  # the cast/copied shard, alive while its gather runs
 
     def start(self) -> None:
-        """Allocate (or re-grow) the buffer and issue the all-gather; do not wait."""
-        # Plain tensors only: a prefetch runs outside any autograd.Function, where a
-        # transform would otherwise wrap the new buffer.
-        with torch._C._DisableFuncTorch():
-            if self.group.size() == 1:  # the shard is the whole unit: use it in place
-                self.buffer = self.shard.view_as(self.shard)
-            elif self.buffer is None:
-                with label("gathered"):
-                    self.buffer = self.shard.new_empty(self.shard.numel() * self.group.size())
-            else:
-                self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
-            if self.group.size() > 1:
-                self.work = all_gather_into(self.buffer, self.shard, self.group, self.unit.name, async_op=True)
-        self.state = UnitState.GATHERED
-        self.runtime.inflight += self.counted
+        if self.in_place:
+            self.buffer = self.shard.view_as(self.shard)
+            return
+        world = self.group.size()
+        if self.buffer is None:
+            with label("gathered"):
+                self.buffer = torch.empty(self.shard.numel() * world, dtype=self.dtype, device=self.device)
+        else:
+            self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
+        source = self.shard
+        if world > 1 and (source.dtype != self.dtype or source.device != self.device):
+            with label("comm"):
+                source = source.to(device=self.device, dtype=self.dtype, non_blocking=True)
+        self._source = source
+        self.work = all_gather_into(self.buffer, source, self.group, self.part.name, async_op=True)
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
-            self.work = None
+        self.work = self._source = None
 
-    def _drop_storage(self) -> None:
-        assert self.buffer is not None
+    def drop(self) -> None:
         self.wait()
-        if self.group.size() > 1:
+        if not self.in_place and self.buffer is not None:
             self.buffer.untyped_storage().resize_(0)
-        self.runtime.inflight -= self.counted
+
+
+class _Gathered:
+    """One gathered instance of a unit inside one call: its flat parts, pending work and state."""
+
+    def __init__(self, unit: Unit, runtime: Runtime) -> None:
+        self.unit = unit
+        self.runtime = runtime
+        self.group = runtime.params.group
+        schedule, device = runtime.schedule, runtime.device
+        self.parts = [
+            _Flat(part, _plain(shard), self.group, schedule.gather_dtype(part.dtype), device or shard.device)
+            for part, shard in shards_of(runtime.params, unit)
+        ]
+        self.state = UnitState.SHARDED
+        # Only non-root units whose gather allocates take a buffer that counts against the limit.
+        self.counted = unit.name != ROOT and not all(p.in_place for p in self.parts)
+
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's shard of the trainable part (plain)."""
+        return self.parts[0].shard
+
+    def start(self) -> None:
+        """Allocate (or re-grow) the buffers and issue the all-gathers; do not wait."""
+        # Plain tensors only: a prefetch runs outside any autograd.Function, where a
+        # transform would otherwise wrap the new buffers.
+        with torch._C._DisableFuncTorch():
+            for part in self.parts:
+                part.start()
+        self.state = UnitState.GATHERED
+        self.runtime.inflight += self.counted
+
+    def wait(self) -> None:
+        for part in self.parts:
+            part.wait()
 
     def free(self) -> None:
         """After forward: release the storage; backward will ``start`` it again."""
-        if self.group.size() == 1:
+        if not self.counted and self.unit.name != ROOT:
             return  # nothing was allocated
-        self._drop_storage()
+        for part in self.parts:
+            part.drop()
+        self.runtime.inflight -= self.counted
         self.state = UnitState.FREED
 
     def release(self) -> None:
         """After backward: autograd holds no views any more; drop everything."""
         if self.state is UnitState.GATHERED:
-            self._drop_storage()
-        self.buffer = None
+            for part in self.parts:
+                part.drop()
+            self.runtime.inflight -= self.counted
+        for part in self.parts:
+            part.buffer = None
         self.state = UnitState.SHARDED
+
+    def views(self, trainable: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The unit's parameters: views into ``trainable`` (autograd's output) and the frozen buffer."""
+        out = unit_views(self.unit, trainable)
+        for part in self.parts[1:]:
+            assert part.buffer is not None
+            out.update(unit_views(part.part, part.buffer))
+        return out
 
 
 class _GatherUnit(torch.autograd.Function):
@@ -199,8 +226,9 @@ class _GatherUnit(torch.autograd.Function):
         if rec.state is UnitState.SHARDED:  # not prefetched
             rec.start()
         rec.wait()
-        assert rec.buffer is not None
-        return rec.buffer if rec.group.size() > 1 else rec.buffer.view_as(rec.buffer)
+        buffer = rec.parts[0].buffer
+        assert buffer is not None
+        return buffer if not rec.parts[0].in_place else buffer.view_as(buffer)
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -210,22 +238,22 @@ class _GatherUnit(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         rec: _Gathered = ctx.rec
         rt = rec.runtime
-        retag(_plain(grad), "grads")
-        scale = 1.0 / rec.group.size()
-        if rt.on_grad is None:
-            with label("grads"):
-                out = _ReduceScatter.apply(grad, rec.group, rec.unit.name, scale)
-            rec.release()
-            rt.after_backward(rec)
-            return out, None
-        with label("grads"):
-            finish = reduce_scatter_start(_plain(grad), rec.group, rec.unit.name, scale)
+        full = _plain(grad)
+        retag(full, "grads")
         rec.release()
         rt.after_backward(rec)
-        rt.reductions.append((rec.unit, finish))
-        rt.drain(keep=1)  # one reduction in flight behind the next unit's backward
-        # The gradient is consumed in place by on_grad; autograd gets a zero that owns no memory.
         shard = rec.shard
+        if rt.deferred is not None:  # accumulating micro-batches: keep the full gradient, reduce later
+            with torch._C._DisableFuncTorch(), torch.no_grad():
+                rt.defer(rec.unit, full)
+        else:
+            with torch._C._DisableFuncTorch(), label("grads"):
+                finish = rt.reduce(rec.unit, full)
+            if rt.on_grad is None:
+                return finish(), None
+            rt.reductions.append((rec.unit, finish))
+            rt.drain(keep=1)  # one reduction in flight behind the next unit's backward
+        # The gradient is consumed elsewhere; autograd gets a zero that owns no memory.
         return torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.shape), None
 
 
@@ -297,9 +325,12 @@ class Runtime:
         schedule: Schedule | None = None,
         order_hint: Sequence[str] = (),
         on_grad: Callable[[str, torch.Tensor], None] | None = None,
+        deferred: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.fn, self.params = fn, params
         self.schedule = schedule or Schedule()
+        offload = self.schedule.cpu_offload
+        self.device = offload.compute_device() if offload is not None else None
         self.plan = params.plan
         # The order units ran in last time: forward prefetch follows it.
         self.order_hint = list(order_hint)
@@ -307,6 +338,8 @@ class Runtime:
         # Called with (unit, gradient shard) once per unit in backward, as soon as the
         # unit's last gathered instance is reduce-scattered (all its uses summed).
         self.on_grad = on_grad
+        # Accumulation without reduce-scatter: full gradients per unit, summed over micro-batches.
+        self.deferred = deferred
         self.gathers: dict[str, int] = {}  # gathered instances per unit in this forward
         self._sums: dict[str, tuple[int, torch.Tensor]] = {}
         self.reductions: collections.deque[tuple[Unit, Callable[[], torch.Tensor]]] = collections.deque()
@@ -315,19 +348,45 @@ class Runtime:
         self.inflight = 0  # non-root unit buffers allocated now
         self.running: list[str] = []  # units whose forward is in progress, innermost last
         self.order: list[str] = []  # units in the order their forward ran
-        self.live: dict[str, list[_Gathered]] = {}  # gathered instances whose forward is running
+        self.live: dict[tuple[str, str], list[_Gathered]] = {}  # gathered instances whose forward is running
         module = fn.module
-        # where each unit's parameters live in the module: (owning module, attribute, canonical name)
-        self.slots: dict[str, list[tuple[nn.Module, str, str]]] = {}
+        # where each (unit, module) gather puts parameters: (owning module, attribute, canonical name)
+        self.slots: dict[tuple[str, str], list[tuple[nn.Module, str, str]]] = {}
         for unit in self.plan.units:
-            slots = []
-            for spec in unit.params:
-                for full_name in (spec.name, *spec.aliases):
-                    owner, _, attr = full_name.rpartition(".")
-                    slots.append((module.get_submodule(owner), attr, spec.name))
-            self.slots[unit.name] = slots
+            for path in unit.modules:
+                slots = []
+                for spec in unit.all_params:
+                    for full_name in (spec.name, *spec.aliases):
+                        owner, _, attr = full_name.rpartition(".")
+                        if not unit.hooks or owner == path:
+                            slots.append((module.get_submodule(owner), attr, spec.name))
+                self.slots[(unit.name, path)] = slots
 
     # --- gradients ------------------------------------------------------------------------------
+
+    def reduce(self, unit: Unit, full: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Issue the reduce-scatter of a unit's full gradient; the result waits and returns
+        the mean gradient shard in the shard's dtype and on its device."""
+        layout = self.params.layout
+        source = full.to(self.schedule.reduce_dtype(full.dtype))
+        finish = reduce_scatter_start(source, layout.group, unit.name, 1.0 / layout.world)
+        shard = self.params[unit.name]
+
+        def result() -> torch.Tensor:
+            out = finish()
+            if layout.replicate is not None:  # hybrid sharding: then average across the replicas
+                all_reduce_(out, layout.replicate, unit.name).div_(layout.replicas)
+            return out.to(dtype=shard.dtype, device=shard.device)
+
+        return result
+
+    def defer(self, unit: Unit, full: torch.Tensor) -> None:
+        assert self.deferred is not None
+        total = self.deferred.get(unit.name)
+        if total is None:
+            self.deferred[unit.name] = full  # a fresh buffer from the split's backward: ours to keep
+        else:
+            total.add_(full)
 
     def deliver(self, unit: Unit, grad: torch.Tensor) -> None:
         seen, total = self._sums.pop(unit.name, (0, None))
@@ -348,8 +407,8 @@ class Runtime:
     # --- gathering --------------------------------------------------------------------------------
 
     def _new_record(self, unit: Unit) -> _Gathered:
-        shard = check_shard(self.params, unit)
-        rec = _Gathered(unit, self, _plain(shard))
+        check_shard(self.params, unit)
+        rec = _Gathered(unit, self)
         self.records.append(rec)
         return rec
 
@@ -357,7 +416,7 @@ class Runtime:
         self.gathers[unit.name] = self.gathers.get(unit.name, 0) + 1
         rec = self.prefetched.pop(unit.name, None) or self._new_record(unit)
         full = _GatherUnit.apply(check_shard(self.params, unit), rec)
-        return rec, unit_views(unit, full)
+        return rec, rec.views(full)
 
     def _next_in_hint(self, name: str) -> str | None:
         hint = self.order_hint
@@ -416,14 +475,15 @@ class Runtime:
         """Run the module with ``params`` (the runtime's shards, possibly inside a transform)."""
         self.params = params
         module = self.fn.module
+        precision = self.schedule.mixed_precision
+        if precision.param_dtype is not None and precision.cast_forward_inputs:
+            args, kwargs = _cast_floating((args, kwargs), precision.param_dtype)
         tensors: dict[str, torch.Tensor] = {}
-        root: tuple[_Gathered, dict[str, torch.Tensor]] | None = None
         for unit in self.plan.units:
             if unit.name == ROOT:
-                root = self._gather(unit)
-                tensors.update(root[1])
+                tensors.update(self._gather(unit)[1])
             else:
-                tensors.update({p.name: _NotGathered(p, unit.name) for p in unit.params})
+                tensors.update({p.name: _NotGathered(p, unit.name) for p in unit.all_params})
         tensors.update(_lift(buffers))
         if self.schedule.forward_prefetch and self.order_hint:
             self._prefetch(self.order_hint[0])
@@ -433,8 +493,10 @@ class Runtime:
         for unit in self.plan.units:
             if unit.name == ROOT:
                 continue
-            handles.append(module.get_submodule(unit.name).register_forward_pre_hook(self._pre_hook(unit, swapped)))
-            handles.append(module.get_submodule(unit.name).register_forward_hook(self._post_hook(unit, swapped)))
+            for path in unit.modules:
+                target = module.get_submodule(path)
+                handles.append(target.register_forward_pre_hook(self._pre_hook(unit, path, swapped)))
+                handles.append(target.register_forward_hook(self._post_hook(unit, path, swapped)))
         try:
             out = functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
         except Exception as e:
@@ -452,32 +514,40 @@ class Runtime:
         for rec in self.prefetched.values():  # prefetched along the hint, but not run this time
             rec.release()
         self.prefetched.clear()
+        if precision.output_dtype is not None:
+            out = _cast_floating(out, precision.output_dtype)
         return out
 
-    def _pre_hook(self, unit: Unit, swapped: list[tuple[nn.Module, str, Any]]) -> Callable[..., None]:
+    def _pre_hook(self, unit: Unit, path: str, swapped: list[tuple[nn.Module, str, Any]]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             self.running.append(unit.name)
             rec, views = self._gather(unit)
             upcoming = self._next_in_hint(unit.name)
             if self.schedule.forward_prefetch:
                 self._prefetch(upcoming)
-            for owner, attr, name in self.slots[unit.name]:
+            for owner, attr, name in self.slots[(unit.name, path)]:
                 swapped.append((owner, attr, owner._parameters[attr]))
                 owner._parameters[attr] = views[name]  # type: ignore[assignment]
             self.order.append(unit.name)
-            self.live.setdefault(unit.name, []).append(rec)
+            self.live.setdefault((unit.name, path), []).append(rec)
 
         return hook
 
-    def _post_hook(self, unit: Unit, swapped: list[tuple[nn.Module, str, Any]]) -> Callable[..., Any]:
+    def _post_hook(self, unit: Unit, path: str, swapped: list[tuple[nn.Module, str, Any]]) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            for _ in self.slots[unit.name]:
+            for _ in self.slots[(unit.name, path)]:
                 owner, attr, original = swapped.pop()
                 owner._parameters[attr] = original
             self.running.pop()
-            return self._after_forward(self.live[unit.name].pop(), output, self._reshard(unit))
+            return self._after_forward(self.live[(unit.name, path)].pop(), output, self._reshard(unit))
 
         return hook
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    return torch_pytree.tree_map(
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
+    )
 
 
 def apply_sharded(

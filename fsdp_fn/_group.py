@@ -38,3 +38,17 @@ def resolve_group(group: Group) -> dist.ProcessGroup:
 
 def _kind(x: Any) -> str:
     return type(x).__name__
+
+
+def resolve_groups(group: Group) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """(shard group, replicate group or None): a 2-D ``DeviceMesh`` (replicate, shard) means
+    hybrid sharding; anything else is what ``resolve_group`` takes."""
+    if isinstance(group, DeviceMesh) and group.ndim == 2:
+        if not dist.is_initialized():
+            resolve_group(None)  # raises the not-initialised error
+        return group.get_group(1), group.get_group(0)
+    if isinstance(group, DeviceMesh) and group.ndim > 2:
+        raise ValueError(
+            f"a {group.ndim}-D DeviceMesh was given; fsdp_fn takes a 1-D mesh (shard) or a 2-D one (replicate, shard)"
+        )
+    return resolve_group(group), None

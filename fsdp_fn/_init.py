@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fsdp_fn._agree import agree
-from fsdp_fn._group import Group, resolve_group
+from fsdp_fn._group import Group, resolve_groups
 from fsdp_fn._plan import Plan, Unit, unit_label
 from fsdp_fn._shard import Layout, Sharded, local_slice
 
@@ -74,17 +74,24 @@ def init_shards(
     every rank (they are replicated) and returned. The module itself stays on meta.
     Communication: one small all-gather of the plan's fingerprint.
     """
-    pg = resolve_group(group)
+    pg, replicate = resolve_groups(group)
     if init is not None and not callable(init):
         raise TypeError(f"init must be callable as init(module), got {type(init).__name__}")
     if init is None:
         _check_initialisable(module)
-    agree(pg, "plan", {"plan": plan.fingerprint()}, hint="build the plan from the same model and policy on every rank")
+    for g in (pg, replicate):
+        if g is not None:
+            agree(
+                g,
+                "plan",
+                {"plan": plan.fingerprint()},
+                hint="build the plan from the same model and policy on every rank",
+            )
     world, rank = pg.size(), pg.rank()
 
     param_slots: dict[str, list[tuple[nn.Module, str, str]]] = {}
     for unit in plan.units:
-        for spec in unit.params:
+        for spec in unit.all_params:
             for name in (spec.name, *spec.aliases):
                 owner, _, attr = name.rpartition(".")
                 param_slots.setdefault(unit.name, []).append((module.get_submodule(owner), attr, spec.name))
@@ -106,6 +113,7 @@ def init_shards(
                 reset()
 
     shards: dict[str, torch.Tensor] = {}
+    frozen: dict[str, torch.Tensor] = {}
     with _swapped(buffer_slots, buffers, "buffer"), torch.random.fork_rng(devices=[]):
         for unit in plan.units:
             full = _materialise(unit, device)
@@ -113,8 +121,10 @@ def init_shards(
             with torch.no_grad(), _swapped(param_slots[unit.name], full, "param"):
                 initialise()
             shards[unit.name] = local_slice(unit, full, world, rank)
+            if unit.frozen:
+                frozen[unit.name] = local_slice(unit.frozen_part, full, world, rank)
             del full
-    return Sharded(shards, Layout(plan, pg)), buffers
+    return Sharded(shards, Layout(plan, pg, frozen, replicate)), buffers
 
 
 def _materialise(unit: Unit, device: torch.device | str) -> dict[str, torch.Tensor]:

@@ -58,10 +58,33 @@ class ParamSpec:
 
 @dataclass(frozen=True)
 class Unit:
-    """Parameters gathered together. Its flat buffer is the parameters, in order, then padding."""
+    """Parameters gathered together, as one flat buffer: the parameters in order, then padding.
 
-    name: str  # module path; ROOT for the root unit
+    ``params`` are the trainable ones (gathered with autograd, reduce-scattered);
+    ``frozen`` ones (``requires_grad=False``) form a second flat buffer that is gathered
+    but never reduced and has no optimizer state. ``hooks`` lists the modules whose
+    forward gathers the unit; empty means the module the unit is named after. A tied
+    parameter used by modules in different units is a unit of its own, gathered by each.
+    """
+
+    name: str  # module path; ROOT for the root unit; a parameter name for a shared tied parameter
     params: tuple[ParamSpec, ...]
+    frozen: tuple[ParamSpec, ...] = ()
+    hooks: tuple[str, ...] = ()
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The modules whose forward gathers this unit."""
+        return self.hooks or (self.name,)
+
+    @property
+    def frozen_part(self) -> Unit:
+        """The frozen parameters as a unit of their own (the layout of the second buffer)."""
+        return Unit(self.name, self.frozen)
+
+    @property
+    def all_params(self) -> tuple[ParamSpec, ...]:
+        return self.params + self.frozen
 
     @property
     def numel(self) -> int:
@@ -69,7 +92,7 @@ class Unit:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.params[0].dtype
+        return (self.params or self.frozen)[0].dtype
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -87,13 +110,11 @@ class Unit:
         return self.shard_numel(world) * world
 
     def gather_bytes(self, world: int = 1, dtype: torch.dtype | None = None) -> int:
-        """Bytes of the gathered flat buffer (padding included) on one rank."""
-        itemsize = (dtype or self.dtype).itemsize
-        return self.padded_numel(world) * itemsize
-
-    @property
-    def module_path(self) -> tuple[str, ...]:
-        return tuple(self.name.split(".")) if self.name else ()
+        """Bytes of the gathered flat buffers (padding included, frozen part too) on one rank."""
+        total = self.padded_numel(world) * (dtype or self.dtype).itemsize
+        if self.frozen:
+            total += self.frozen_part.gather_bytes(world, dtype)
+        return total
 
 
 @dataclass(frozen=True)
@@ -105,7 +126,7 @@ class Plan:
     def __post_init__(self) -> None:
         seen: dict[str, str] = {}
         for u in self.units:
-            for p in u.params:
+            for p in u.all_params:
                 for n in (p.name, *p.aliases):
                     if n in seen:
                         raise ValueError(
@@ -126,55 +147,52 @@ class Plan:
 
     @property
     def params(self) -> tuple[ParamSpec, ...]:
-        return tuple(p for u in self.units for p in u.params)
+        """Every parameter, trainable and frozen."""
+        return tuple(p for u in self.units for p in u.all_params)
 
     @property
     def numel(self) -> int:
-        return sum(u.numel for u in self.units)
+        return sum(p.numel for p in self.params)
 
     def unit_of(self, param: str) -> Unit:
         for u in self.units:
-            if any(param == p.name or param in p.aliases for p in u.params):
+            if any(param == p.name or param in p.aliases for p in u.all_params):
                 return u
         raise KeyError(f"parameter {param!r} is in no unit of the plan")
 
     def to_dict(self) -> dict[str, Any]:
+        def specs(ps: tuple[ParamSpec, ...]) -> list[dict[str, Any]]:
+            return [
+                {
+                    "name": p.name,
+                    "shape": list(p.shape),
+                    "dtype": _dtype_name(p.dtype),
+                    "requires_grad": p.requires_grad,
+                    "aliases": list(p.aliases),
+                }
+                for p in ps
+            ]
+
         return {
             "units": [
-                {
-                    "name": u.name,
-                    "params": [
-                        {
-                            "name": p.name,
-                            "shape": list(p.shape),
-                            "dtype": _dtype_name(p.dtype),
-                            "requires_grad": p.requires_grad,
-                            "aliases": list(p.aliases),
-                        }
-                        for p in u.params
-                    ],
-                }
+                {"name": u.name, "params": specs(u.params), "frozen": specs(u.frozen), "hooks": list(u.hooks)}
                 for u in self.units
             ]
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
+        def specs(ps: list[dict[str, Any]]) -> tuple[ParamSpec, ...]:
+            return tuple(
+                ParamSpec(
+                    p["name"], tuple(p["shape"]), _dtype_from_name(p["dtype"]), p["requires_grad"], tuple(p["aliases"])
+                )
+                for p in ps
+            )
+
         return cls(
             tuple(
-                Unit(
-                    u["name"],
-                    tuple(
-                        ParamSpec(
-                            p["name"],
-                            tuple(p["shape"]),
-                            _dtype_from_name(p["dtype"]),
-                            p["requires_grad"],
-                            tuple(p["aliases"]),
-                        )
-                        for p in u["params"]
-                    ),
-                )
+                Unit(u["name"], specs(u["params"]), specs(u.get("frozen", [])), tuple(u.get("hooks", [])))
                 for u in data["units"]
             )
         )
@@ -196,9 +214,11 @@ class Plan:
     def __str__(self) -> str:
         rows = [f"Plan: {len(self.units)} units, {self.numel:,} parameters"]
         for u in self.units:
+            extra = f"  ({len(u.frozen)} frozen)" if u.frozen else ""
+            extra += f"  gathered by {', '.join(u.hooks)}" if u.hooks else ""
             rows.append(
-                f"  {unit_label(u.name):<32} {len(u.params):>4} params {u.numel:>14,} elements "
-                f"{u.gather_bytes():>14,} B gathered  {_dtype_name(u.dtype)}"
+                f"  {unit_label(u.name):<32} {len(u.all_params):>4} params {u.numel + u.frozen_part.numel:>14,} elements "
+                f"{u.gather_bytes():>14,} B gathered  {_dtype_name(u.dtype)}{extra}"
             )
         return "\n".join(rows)
 
@@ -259,8 +279,10 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
     Walks the module tree like torch's auto-wrap: ``policy(m, True, n)`` says whether to
     look inside ``m``; after its children, ``policy(m, False, n)`` says whether ``m``
     becomes a unit, ``n`` being its parameters not yet claimed by a unit below it.
-    A tied parameter whose users sit in different units goes to their closest common
-    unit. ``split_root=True`` shards the root like any other unit: what no unit claims is
+    A tied parameter whose users sit in different units becomes a unit of its own, which
+    each of them gathers as it runs (gradients from every use are summed). Frozen
+    parameters (``requires_grad=False``) form a second flat buffer in their unit.
+    ``split_root=True`` shards the root like any other unit: what no unit claims is
     split by owning module (e.g. the embedding and the output head become units of their
     own, gathered only while they run, instead of one root unit gathered for the whole
     step). No communication, no allocation: it reads only shapes.
@@ -327,19 +349,8 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
                 return path
         return ROOT
 
-    def common(paths: list[str]) -> str:
-        split = [p.split(".") if p else [] for p in paths]
-        prefix: list[str] = []
-        for parts in zip(*split, strict=False):
-            if len(set(parts)) != 1:
-                break
-            prefix.append(parts[0])
-        for k in range(len(prefix), 0, -1):
-            if ".".join(prefix[:k]) in unit_set:
-                return ".".join(prefix[:k])
-        return ROOT
-
     members: dict[str, list[ParamSpec]] = {}
+    shared: dict[str, tuple[str, ...]] = {}  # a tied parameter's own unit -> the modules using it
     for pid, names in names_of.items():
         p = tensors[pid]
         if not p.dtype.is_floating_point:
@@ -348,24 +359,54 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
                 "parameters can be sharded (keep integer state in buffers)"
             )
         spec = ParamSpec(names[0], tuple(p.shape), p.dtype, p.requires_grad, tuple(names[1:]))
-        members.setdefault(common([owner(n) for n in names]), []).append(spec)
+        owners = {owner(n) for n in names}
+        holders = tuple(dict.fromkeys(n.rpartition(".")[0] for n in names))
+        if len(owners) == 1:
+            home = owners.pop()
+        elif ROOT in owners or ROOT in holders:
+            home = ROOT  # the root stays gathered for the whole forward: every use sees it
+        else:
+            # Used in several units: a unit of its own, gathered by each module that uses it.
+            home = spec.name
+            shared[home] = holders
+        members.setdefault(home, []).append(spec)
 
     if split_root:
         for spec in members.pop(ROOT, []):
-            holders = {n.rpartition(".")[0] for n in (spec.name, *spec.aliases)}
-            home = holders.pop() if len(holders) == 1 else ROOT
-            if home != ROOT and not _has_forward(module.get_submodule(home)):
-                home = ROOT
-            members.setdefault(home, []).append(spec)
-            unit_set.add(home)
-    order = [ROOT, *(n for n, _ in module.named_modules() if n in unit_set and n != ROOT)]
-    units = tuple(Unit(name, tuple(members[name])) for name in order if members.get(name))
-    for u in units:
-        dtypes = {p.dtype for p in u.params}
-        if len(dtypes) > 1:
-            detail = ", ".join(f"{p.name}: {_dtype_name(p.dtype)}" for p in u.params)
-            raise TypeError(
-                f"unit {unit_label(u.name)} mixes dtypes ({detail}); a unit is one flat buffer "
-                "of one dtype: cast the module or choose a policy that separates them"
+            holders = tuple(dict.fromkeys(n.rpartition(".")[0] for n in (spec.name, *spec.aliases)))
+            if ROOT in holders or not all(_has_forward(module.get_submodule(h)) for h in holders):
+                members.setdefault(ROOT, []).append(spec)
+            elif len(holders) == 1:
+                members.setdefault(holders[0], []).append(spec)
+                unit_set.add(holders[0])
+            else:
+                members[spec.name] = [spec]
+                shared[spec.name] = holders
+
+    position = {n: i for i, (n, _) in enumerate(module.named_modules())}
+
+    def first_use(name: str) -> int:
+        return min(position[h] for h in shared[name]) if name in shared else position[name]
+
+    order = sorted((n for n in members if n != ROOT), key=lambda n: (first_use(n), n in shared))
+    units = []
+    for name in ([ROOT] if ROOT in members else []) + order:
+        specs = members[name]
+        units.append(
+            Unit(
+                name,
+                tuple(s for s in specs if s.requires_grad),
+                tuple(s for s in specs if not s.requires_grad),
+                shared.get(name, ()),
             )
-    return Plan(units)
+        )
+    for u in units:
+        for part, kind in ((u.params, "trainable"), (u.frozen, "frozen")):
+            dtypes = {p.dtype for p in part}
+            if len(dtypes) > 1:
+                detail = ", ".join(f"{p.name}: {_dtype_name(p.dtype)}" for p in part)
+                raise TypeError(
+                    f"unit {unit_label(u.name)} mixes dtypes in its {kind} parameters ({detail}); a unit is one "
+                    "flat buffer of one dtype: cast the module or choose a policy that separates them"
+                )
+    return Plan(tuple(units))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import optree
@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
 
+from fsdp_fn._agree import agree
 from fsdp_fn._collectives import _ReduceScatter, all_gather
-from fsdp_fn._group import Group, resolve_group
+from fsdp_fn._group import Group, resolve_groups
 from fsdp_fn._plan import Plan, Unit, unit_label
 
 NAMESPACE = "fsdp_fn"  # optree namespace under which ``Sharded`` is a pytree node
@@ -20,10 +21,18 @@ NAMESPACE = "fsdp_fn"  # optree namespace under which ``Sharded`` is a pytree no
 
 @dataclass(frozen=True, eq=False)
 class Layout:
-    """Static metadata of a ``Sharded`` tree: the plan and the group it is sharded over."""
+    """Static metadata of a ``Sharded`` tree: the plan, the groups, and the frozen shards.
+
+    ``group`` shards the units; ``replicate`` (hybrid sharding) holds the replicas that
+    average their gradients. ``frozen`` holds this rank's shards of the units' frozen
+    parameters: constants that ride along, so gradients and optimizer state built by
+    ``tree_map`` never include them.
+    """
 
     plan: Plan
     group: dist.ProcessGroup
+    frozen: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    replicate: dist.ProcessGroup | None = None
 
     @property
     def world(self) -> int:
@@ -33,11 +42,21 @@ class Layout:
     def rank(self) -> int:
         return self.group.rank()
 
+    @property
+    def replicas(self) -> int:
+        return self.replicate.size() if self.replicate is not None else 1
+
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Layout) and other.group is self.group and other.plan == self.plan
+        return (
+            isinstance(other, Layout)
+            and other.group is self.group
+            and other.replicate is self.replicate
+            and other.frozen is self.frozen
+            and other.plan == self.plan
+        )
 
     def __hash__(self) -> int:
-        return hash((self.plan, id(self.group)))
+        return hash((self.plan, id(self.group), id(self.replicate), id(self.frozen)))
 
 
 class Sharded:
@@ -131,7 +150,8 @@ def check_params(params: Mapping[str, torch.Tensor], plan: Plan) -> None:
 
 
 def local_slice(unit: Unit, params: Mapping[str, torch.Tensor], world: int, rank: int) -> torch.Tensor:
-    """This rank's shard of ``unit``, copied from full ``params`` without building the flat buffer."""
+    """This rank's shard of ``unit``'s (trainable) flat buffer, copied from full ``params``
+    without building the flat buffer. ``unit.frozen_part`` gives the frozen one."""
     n = unit.shard_numel(world)
     lo, hi = rank * n, (rank + 1) * n
     out = torch.zeros(n, dtype=unit.dtype, device=_device_of(unit, params))
@@ -143,10 +163,10 @@ def local_slice(unit: Unit, params: Mapping[str, torch.Tensor], world: int, rank
 
 
 def _device_of(unit: Unit, params: Mapping[str, torch.Tensor]) -> torch.device:
-    devices = {params[p.name].device for p in unit.params}
+    devices = {params[p.name].device for p in unit.all_params}
     if len(devices) > 1:
         raise ValueError(f"unit {unit_label(unit.name)} has parameters on several devices: {sorted(map(str, devices))}")
-    return devices.pop()
+    return devices.pop() if devices else torch.device("cpu")
 
 
 def unit_views(unit: Unit, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -172,6 +192,14 @@ def check_shard(sharded: Sharded, unit: Unit) -> torch.Tensor:
     return t
 
 
+def shards_of(sharded: Sharded, unit: Unit) -> list[tuple[Unit, torch.Tensor]]:
+    """The unit's flat parts with this rank's shard of each: trainable, then frozen if any."""
+    parts = [(unit, check_shard(sharded, unit))]
+    if unit.frozen:
+        parts.append((unit.frozen_part, sharded.layout.frozen[unit.name]))
+    return parts
+
+
 def shard(params: Mapping[str, torch.Tensor], plan: Plan, group: Group = None) -> Sharded:
     """Keep this rank's 1/W of every unit: one flat, padded 1-D shard per unit.
 
@@ -190,33 +218,35 @@ def shard(params: Mapping[str, torch.Tensor], plan: Plan, group: Group = None) -
     >>> p[""].shape  # 8 elements on one rank
     torch.Size([8])
     """
-    pg = resolve_group(group)
+    pg, replicate = resolve_groups(group)
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a Plan (from make_plan), got {type(plan).__name__}")
     check_params(params, plan)
     world, rank = pg.size(), pg.rank()
-    from fsdp_fn._agree import agree
-
-    agree(
-        pg,
-        "plan",
-        {"plan": plan.fingerprint(), **{f"unit {unit_label(k)}": v for k, v in plan.unit_fingerprints().items()}},
-        hint="build the plan from the same model and policy on every rank",
-    )
-    agree(
-        pg,
-        "initial parameters",
-        {f"unit {unit_label(u.name)}": _checksum(u, params) for u in plan.units},
-        hint="initialise the model with the same seed on every rank",
-    )
-    layout = Layout(plan, pg)
+    for g in (pg, replicate):
+        if g is None:
+            continue
+        agree(
+            g,
+            "plan",
+            {"plan": plan.fingerprint(), **{f"unit {unit_label(k)}": v for k, v in plan.unit_fingerprints().items()}},
+            hint="build the plan from the same model and policy on every rank",
+        )
+        agree(
+            g,
+            "initial parameters",
+            {f"unit {unit_label(u.name)}": _checksum(u, params) for u in plan.units},
+            hint="initialise the model with the same seed on every rank",
+        )
+    frozen = {u.name: local_slice(u.frozen_part, params, world, rank) for u in plan.units if u.frozen}
+    layout = Layout(plan, pg, frozen, replicate)
     return Sharded({u.name: local_slice(u, params, world, rank) for u in plan.units}, layout)
 
 
 def _checksum(unit: Unit, params: Mapping[str, torch.Tensor]) -> tuple[float, float]:
     s = sq = 0.0
     with torch.no_grad():
-        for spec in unit.params:
+        for spec in unit.all_params:
             t = params[spec.name].detach().double()
             s += float(t.sum())
             sq += float((t * t).sum())
@@ -224,15 +254,16 @@ def _checksum(unit: Unit, params: Mapping[str, torch.Tensor]) -> tuple[float, fl
 
 
 def unshard(sharded: Sharded) -> dict[str, torch.Tensor]:
-    """All parameters at full size, keyed by name: one all-gather per unit.
+    """All parameters at full size, keyed by name (frozen ones too): one all-gather per unit part.
 
     Memory: the whole model on every rank. For checkpoints, evaluation and tests.
     """
     out: dict[str, torch.Tensor] = {}
     world = sharded.layout.world
     for unit in sharded.plan.units:
-        flat = all_gather(check_shard(sharded, unit), sharded.group, unit=unit.name, grad_scale=1.0 / world)
-        out.update(unit_views(unit, flat))
+        for part, shard in shards_of(sharded, unit):
+            flat = all_gather(shard, sharded.group, unit=unit.name, grad_scale=1.0 / world)
+            out.update(unit_views(part, flat))
     return out
 
 

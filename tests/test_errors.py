@@ -150,14 +150,14 @@ def test_torch_optimizer_built_on_unsharded_parameters(pool):
 def _two_d_mesh(group):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2))
+    mesh = init_device_mesh("cpu", (2, 1, 2))
     model, policy, _ = make("mlp")
     fn = ff.functionalize(model)
     return _error(ff.shard, fn.params, ff.make_plan(model, policy), mesh)
 
 
-def test_two_d_mesh_for_plain_sharding(pool):
-    assert "ValueError: a 2-D DeviceMesh" in pool.run(_two_d_mesh, world=4)[0]
+def test_three_d_mesh(pool):
+    assert "ValueError: a 3-D DeviceMesh was given" in pool.run(_two_d_mesh, world=4)[0]
 
 
 def test_process_group_not_initialised():
