@@ -15,10 +15,10 @@ from fsdp_fn._gather import UnitState, apply_sharded, gather_for, predict_collec
 from fsdp_fn._init import init_shards
 from fsdp_fn._memory import CATEGORIES, MemoryEstimate, MemoryMeter, estimate_memory
 from fsdp_fn._optim import AdamWState, Optimizer, SGDState, adamw, from_torch, sgd, tree_leaves, tree_map
-from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedule
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Policy, Unit, layer_policy, make_plan, size_policy
+from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedule
 from fsdp_fn._shard import NAMESPACE, Sharded, reduce_grads, shard, unshard
-from fsdp_fn._step import TrainState, TrainStep, train_step
+from fsdp_fn._step import TrainState, TrainStep, clip_grad_norm_, sync_buffers, train_step
 
 __all__ = [
     "NAMESPACE",
@@ -48,6 +48,7 @@ __all__ = [
     "adamw",
     "all_gather",
     "apply_sharded",
+    "clip_grad_norm_",
     "comm_log",
     "estimate_memory",
     "from_torch",
@@ -62,6 +63,7 @@ __all__ = [
     "sgd",
     "shard",
     "size_policy",
+    "sync_buffers",
     "train_step",
     "tree_leaves",
     "tree_map",

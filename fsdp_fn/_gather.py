@@ -121,8 +121,8 @@ class _Flat:
     def __init__(self, part: Unit, shard: torch.Tensor, group: Any, dtype: torch.dtype, device: torch.device) -> None:
         self.part, self.shard, self.group = part, shard, group  # shard: plain, 1-D
         self.dtype, self.device = dtype, device
-        # One rank, same dtype and device: the shard is the whole unit, used in place.
-        self.in_place = group.size() == 1 and shard.dtype == dtype and shard.device == device
+        # One rank, same dtype and device (or nothing to hold): the shard is the whole unit, used in place.
+        self.in_place = part.numel == 0 or (group.size() == 1 and shard.dtype == dtype and shard.device == device)
         self.buffer: torch.Tensor | None = None
         self.work: Any = None
         self._source: torch.Tensor | None = None  # the cast/copied shard, alive while its gather runs

@@ -217,7 +217,8 @@ class Plan:
             extra = f"  ({len(u.frozen)} frozen)" if u.frozen else ""
             extra += f"  gathered by {', '.join(u.hooks)}" if u.hooks else ""
             rows.append(
-                f"  {unit_label(u.name):<32} {len(u.all_params):>4} params {u.numel + u.frozen_part.numel:>14,} elements "
+                f"  {unit_label(u.name):<32} {len(u.all_params):>4} params "
+                f"{u.numel + u.frozen_part.numel:>14,} elements "
                 f"{u.gather_bytes():>14,} B gathered  {_dtype_name(u.dtype)}{extra}"
             )
         return "\n".join(rows)

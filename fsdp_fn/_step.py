@@ -1,9 +1,10 @@
-"""The sharded train step: ``torch.func.grad`` over the gathered forward, then the optimizer."""
+"""The sharded train step: ``torch.func.vjp`` over the gathered forward, then the optimizer."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, cast
 
 import torch
@@ -12,12 +13,15 @@ from torch.func import vjp
 
 from fsdp_fn._collectives import all_reduce_, broadcast_
 from fsdp_fn._functional import Functional
-from fsdp_fn._gather import BackwardPrefetch, Runtime, Schedule
+from fsdp_fn._gather import Runtime
 from fsdp_fn._memory import label
-from fsdp_fn._optim import Optimizer, select_units, tree_map
-from fsdp_fn._shard import Sharded
+from fsdp_fn._optim import Optimizer, select_units, tree_leaves, tree_map
+from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedule
+from fsdp_fn._shard import Layout, Sharded
 
 LossFn = Callable[[Callable[..., Any], Any], torch.Tensor]
+BufferSync = Literal["broadcast", "mean"] | None
+Accumulate = Literal["sharded", "full"]
 
 
 class TrainState(NamedTuple):
@@ -45,6 +49,12 @@ class TrainStep:
         forward_prefetch: bool = True,
         max_inflight: int = 2,
         buffer_sync: BufferSync = "broadcast",
+        mixed_precision: MixedPrecision | None = None,
+        cpu_offload: CPUOffload | None = None,
+        accumulation: int = 1,
+        accumulate: Accumulate = "sharded",
+        clip_grad_norm: float | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         if not isinstance(fn, Functional):
             raise TypeError(f"train_step wants the Functional from functionalize(module), got {type(fn).__name__}")
@@ -55,24 +65,72 @@ class TrainStep:
                 "optimizer must be an fsdp_fn Optimizer (adamw(), sgd(), from_torch(opt)), "
                 f"got {type(optimizer).__name__}"
             )
-        if update_in_backward and not donate:
-            raise ValueError("update_in_backward writes the shards during backward; it needs donate=True")
-        self.fn, self.loss_fn, self.optimizer, self.donate = fn, loss_fn, optimizer, donate
-        self.schedule = Schedule(reshard_after_forward, backward_prefetch, forward_prefetch, max_inflight)
-        self.update_in_backward = update_in_backward
+        if not isinstance(accumulation, int) or accumulation < 1:
+            raise ValueError(f"accumulation must be a whole number of micro-batches >= 1, got {accumulation!r}")
+        if accumulate not in ("sharded", "full"):
+            raise ValueError(
+                f"accumulate must be 'sharded' (reduce-scatter each micro-batch) or 'full', got {accumulate!r}"
+            )
+        if clip_grad_norm is not None and not (clip_grad_norm > 0 and math.isfinite(clip_grad_norm)):
+            raise ValueError(f"clip_grad_norm must be a positive finite number, got {clip_grad_norm!r}")
         if buffer_sync not in ("broadcast", "mean", None):
             raise ValueError(f"buffer_sync must be 'broadcast', 'mean' or None, got {buffer_sync!r}")
+        if update_in_backward:
+            conflicts = {
+                "donate=False": not donate,
+                "clip_grad_norm": clip_grad_norm is not None,
+                "skip_nonfinite": skip_nonfinite,
+                "accumulation > 1": accumulation > 1,
+            }
+            named = [k for k, v in conflicts.items() if v]
+            if named:
+                raise ValueError(
+                    f"update_in_backward steps each unit during backward, before the whole gradient exists; "
+                    f"it cannot be combined with {', '.join(named)}"
+                )
+        self.fn, self.loss_fn, self.optimizer, self.donate = fn, loss_fn, optimizer, donate
+        self.schedule = Schedule(
+            reshard_after_forward,
+            backward_prefetch,
+            forward_prefetch,
+            max_inflight,
+            mixed_precision or MixedPrecision(),
+            cpu_offload,
+        )
+        self.update_in_backward = update_in_backward
         self.buffer_sync = buffer_sync
+        self.accumulation, self.accumulate = accumulation, accumulate
+        self.clip_grad_norm, self.skip_nonfinite = clip_grad_norm, skip_nonfinite
         self.unit_order: list[str] = []  # the order the last step ran the units in: forward prefetch follows it
 
     def init(self, params: Sharded, buffers: Mapping[str, torch.Tensor] | None = None) -> TrainState:
-        """The first state. Buffers (default: the module's) are copied and broadcast from rank 0, as DDP does."""
+        """The first state. Buffers (default: the module's) are copied and broadcast from rank 0, as DDP does.
+
+        With ``cpu_offload`` the shards move to the CPU (and buffers to the compute device);
+        with ``mixed_precision.buffer_dtype`` floating buffers are cast to it.
+        """
         if not isinstance(params, Sharded):
             raise TypeError(f"init wants Sharded params (from shard()), got {type(params).__name__}")
         source = self.fn.buffers if buffers is None else buffers
-        copies = {k: v.detach().clone() for k, v in source.items()}
-        for b in copies.values():
-            broadcast_(b, params.group)
+        device = self.schedule.cpu_offload.compute_device() if self.schedule.cpu_offload else None
+        dtype = self.schedule.mixed_precision.buffer_dtype
+        copies = {
+            k: v.detach().to(
+                device=device, dtype=dtype if dtype is not None and v.is_floating_point() else None, copy=True
+            )
+            for k, v in source.items()
+        }
+        layout = params.layout
+        for g in (layout.group, layout.replicate):
+            if g is not None:
+                for b in copies.values():
+                    broadcast_(b, g)
+        if self.schedule.cpu_offload is not None:
+            cpu = {k: v.to("cpu") for k, v in layout.frozen.items()}
+            params = Sharded(
+                {k: v.to("cpu") for k, v in params.shards.items()},
+                Layout(layout.plan, layout.group, cpu, layout.replicate),
+            )
         with label("optimizer"):
             opt_state = self.optimizer.init(params)
         return TrainState(params, opt_state, copies, 0)
@@ -81,15 +139,20 @@ class TrainStep:
         """One step on this rank's part of the global batch.
 
         Memory: shards + units in flight + activations; full gradients exist one unit at a
-        time (with ``update_in_backward`` the gradient shards too). Communication: per
-        unit, an all-gather in forward and in backward and one reduce-scatter; one
-        all-reduce of two numbers for the metrics; with buffers, one broadcast (or all-reduce)
-        of them per dtype. If the forward or
-        the loss raises, ``state`` is untouched. Units the forward never ran are not stepped
-        (as torch.optim skips parameters without a gradient).
+        time (with ``update_in_backward`` the gradient shards too; with
+        ``accumulate="full"`` every unit's full gradient lives across the micro-batches).
+        Communication: per unit, an all-gather in forward and in backward and one
+        reduce-scatter (per micro-batch, except with ``accumulate="full"``: once); one
+        all-reduce of two numbers for the metrics; with buffers, one broadcast (or
+        all-reduce) of them per dtype. If the forward or the loss raises, ``state`` is
+        untouched. Units the forward never ran are not stepped (as torch.optim skips
+        parameters without a gradient).
         """
-        params = state.params
-        opt_state = state.opt_state
+        params, opt_state = state.params, state.opt_state
+        layout = params.layout
+        micro = self._micro_batches(batch)
+        # A skipped step must leave everything as it was, buffers the forward moves included.
+        saved_buffers = {k: b.clone() for k, b in state.buffers.items()} if self.skip_nonfinite else None
         if not self.donate:
             params, opt_state = tree_map(torch.clone, (params, opt_state))
         square_norms: dict[str, torch.Tensor] = {}
@@ -103,16 +166,86 @@ class TrainStep:
                 select_units(params, one),
             )
 
-        runtime = Runtime(
-            self.fn,
-            params,
-            schedule=self.schedule,
-            order_hint=self.unit_order,
-            on_grad=step_unit if self.update_in_backward else None,
-        )
+        deferred: dict[str, torch.Tensor] | None = {} if self.accumulation > 1 and self.accumulate == "full" else None
+        total: dict[str, torch.Tensor] | None = None
+        losses = []
+        used: dict[str, None] = {}
+        runtime = None
+        for mb in micro:
+            runtime = Runtime(
+                self.fn,
+                params,
+                schedule=self.schedule,
+                order_hint=self.unit_order,
+                on_grad=step_unit if self.update_in_backward else None,
+                deferred=deferred,
+            )
+            loss, grad_shards = self._forward_backward(runtime, params, state.buffers, mb)
+            losses.append(loss)
+            used.update(dict.fromkeys(runtime.gathers))
+            self.unit_order = runtime.order
+            if deferred is None and not self.update_in_backward:
+                total = grad_shards if total is None else {k: total[k].add_(v) for k, v in grad_shards.items()}
+            del grad_shards
+        assert runtime is not None
+        if deferred is not None:  # accumulate="full": one reduce-scatter per unit, now
+            total = {
+                u.name: runtime.reduce(u, deferred.pop(u.name))()
+                if u.name in deferred
+                else torch.zeros_like(params[u.name])
+                for u in params.plan.units
+            }
+        loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
+        order = [u for u in params.plan.unit_names if u in used]
+        skipped = torch.zeros((), dtype=torch.bool)
 
+        if self.update_in_backward:
+            stats = self._global(loss, square_norms.values(), layout)
+        else:
+            assert total is not None
+            if len(micro) > 1:
+                for g in total.values():
+                    g.div_(len(micro))
+            grads = params.replace(total)
+            stats = self._global(loss, (_square_norm(grads[u]) for u in order), layout)
+            norm = stats[1].sqrt()
+            finite = bool(torch.isfinite(stats).all())
+            if self.skip_nonfinite and not finite:
+                skipped = torch.ones((), dtype=torch.bool)
+                assert saved_buffers is not None
+                for k, b in state.buffers.items():
+                    b.copy_(saved_buffers[k])
+            else:
+                if self.clip_grad_norm is not None:
+                    _scale(grads, self.clip_grad_norm, norm)
+                update = (grads, opt_state, params)
+                if len(order) < len(params):
+                    update = tuple(select_units(tree, order) for tree in update)  # type: ignore[assignment]
+                self.optimizer.update(*update)
+            del grads, total
+
+        metrics = {"loss": stats[0].float(), "grad_norm": stats[1].sqrt().float(), "skipped": skipped}
+        sync_buffers(state.buffers, layout.group, self.buffer_sync)
+        if layout.replicate is not None:
+            sync_buffers(state.buffers, layout.replicate, self.buffer_sync)
+        return TrainState(params, opt_state, state.buffers, state.step + int(not skipped)), metrics
+
+    def _micro_batches(self, batch: Any) -> Sequence[Any]:
+        if self.accumulation == 1:
+            return [batch]
+        if not isinstance(batch, Sequence) or len(batch) != self.accumulation:
+            got = f"{len(batch)} items" if isinstance(batch, Sequence) else type(batch).__name__
+            raise ValueError(
+                f"with accumulation={self.accumulation} the batch must be a sequence of that many "
+                f"micro-batches, got {got}"
+            )
+        return batch
+
+    def _forward_backward(
+        self, runtime: Runtime, params: Sharded, buffers: dict[str, torch.Tensor], batch: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         def objective(shards: dict[str, torch.Tensor]) -> torch.Tensor:
-            model = functools.partial(runtime.run_on, params.replace(shards), state.buffers)
+            model = functools.partial(runtime.run_on, params.replace(shards), buffers)
             loss = self.loss_fn(model, batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
                 got = (
@@ -126,26 +259,19 @@ class TrainStep:
         loss, vjp_fn = vjp(objective, params.shards)  # type: ignore[misc]
         (grad_shards,) = vjp_fn(torch.ones_like(loss), retain_graph=False, create_graph=False)
         runtime.drain()  # the reduce-scatters still in flight, before anything reads a gradient
-        self.unit_order = runtime.order
-        used = [u for u in params.plan.unit_names if u in runtime.gathers]
-        if not self.update_in_backward:
-            grads = params.replace(grad_shards)
-            for u in used:
-                square_norms[u] = _square_norm(grads[u])
-            if len(used) == len(params):
-                self.optimizer.update(grads, opt_state, params)
-            else:
-                self.optimizer.update(
-                    select_units(grads, used), select_units(opt_state, used), select_units(params, used)
-                )
-            del grads, grad_shards
+        return loss.detach(), grad_shards
 
+    @staticmethod
+    def _global(loss: torch.Tensor, square_norms: Any, layout: Layout) -> torch.Tensor:
+        """[mean loss over all ranks, squared global gradient norm]: one all-reduce (two with replicas)."""
         zero = torch.zeros((), dtype=torch.float64, device=loss.device)
-        stats = torch.stack([loss.detach().double(), sum((n.to(loss.device) for n in square_norms.values()), zero)])
-        all_reduce_(stats, params.group)
-        metrics = {"loss": (stats[0] / params.layout.world).float(), "grad_norm": stats[1].sqrt().float()}
-        sync_buffers(state.buffers, params.group, self.buffer_sync)
-        return TrainState(params, opt_state, state.buffers, state.step + 1), metrics
+        stats = torch.stack([loss.double(), sum((n.to(loss.device) for n in square_norms), zero)])
+        all_reduce_(stats, layout.group)
+        if layout.replicate is not None:  # replicas hold the same gradient shards: count them once
+            all_reduce_(stats, layout.replicate)
+            stats[1] /= layout.replicas
+        stats[0] /= layout.world * layout.replicas
+        return stats
 
 
 def _square_norm(t: torch.Tensor) -> torch.Tensor:
@@ -153,7 +279,28 @@ def _square_norm(t: torch.Tensor) -> torch.Tensor:
     return cast(torch.Tensor, torch.linalg.vector_norm(t).double().square())
 
 
-BufferSync = Literal["broadcast", "mean"] | None
+def _scale(grads: Sharded, max_norm: float, norm: torch.Tensor) -> None:
+    # torch.nn.utils.clip_grad_norm_'s rule, to the digit.
+    coef = torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0)
+    for g in tree_leaves(grads):
+        g.mul_(coef.to(g.device))
+
+
+def clip_grad_norm_(grads: Sharded, max_norm: float) -> torch.Tensor:
+    """Scale sharded gradients in place so their global norm is at most ``max_norm``; return the norm.
+
+    Exactly ``torch.nn.utils.clip_grad_norm_`` on the unsharded gradients (padding is
+    zero and adds nothing). Communication: one all-reduce of one number (two with replicas).
+    """
+    layout = grads.layout
+    square = sum((_square_norm(g) for g in tree_leaves(grads)), torch.zeros((), dtype=torch.float64))
+    stats = torch.stack([torch.zeros((), dtype=torch.float64), square])
+    all_reduce_(stats, layout.group)
+    if layout.replicate is not None:
+        all_reduce_(stats, layout.replicate).div_(layout.replicas)
+    norm = stats[1].sqrt().float()
+    _scale(grads, max_norm, norm)
+    return norm
 
 
 def sync_buffers(buffers: Mapping[str, torch.Tensor], group: dist.ProcessGroup, mode: BufferSync) -> None:
@@ -194,6 +341,12 @@ def train_step(
     forward_prefetch: bool = True,
     max_inflight: int = 2,
     buffer_sync: BufferSync = "broadcast",
+    mixed_precision: MixedPrecision | None = None,
+    cpu_offload: CPUOffload | None = None,
+    accumulation: int = 1,
+    accumulate: Accumulate = "sharded",
+    clip_grad_norm: float | None = None,
+    skip_nonfinite: bool = False,
 ) -> TrainStep:
     """Build the sharded train step.
 
@@ -203,15 +356,24 @@ def train_step(
     are averaged over ranks, so equal per-rank batches give the gradient of the global
     batch's mean loss. ``donate=True`` updates shards and optimizer state in place (the
     returned state reuses the input's tensors); ``False`` leaves the input state intact.
-    ``reshard_after_forward=False`` keeps each unit gathered from its forward to its
-    backward (one all-gather less per unit, more memory: like ZeRO-2 / ``SHARD_GRAD_OP``).
-    ``update_in_backward=True`` steps each unit's optimizer as soon as its gradient shard
-    is reduce-scattered, so the gradient shards of all units never live at once.
-    ``backward_prefetch`` (``BACKWARD_PRE``, ``BACKWARD_POST``, ``None``) and
+
+    Memory and overlap: ``reshard_after_forward=False`` keeps each unit gathered from its
+    forward to its backward (one all-gather less per unit, more memory: ZeRO-2 /
+    ``SHARD_GRAD_OP``). ``update_in_backward=True`` steps each unit's optimizer as soon as
+    its gradient shard is reduce-scattered, so the gradient shards of all units never live
+    at once. ``backward_prefetch`` (``BACKWARD_PRE``, ``BACKWARD_POST``, ``None``) and
     ``forward_prefetch`` issue the next unit's all-gather early, overlapping it with
     compute; ``max_inflight`` caps the non-root units gathered at once (prefetch included).
-    ``buffer_sync`` keeps replicated buffers (BatchNorm statistics) equal across ranks after
-    each step: ``"broadcast"`` from rank 0 as DDP does, ``"mean"``, or ``None``.
+
+    Training features: ``mixed_precision`` (``MixedPrecision``), ``cpu_offload``
+    (``CPUOffload``), ``accumulation=N`` micro-batches per step (the batch is then a
+    sequence of N; ``accumulate="sharded"`` reduce-scatters each, ``"full"`` keeps full
+    gradients and reduce-scatters once, like ``no_sync``), ``clip_grad_norm`` (the global
+    norm over all shards, as ``torch.nn.utils.clip_grad_norm_``), ``skip_nonfinite`` (a
+    step whose loss or gradient norm is not finite leaves the state as it was; metrics say
+    ``skipped``). ``buffer_sync`` keeps replicated buffers (BatchNorm statistics) equal
+    across ranks after each step: ``"broadcast"`` from rank 0 as DDP does, ``"mean"``, or
+    ``None``.
 
     >>> import torch, torch.nn.functional as F
     >>> def loss_fn(model, batch):
@@ -229,4 +391,10 @@ def train_step(
         forward_prefetch=forward_prefetch,
         max_inflight=max_inflight,
         buffer_sync=buffer_sync,
+        mixed_precision=mixed_precision,
+        cpu_offload=cpu_offload,
+        accumulation=accumulation,
+        accumulate=accumulate,
+        clip_grad_norm=clip_grad_norm,
+        skip_nonfinite=skip_nonfinite,
     )

@@ -62,17 +62,45 @@ def local_part(batch: Any, rank: int, world: int) -> Any:
 
 
 def reference_run(
-    model: nn.Module, loss_fn: Callable[..., Any], batches: list[Any], make_opt: Callable[..., Any]
+    model: nn.Module,
+    loss_fn: Callable[..., Any],
+    batches: list[Any],
+    make_opt: Callable[..., Any],
+    *,
+    clip: float | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
-    """Unsharded training in this process: losses, gradient norms and final parameters."""
+    """Unsharded training in this process: losses, gradient norms and final parameters.
+
+    Only parameters that require grad are optimized. ``clip``: torch's clip_grad_norm_.
+    ``param_dtype``: the forward and backward run on a copy of the parameters cast to it
+    (inputs cast too, output back to float32), gradients cast back, as fsdp_fn's mixed
+    precision does.
+    """
     model = copy.deepcopy(model)
-    opt = make_opt(model.parameters())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = make_opt(trainable)
     losses, norms = [], []
     for b in batches:
         opt.zero_grad()
-        loss = loss_fn(model, b)
-        loss.backward()
-        norms.append(torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters())).item())
+        if param_dtype is None:
+            loss = loss_fn(model, b)
+            loss.backward()
+        else:
+            low = {k: v.detach().to(param_dtype).requires_grad_(v.requires_grad) for k, v in model.named_parameters()}
+
+            def run(*args, low=low, **kwargs):
+                args = [a.to(param_dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+                return torch.func.functional_call(model, low, tuple(args), kwargs).float()
+
+            loss = loss_fn(run, b)
+            loss.backward()
+            for k, p in model.named_parameters():
+                if p.requires_grad:
+                    p.grad = low[k].grad.float()
+        norms.append(torch.sqrt(sum(p.grad.double().square().sum() for p in trainable)).item())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(trainable, clip)
         losses.append(loss.item())
         opt.step()
     return {"losses": losses, "norms": norms, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
