@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
+from fsdp_fn import _guard
 from fsdp_fn._memory import label
 
 
@@ -80,9 +81,14 @@ def comm_log() -> Iterator[CommLog]:
         stack.remove(log)
 
 
-def record(op: str, unit: str | None, numel: int, dtype: torch.dtype, world: int) -> None:
+def record(op: str, unit: str | None, numel: int, dtype: torch.dtype, group: dist.ProcessGroup) -> None:
+    """Log a collective about to be issued (and, in check mode, agree on it with the other ranks)."""
+    world = group.size()
     if world == 1:  # one rank communicates nothing
         return
+    guard = _guard.current()
+    if guard is not None:
+        guard.before(op, unit, numel, dtype, group)
     for log in _logs.__dict__.get("stack", ()):
         log.records.append(Collective(op, unit, numel, dtype, world))
 
@@ -90,69 +96,57 @@ def record(op: str, unit: str | None, numel: int, dtype: torch.dtype, world: int
 # --- the raw collectives, on plain tensors -----------------------------------------------
 
 
-def pairwise(group: dist.ProcessGroup) -> bool:
-    """Whether to run all-gather and reduce-scatter as pairwise sends and receives.
+def all_to_all(group: dist.ProcessGroup) -> bool:
+    """Whether to run all-gather and reduce-scatter as one all-to-all exchange.
 
-    On gloo, measured on loopback with a 16 MB buffer (bench/collectives.py; W=2 / W=4):
-    all_gather 15.5 / 27.2 ms, all_reduce 14.5 / 26.3 ms, reduce_scatter 23.4 / 40.1 ms
-    (a copy plus a full all-reduce inside gloo), pairwise exchange 6.3 / 14.7 ms as an
-    all-gather and 9.2 / 14.8 ms as a reduce-scatter. Each rank still sends exactly
-    ``(W-1)/W`` of the buffer. NCCL and other backends use their own collectives.
+    On gloo, measured on loopback with a 16 MB buffer (``python bench/collectives.py``,
+    W=2 / W=4): all_gather 15.5 / 27.2 ms, all_reduce 14.5 / 26.3 ms, reduce_scatter
+    23.4 / 40.1 ms (gloo copies the buffer and runs a full all-reduce), all_to_all 6.1 /
+    15.0 ms. Each rank still sends exactly ``(W-1)/W`` of the buffer. Pairwise
+    isend/irecv is as fast but its work cannot be polled (``is_completed`` stays false
+    until ``wait``), and a rank must be able to stop waiting when another one fails.
+    NCCL and other backends use their own all-gather and reduce-scatter.
     """
     return group.size() > 1 and dist.get_backend(group) == "gloo"
 
 
 class Pending:
-    """Work handles issued together; ``wait()`` waits for all of them."""
+    """Work handles issued together; ``wait()`` waits for all of them (through the step's guard)."""
 
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
+    def __init__(self, works: list[Any], what: str, keep: tuple[torch.Tensor, ...] = ()) -> None:
+        self.works, self.what = works, what
+        self.keep = keep  # buffers the collective reads or writes: alive until it is done
 
     def wait(self) -> None:
-        for w in self.works:
-            w.wait()
-        self.works = []
-
-
-def _exchange(group: dist.ProcessGroup, sends: list[torch.Tensor | None], recvs: list[torch.Tensor | None]) -> Pending:
-    """Send ``sends[j]`` to group rank ``j`` and receive ``recvs[j]`` from it, for every other rank."""
-    ops = []
-    for j, (out, into) in enumerate(zip(sends, recvs, strict=True)):
-        if out is not None:
-            ops.append(dist.P2POp(dist.isend, out, group=group, group_peer=j))
-        if into is not None:
-            ops.append(dist.P2POp(dist.irecv, into, group=group, group_peer=j))
-    return Pending(dist.batch_isend_irecv(ops) if ops else [])
+        if self.works:
+            _guard.wait(self.works, self.what)
+        self.works, self.keep = [], ()
 
 
 def all_gather_into(
     out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, unit: str | None, *, async_op: bool = False
 ) -> Any:
-    """``out`` (W * n) <- every rank's ``shard`` (n), in rank order. ``async_op``: returns what to ``wait()`` on."""
-    world, rank = group.size(), group.rank()
-    record("all_gather", unit, out.numel(), out.dtype, world)
+    """``out`` (W * n) <- every rank's ``shard`` (n), in rank order. ``async_op``: returns what to ``wait()`` on.
+
+    Memory (gloo): ``shard`` repeated W times as the send buffer, until the exchange is done.
+    """
+    world = group.size()
+    record("all_gather", unit, out.numel(), out.dtype, group)
+    what = _guard.describe("all_gather", unit)
     with torch._C._DisableFuncTorch():
         if world == 1:
             out.copy_(shard)
             return None
-        if not pairwise(group):
-            return dist.all_gather_single(out, shard, group=group, async_op=async_op)
-        chunks = list(out.chunk(world))
-        pending = _exchange(
-            group,
-            [None if j == rank else shard for j in range(world)],
-            [None if j == rank else c for j, c in enumerate(chunks)],
-        )
-        chunks[rank].copy_(shard)
+        if all_to_all(group):
+            with label("comm"):
+                send = shard.repeat(world)
+            pending = Pending([dist.all_to_all_single(out, send, group=group, async_op=True)], what, (send, out))
+        else:
+            pending = Pending([dist.all_gather_single(out, shard, group=group, async_op=True)], what)
         if not async_op:
             pending.wait()
             return None
         return pending
-
-
-def _others_in_order(world: int, rank: int) -> list[tuple[int, int]]:
-    """(index into the received rows, rank) for every rank in order; this rank's index is unused."""
-    return [(j - (j > rank), j) for j in range(world)]
 
 
 def reduce_scatter_start(
@@ -160,43 +154,37 @@ def reduce_scatter_start(
 ) -> Callable[[], torch.Tensor]:
     """Issue a reduce-scatter without waiting; call the result to wait and get this rank's shard.
 
-    Memory: one shard, plus (pairwise) ``W-1`` received shards until the result is taken;
+    Memory: one shard, plus (gloo) the W received slices until the result is taken;
     ``full`` stays alive until then. The sum runs in rank order on every rank.
     """
-    world, rank = group.size(), group.rank()
-    record("reduce_scatter", unit, full.numel(), full.dtype, world)
+    world = group.size()
+    record("reduce_scatter", unit, full.numel(), full.dtype, group)
+    what = _guard.describe("reduce_scatter", unit)
     with torch._C._DisableFuncTorch():
         full = full.contiguous()
         if world == 1:  # nothing to reduce: no copy either
             alone = full.view(-1) if scale == 1.0 else full * scale
             return lambda: alone
         n = full.numel() // world
-        if not pairwise(group):
+        if not all_to_all(group):
             out = full.new_empty(n)
-            work = dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            work = Pending(
+                [dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)], what
+            )
 
             def finish_native() -> torch.Tensor:
-                assert work is not None
                 work.wait()
                 return out.mul_(scale) if scale != 1.0 else out
 
             return finish_native
-        chunks = list(full.chunk(world))
         with label("comm"):
-            received = full.new_empty(world - 1, n)
-        into: list[torch.Tensor | None] = [None] * world
-        for k, j in _others_in_order(world, rank):
-            if j != rank:
-                into[j] = received[k]
-        pending = _exchange(group, [None if j == rank else c for j, c in enumerate(chunks)], into)
+            received = full.new_empty(world, n)
+        pending = Pending([dist.all_to_all_single(received, full, group=group, async_op=True)], what, (full,))
 
         def finish() -> torch.Tensor:
             pending.wait()
             with torch._C._DisableFuncTorch(), label("grads"):
-                parts = [chunks[j] if j == rank else received[k] for k, j in _others_in_order(world, rank)]
-                out = parts[0].clone()
-                for part in parts[1:]:
-                    out.add_(part)
+                out = received.sum(0)  # every rank's slice of this rank's part, summed in rank order
                 return out.mul_(scale) if scale != 1.0 else out
 
         return finish
@@ -209,18 +197,18 @@ def reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup, unit: str | Non
 
 def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup, unit: str | None = None) -> torch.Tensor:
     """Sum ``tensor`` over ranks, in place."""
-    record("all_reduce", unit, tensor.numel(), tensor.dtype, group.size())
+    record("all_reduce", unit, tensor.numel(), tensor.dtype, group)
     with torch._C._DisableFuncTorch():
         if group.size() > 1:
-            dist.all_reduce(tensor, group=group)
+            Pending([dist.all_reduce(tensor, group=group, async_op=True)], _guard.describe("all_reduce", unit)).wait()
     return tensor
 
 
 def broadcast_(tensor: torch.Tensor, group: dist.ProcessGroup, src: int = 0) -> torch.Tensor:
     """``tensor`` <- group rank ``src``'s ``tensor``, in place."""
-    record("broadcast", None, tensor.numel(), tensor.dtype, group.size())
+    record("broadcast", None, tensor.numel(), tensor.dtype, group)
     if group.size() > 1:
-        dist.broadcast(tensor, group=group, group_src=src)
+        Pending([dist.broadcast(tensor, group=group, group_src=src, async_op=True)], "broadcast").wait()
     return tensor
 
 

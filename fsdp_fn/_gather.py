@@ -75,7 +75,8 @@ def predict_collectives(
     step on, not the unit that ran last, which is needed again first). Per use, one
     reduce-scatter of the trainable part in the reduce dtype and, with ``replicas``
     (hybrid sharding), one all-reduce of the gradient shard across them. Then one
-    all-reduce of two float64 numbers (the step's loss and gradient norm).
+    all-gather of four float64 numbers per rank (the step's loss, gradient norm and the
+    fingerprint of the collectives it issued), and with replicas an all-reduce of two.
     """
     schedule = schedule or Schedule()
     last = [u.name for u in plan.units if u.name != ROOT][-1:]
@@ -92,7 +93,7 @@ def predict_collectives(
                 out.append(Collective("reduce_scatter", u.name, u.padded_numel(world), reduce, world))
                 if replicas > 1:
                     out.append(Collective("all_reduce", u.name, u.shard_numel(world), reduce, replicas))
-    out.append(Collective("all_reduce", None, 2, torch.float64, world))
+    out.append(Collective("all_gather", None, 4 * world, torch.float64, world))
     if replicas > 1:
         out.append(Collective("all_reduce", None, 2, torch.float64, replicas))
     return [c for c in out if c.world > 1]

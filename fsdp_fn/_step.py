@@ -9,11 +9,13 @@ from typing import Any, Literal, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as torch_pytree
 from torch.func import vjp
 
-from fsdp_fn._collectives import all_reduce_, broadcast_
+from fsdp_fn._collectives import all_gather_into, all_reduce_, broadcast_
 from fsdp_fn._functional import Functional
 from fsdp_fn._gather import Runtime
+from fsdp_fn._guard import Guard
 from fsdp_fn._memory import label
 from fsdp_fn._optim import Optimizer, select_units, tree_leaves, tree_map
 from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedule
@@ -22,6 +24,7 @@ from fsdp_fn._shard import Layout, Sharded
 LossFn = Callable[[Callable[..., Any], Any], torch.Tensor]
 BufferSync = Literal["broadcast", "mean"] | None
 Accumulate = Literal["sharded", "full"]
+CheckSchedule = Literal["first", "always", "never"]
 
 
 class TrainState(NamedTuple):
@@ -55,6 +58,8 @@ class TrainStep:
         accumulate: Accumulate = "sharded",
         clip_grad_norm: float | None = None,
         skip_nonfinite: bool = False,
+        timeout: float = 300.0,
+        check_schedule: CheckSchedule = "first",
     ) -> None:
         if not isinstance(fn, Functional):
             raise TypeError(f"train_step wants the Functional from functionalize(module), got {type(fn).__name__}")
@@ -73,6 +78,10 @@ class TrainStep:
             )
         if clip_grad_norm is not None and not (clip_grad_norm > 0 and math.isfinite(clip_grad_norm)):
             raise ValueError(f"clip_grad_norm must be a positive finite number, got {clip_grad_norm!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if check_schedule not in ("first", "always", "never"):
+            raise ValueError(f"check_schedule must be 'first', 'always' or 'never', got {check_schedule!r}")
         if buffer_sync not in ("broadcast", "mean", None):
             raise ValueError(f"buffer_sync must be 'broadcast', 'mean' or None, got {buffer_sync!r}")
         if update_in_backward:
@@ -102,6 +111,13 @@ class TrainStep:
         self.accumulation, self.accumulate = accumulation, accumulate
         self.clip_grad_norm, self.skip_nonfinite = clip_grad_norm, skip_nonfinite
         self.unit_order: list[str] = []  # the order the last step ran the units in: forward prefetch follows it
+        self.timeout, self.check_schedule = timeout, check_schedule
+        self.calls = 0  # steps attempted: every rank counts the same
+        self._check_next = check_schedule != "never"
+
+    def check_next_step(self) -> None:
+        """Run the next step in check mode: ranks agree on every collective before issuing it."""
+        self._check_next = True
 
     def init(self, params: Sharded, buffers: Mapping[str, torch.Tensor] | None = None) -> TrainState:
         """The first state. Buffers (default: the module's) are copied and broadcast from rank 0, as DDP does.
@@ -143,14 +159,24 @@ class TrainStep:
         ``accumulate="full"`` every unit's full gradient lives across the micro-batches).
         Communication: per unit, an all-gather in forward and in backward and one
         reduce-scatter (per micro-batch, except with ``accumulate="full"``: once); one
-        all-reduce of two numbers for the metrics; with buffers, one broadcast (or
-        all-reduce) of them per dtype. If the forward or the loss raises, ``state`` is
+        all-gather of four numbers per rank (the metrics and the schedule check); with
+        buffers, one broadcast (or all-reduce) of them per dtype. If the forward or the loss raises, ``state`` is
         untouched. Units the forward never ran are not stepped (as torch.optim skips
         parameters without a gradient).
         """
+        self.calls += 1
+        check = self._check_next
+        self._check_next = self.check_schedule == "always"
+        guard = Guard(state.params.group, self.calls, timeout=self.timeout, check=check)
+        with guard.active():
+            return self._step(state, batch, guard)
+
+    def _step(self, state: TrainState, batch: Any, guard: Guard) -> tuple[TrainState, dict[str, torch.Tensor]]:
         params, opt_state = state.params, state.opt_state
         layout = params.layout
         micro = self._micro_batches(batch)
+        for mb in micro:
+            _check_not_empty(mb, guard.rank)
         # A skipped step must leave everything as it was, buffers the forward moves included.
         saved_buffers = {k: b.clone() for k, b in state.buffers.items()} if self.skip_nonfinite else None
         if not self.donate:
@@ -200,14 +226,16 @@ class TrainStep:
         skipped = torch.zeros((), dtype=torch.bool)
 
         if self.update_in_backward:
-            stats = self._global(loss, square_norms.values(), layout)
+            stats = self._global(loss, square_norms.values(), layout, guard, "the units' updates were already applied")
         else:
             assert total is not None
             if len(micro) > 1:
                 for g in total.values():
                     g.div_(len(micro))
             grads = params.replace(total)
-            stats = self._global(loss, (_square_norm(grads[u]) for u in order), layout)
+            stats = self._global(
+                loss, (_square_norm(grads[u]) for u in order), layout, guard, "the step was not applied"
+            )
             norm = stats[1].sqrt()
             finite = bool(torch.isfinite(stats).all())
             if self.skip_nonfinite and not finite:
@@ -262,16 +290,32 @@ class TrainStep:
         return loss.detach(), grad_shards
 
     @staticmethod
-    def _global(loss: torch.Tensor, square_norms: Any, layout: Layout) -> torch.Tensor:
-        """[mean loss over all ranks, squared global gradient norm]: one all-reduce (two with replicas)."""
+    def _global(loss: torch.Tensor, square_norms: Any, layout: Layout, guard: Guard, consequence: str) -> torch.Tensor:
+        """[mean loss over all ranks, squared global gradient norm], and a check that every rank
+        issued the same collectives: one all-gather of four numbers (and an all-reduce with replicas)."""
         zero = torch.zeros((), dtype=torch.float64, device=loss.device)
-        stats = torch.stack([loss.double(), sum((n.to(loss.device) for n in square_norms), zero)])
-        all_reduce_(stats, layout.group)
+        square = sum((n.to(loss.device) for n in square_norms), zero)
+        lo, hi = guard.fingerprint()
+        mine = torch.stack([loss.double(), square, zero + lo, zero + hi])
+        everyone = torch.empty(layout.world * 4, dtype=torch.float64, device=loss.device)
+        all_gather_into(everyone, mine, layout.group, None)
+        everyone = everyone.view(layout.world, 4)
+        guard.compare(everyone[:, 2:].cpu(), consequence)
+        stats = everyone[:, :2].sum(0)
         if layout.replicate is not None:  # replicas hold the same gradient shards: count them once
             all_reduce_(stats, layout.replicate)
             stats[1] /= layout.replicas
         stats[0] /= layout.world * layout.replicas
         return stats
+
+
+def _check_not_empty(batch: Any, rank: int) -> None:
+    for leaf in torch_pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == 0:
+            raise ValueError(
+                f"the batch on rank {rank} has an empty leading dimension (a tensor of shape {tuple(leaf.shape)}); "
+                "every rank needs at least one example, or its mean loss is NaN"
+            )
 
 
 def _square_norm(t: torch.Tensor) -> torch.Tensor:
@@ -347,6 +391,8 @@ def train_step(
     accumulate: Accumulate = "sharded",
     clip_grad_norm: float | None = None,
     skip_nonfinite: bool = False,
+    timeout: float = 300.0,
+    check_schedule: CheckSchedule = "first",
 ) -> TrainStep:
     """Build the sharded train step.
 
@@ -375,6 +421,14 @@ def train_step(
     across ranks after each step: ``"broadcast"`` from rank 0 as DDP does, ``"mean"``, or
     ``None``.
 
+    Reliability: no step hangs silently. Waits on collectives notice a rank that raised
+    (its error is raised here too, naming it), died, or stayed silent past ``timeout``
+    seconds (named). Every step checks, inside its metrics all-gather, that all ranks
+    issued the same collectives before the optimizer runs; ``check_schedule="first"``
+    (default), ``"always"`` or ``"never"`` also has ranks agree before every collective,
+    so a divergence is named at the unit where it starts (``step.check_next_step()`` asks
+    for it on demand).
+
     >>> import torch, torch.nn.functional as F
     >>> def loss_fn(model, batch):
     ...     x, y = batch
@@ -397,4 +451,6 @@ def train_step(
         accumulate=accumulate,
         clip_grad_norm=clip_grad_norm,
         skip_nonfinite=skip_nonfinite,
+        timeout=timeout,
+        check_schedule=check_schedule,
     )

@@ -46,7 +46,7 @@ def _measured_step(group, split_root=False, update_in_backward=False, reshard_af
         "after": dict(meter.current),
         "estimate": estimate,
         "plan": plan,
-        "all_gathers": len(log.of("all_gather")),
+        "all_gathers": sum(c.unit is not None for c in log.of("all_gather")),  # units, not the metrics
         "shard_bytes": sum(t.numel() * t.element_size() for t in state.params.values()),
     }
 

@@ -1,0 +1,217 @@
+"""No silent hangs: waits that notice failures elsewhere, and a check of the collective schedule.
+
+While a train step runs, a ``Guard`` is active on each rank. Every wait on a collective
+polls it instead of blocking, and every so often looks in the process group's store for
+what other ranks reported:
+
+* a rank whose step raised (its forward or loss, say) writes the error there first, so
+  the others raise it too, naming that rank, instead of waiting for it forever;
+* a rank that is gone (killed: its connections break) or silent past ``timeout`` is
+  found by asking every rank to sign in: the ranks that do not are named;
+* in check mode, before each collective the ranks compare what they are about to issue
+  (op, unit, elements, dtype): one small all-gather; a difference raises
+  ``DivergenceError`` on every rank, naming the unit and the ranks, before anything hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_fn._agree import DivergenceError
+from fsdp_fn._plan import unit_label
+
+
+class RankFailure(RuntimeError):
+    """Another rank failed (raised, died or went silent) while this rank waited on it."""
+
+
+_local = threading.local()
+
+
+def current() -> Guard | None:
+    return getattr(_local, "guard", None)
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):  # no store to talk through
+        return None
+
+
+def describe(op: str, unit: str | None) -> str:
+    return f"{op.replace('_', '-')} of unit {unit_label(unit)}" if unit is not None else op.replace("_", "-")
+
+
+class Guard:
+    """What one rank knows while a step runs: its group, its step number, its deadline."""
+
+    def __init__(self, group: dist.ProcessGroup, step: int, *, timeout: float, check: bool) -> None:
+        self.group, self.step, self.timeout, self.check = group, step, timeout, check
+        self.rank, self.world = group.rank(), group.size()
+        self.global_rank = dist.get_rank()
+        self.store = _store()
+        self.prefix = f"fsdp_fn/{group.group_name}/step{step}"
+        self.issued: list[tuple[str, str | None, int, str]] = []  # (op, unit, numel, dtype) this step, in order
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[Guard]:
+        previous = current()
+        _local.guard = self
+        try:
+            yield self
+        except BaseException as e:
+            if not isinstance(e, RankFailure | DivergenceError):
+                self.publish(e)
+            raise
+        finally:
+            _local.guard = previous
+
+    # --- telling the others ---------------------------------------------------------------------
+
+    def publish(self, error: BaseException) -> None:
+        """Write this rank's error where the others look while they wait."""
+        if self.store is None or self.world == 1:
+            return
+        first = str(error).splitlines()[0] if str(error) else ""
+        with contextlib.suppress(Exception):
+            self.store.set(f"{self.prefix}/error/{self.rank}", f"{type(error).__name__}: {first}"[:500])
+
+    def _remote_error(self) -> str | None:
+        if self.store is None:
+            return None
+        for r in range(self.world):
+            key = f"{self.prefix}/error/{r}"
+            if r != self.rank and self.store.check([key]):
+                return f"rank {r}: {self.store.get(key).decode()}"
+        return None
+
+    def _missing(self, grace: float) -> list[int]:
+        """Ranks that do not sign in within ``grace`` seconds (every live rank signs in when it fails)."""
+        if self.store is None:
+            return []
+        self.store.set(f"{self.prefix}/alive/{self.rank}", "1")
+        deadline = time.monotonic() + grace
+        missing = [r for r in range(self.world) if r != self.rank]
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not self.store.check([f"{self.prefix}/alive/{r}"])]
+            time.sleep(0.02)
+        return missing
+
+    def _fail(self, what: str, cause: BaseException | None) -> RankFailure:
+        remote = self._remote_error()
+        if remote is not None:
+            return RankFailure(f"{remote} (step {self.step}); rank {self.rank} stopped waiting for the {what}")
+        missing = self._missing(grace=min(5.0, self.timeout))
+        remote = self._remote_error()
+        if remote is not None:
+            return RankFailure(f"{remote} (step {self.step}); rank {self.rank} stopped waiting for the {what}")
+        who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}" if missing else "a rank"
+        how = (
+            f"broke off ({str(cause).splitlines()[0][:200]})"
+            if cause is not None
+            else f"went silent for {self.timeout:g} s"
+        )
+        return RankFailure(
+            f"{who} of group {self.group.group_name!r} stopped answering (step {self.step}): the connection {how} "
+            f"while rank {self.rank} waited for the {what}"
+        )
+
+    # --- waiting ------------------------------------------------------------------------------------
+
+    def wait(self, works: Sequence[Any], what: str) -> None:
+        """Wait for ``works`` without hanging: fail on a remote error, a broken connection or the timeout."""
+        deadline = time.monotonic() + self.timeout
+        look = time.monotonic() + 0.05
+        pause = 1e-5
+        try:
+            while not all(w.is_completed() for w in works):
+                now = time.monotonic()
+                if now >= look:
+                    look = now + 0.05
+                    remote = self._remote_error()
+                    if remote is not None:
+                        raise RankFailure(
+                            f"{remote} (step {self.step}); rank {self.rank} stopped waiting for the {what}"
+                        )
+                if now >= deadline:
+                    raise self._fail(what, None)
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+            for w in works:
+                w.wait()
+        except RankFailure:
+            raise
+        except RuntimeError as e:  # gloo: a peer's connection closed (the rank died)
+            raise self._fail(what, e) from e
+
+    # --- check mode ----------------------------------------------------------------------------------
+
+    def before(self, op: str, unit: str | None, numel: int, dtype: torch.dtype, group: dist.ProcessGroup) -> None:
+        """Check mode: all ranks of ``group`` agree on the collective they are about to issue."""
+        self.issued.append((op, unit, numel, str(dtype)))
+        if not self.check or group.size() == 1:
+            return
+        mine = (len(self.issued), op, unit, numel, str(dtype))
+        digest = int.from_bytes(hashlib.sha256(repr(mine).encode()).digest()[:7], "little")
+        out = torch.empty(group.size(), dtype=torch.int64)
+        work = dist.all_gather_single(out, torch.tensor([digest]), group=group, async_op=True)
+        self.wait([work], f"schedule check before the {describe(op, unit)}")
+        if bool((out == digest).all()):
+            return
+        everyone: list[Any] = [None] * group.size()
+        dist.all_gather_object(everyone, mine, group=group)
+        by_value: dict[str, list[int]] = {}
+        for r, desc in enumerate(everyone):
+            n, o, u, k, d = desc
+            by_value.setdefault(f"collective #{n}: the {describe(o, u)} ({k} elements, {d})", []).append(r)
+        parts = "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} would issue {v}" for v, rs in by_value.items()
+        )
+        raise DivergenceError(
+            f"ranks diverge in step {self.step}: {parts}. Every rank must run the same units in the same order "
+            "(call every unit on every rank, even on an empty batch) with the same number of micro-batches"
+        )
+
+    def fingerprint(self) -> tuple[float, float]:
+        """The collectives issued so far as two exact float64 numbers (24 bits each)."""
+        h = int.from_bytes(hashlib.sha256(repr(self.issued).encode()).digest()[:6], "little")
+        return float(h & 0xFFFFFF), float(h >> 24)
+
+    def compare(self, fingerprints: torch.Tensor, consequence: str) -> None:
+        """Raise on every rank unless every rank issued the same collectives (``fingerprints``: W x 2)."""
+        if bool((fingerprints == fingerprints[0]).all()):
+            return
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, self.issued, group=self.group)
+        at = next(i for i in range(max(map(len, everyone))) if len({repr(s[i : i + 1]) for s in everyone}) > 1)
+        by_value: dict[str, list[int]] = {}
+        for r, issued in enumerate(everyone):
+            seen = f"the {describe(issued[at][0], issued[at][1])}" if at < len(issued) else "nothing more"
+            by_value.setdefault(seen, []).append(r)
+        parts = "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} issued {v}" for v, rs in by_value.items()
+        )
+        raise DivergenceError(
+            f"ranks diverged in step {self.step} at collective #{at + 1}: {parts}. Every rank must run the same "
+            "units in the same order (call every unit on every rank, even on an empty batch) with the same number "
+            f"of micro-batches; {consequence}"
+        )
+
+
+def wait(works: Sequence[Any], what: str) -> None:
+    """Wait for works: through the active guard when a step runs, plainly otherwise."""
+    guard = current()
+    if guard is not None:
+        guard.wait(works, what)
+    else:
+        for w in works:
+            w.wait()
