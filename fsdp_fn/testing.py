@@ -37,7 +37,14 @@ def pool_group(world: int) -> Any:
 
 
 class RankError(RuntimeError):
-    """One or more ranks failed (or timed out); the message carries each rank's traceback."""
+    """One or more ranks failed (or timed out); the message carries each rank's traceback.
+
+    ``results`` maps each rank that answered to ``("ok", value)`` or ``("err", traceback)``.
+    """
+
+    def __init__(self, message: str, results: dict[int, tuple[str, Any]] | None = None) -> None:
+        super().__init__(message)
+        self.results = results or {}
 
 
 def _free_port() -> int:
@@ -119,6 +126,7 @@ class RankPool:
         self.backend = backend
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
+        self.last_pids: list[int] = []  # the processes of the pool closed last (to check none is left)
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
@@ -194,10 +202,12 @@ class RankPool:
             if pending or len(failed) != w:
                 # Ranks may be stuck in, or out of step with, a collective: start afresh next time.
                 self.close()
-            raise RankError(f"{fn.__qualname__} failed on {len(report)} of {w} ranks:\n" + "\n".join(report))
+            raise RankError(f"{fn.__qualname__} failed on {len(report)} of {w} ranks:\n" + "\n".join(report), results)
         return [results[r][1] for r in range(w)]
 
     def close(self) -> None:
+        if self._procs:
+            self.last_pids = [p.pid for p in self._procs]
         for conn in self._conns:
             with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(None)

@@ -1,0 +1,281 @@
+"""No silent hangs: divergence, dead ranks, exceptions and bad steps become errors on every rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import fsdp_fn as ff
+from examples.gpt import GPT, Block, GPTConfig, lm_loss
+from fsdp_fn.testing import RankError, RankPool
+from tests.helpers import local_part
+
+CFG = GPTConfig(vocab=40, seq=8, d_model=12, n_layers=3, n_heads=2)
+
+
+@pytest.fixture(scope="module")
+def fragile():
+    """Ranks these tests may break (kill, desynchronise): restarted after each test that does."""
+    with RankPool(3, timeout=120) as p:
+        yield p
+
+
+def _outcome(fn, *args, **kwargs):
+    try:
+        return "ok", fn(*args, **kwargs)
+    except Exception as e:
+        return type(e).__name__, str(e)
+
+
+def _gpt_step(group, skip_block_on=None, step_kw=None, die_in=None, hang_in=None, raise_in=None, seed=0):
+    """Build the tiny GPT; ``skip_block_on`` / ``die_in`` / ``hang_in`` / ``raise_in`` make one rank misbehave."""
+    rank, world = group.rank(), group.size()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    plan = ff.make_plan(model, ff.layer_policy([Block]))
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, plan, group)
+    step = ff.train_step(fn, lm_loss, ff.adamw(lr=1e-2), **(step_kw or {}))
+    state = step.init(params)
+
+    def misbehave(module, args):
+        name = next(n for n, m in model.named_modules() if m is module)
+        if die_in == (rank, name):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if hang_in == (rank, name):
+            time.sleep(10)
+        if raise_in == (rank, name):
+            raise ValueError(f"bad input seen by rank {rank}")
+
+    if skip_block_on is not None:
+        # rank `skip_block_on` skips blocks.1 in its forward: data-dependent control flow
+        blocks = list(model.blocks)
+
+        def forward(idx, blocks=blocks):
+            pos = torch.arange(idx.shape[1])
+            x = model.wte(idx) + model.wpe(pos)
+            for i, block in enumerate(blocks):
+                if not (rank == skip_block_on and i == 1):
+                    x = block(x)
+            return model.head(model.ln_f(x))
+
+        model.forward = forward  # an instance attribute only this test process sees
+    handles = [m.register_forward_pre_hook(misbehave) for m in model.blocks]
+    try:
+        tokens = torch.randint(0, CFG.vocab, (2 * world, CFG.seq + 1), generator=torch.Generator().manual_seed(seed))
+        return _outcome(step, state, local_part(tokens, rank, world))
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _messages(pool, fn, *args, world, **kwargs):
+    """Every rank's (error type, message); ranks that died report as 'died'."""
+    try:
+        return [r for r in pool.run(fn, *args, world=world, **kwargs)]
+    except RankError as e:
+        out = []
+        for rank in range(world):
+            kind, value = e.results.get(rank, ("err", "no answer"))
+            out.append(value if kind == "ok" else ("died", value))
+        return out
+    finally:
+        pool.close()  # these tests leave the process group unusable; the next one starts afresh
+
+
+def test_unit_used_on_one_rank_only_is_named_in_check_mode(fragile):
+    outcomes = _messages(fragile, _gpt_step, skip_block_on=1, world=3)
+    for kind, msg in outcomes:
+        assert kind == "DivergenceError", msg
+        assert "ranks diverge in step 1" in msg
+        assert "ranks 0, 2 would issue collective #" in msg
+        assert "the all-gather of unit 'blocks.1'" in msg
+        assert "rank 1 would issue" in msg
+
+
+def test_divergence_without_check_mode_is_caught_before_the_update(fragile):
+    outcomes = _messages(
+        fragile, _gpt_step, skip_block_on=1, step_kw={"check_schedule": "never", "timeout": 10.0}, world=3
+    )
+    # Unchecked, equal-sized blocks pair up and the ranks drift apart. Whatever the transport
+    # does with that (gloo may even abort a process on the mismatched exchange), every rank
+    # ends with an error (the fingerprint all-gather, a broken exchange, the timeout) or is
+    # gone, within the timeout: never a hang, and the optimizer never runs on mixed data.
+    assert all(kind in {"DivergenceError", "RankFailure", "died"} for kind, _ in outcomes), outcomes
+    assert any(kind in {"DivergenceError", "RankFailure"} for kind, _ in outcomes), outcomes
+
+
+def _accumulation_differs(group):
+    rank, world = group.rank(), group.size()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([Block])), group)
+    micro = 2 if rank == 0 else 1
+    step = ff.train_step(fn, lm_loss, ff.adamw(), accumulation=micro)
+    tokens = local_part(torch.randint(0, CFG.vocab, (4 * world, CFG.seq + 1)), rank, world)
+    batch = [tokens[:2], tokens[2:]] if micro == 2 else tokens
+    return _outcome(step, step.init(params), batch)
+
+
+def test_different_number_of_micro_batches(fragile):
+    for kind, msg in _messages(fragile, _accumulation_differs, world=3):
+        assert kind == "DivergenceError", msg
+        assert "rank 0 would issue" in msg
+        assert "ranks 1, 2 would issue" in msg
+
+
+def test_exception_on_one_rank_becomes_an_error_on_every_rank(fragile):
+    started = time.monotonic()
+    outcomes = _messages(fragile, _gpt_step, raise_in=(1, "blocks.2"), world=3)
+    assert time.monotonic() - started < 60
+    assert outcomes[1] == ("ValueError", "bad input seen by rank 1")
+    for rank in (0, 2):
+        kind, msg = outcomes[rank]
+        assert kind == "RankFailure", msg
+        assert "rank 1: ValueError: bad input seen by rank 1 (step 1)" in msg
+        assert f"rank {rank} stopped waiting for the" in msg
+
+
+def test_dead_rank_is_named_by_the_survivors(fragile):
+    started = time.monotonic()
+    outcomes = _messages(fragile, _gpt_step, die_in=(1, "blocks.1"), step_kw={"timeout": 20.0}, world=3)
+    assert time.monotonic() - started < 60
+    assert outcomes[1][0] == "died"
+    for rank in (0, 2):
+        kind, msg = outcomes[rank]
+        assert kind == "RankFailure", msg
+        assert "rank 1 of group" in msg
+        assert "stopped answering (step 1)" in msg
+        assert "while rank" in msg
+        assert "unit 'blocks.1'" in msg  # the unit they were waiting on
+    for pid in fragile.last_pids:
+        assert not _alive(pid)  # no process left behind
+
+
+def test_silent_rank_times_out_and_is_named(fragile):
+    started = time.monotonic()
+    outcomes = _messages(fragile, _gpt_step, hang_in=(2, "blocks.0"), step_kw={"timeout": 3.0}, world=3)
+    assert time.monotonic() - started < 30
+    for rank in (0, 1):
+        kind, msg = outcomes[rank]
+        assert kind == "RankFailure", msg
+        assert "rank 2 of group" in msg
+        assert "went silent for 3 s" in msg
+    for pid in fragile.last_pids:
+        assert not _alive(pid)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _retry_after_exception_everywhere(group):
+    """An exception on every rank leaves the state usable; the retry equals a clean run."""
+    rank, world = group.rank(), group.size()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([Block])), group)
+    tokens = local_part(
+        torch.randint(0, CFG.vocab, (2 * world, CFG.seq + 1), generator=torch.Generator().manual_seed(5)), rank, world
+    )
+    calls = {"n": 0}
+
+    def flaky_loss(model_fn, batch):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second step's first try fails on every rank, after the forward ran
+            model_fn(batch[:, :-1])
+            raise RuntimeError("flaky loss")
+        return lm_loss(model_fn, batch)
+
+    step = ff.train_step(fn, flaky_loss, ff.adamw(lr=1e-2))
+    state, _ = step(step.init(params), tokens)
+    before = ff.unshard(state.params)
+    outcome = _outcome(step, state, tokens)
+    after_failure = ff.unshard(state.params)
+    state, retried = step(state, tokens)
+
+    clean_step = ff.train_step(fn, lm_loss, ff.adamw(lr=1e-2))
+    params2 = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([Block])), group)
+    clean, _ = clean_step(clean_step.init(params2), tokens)
+    clean, expected = clean_step(clean, tokens)
+    same_state = all(torch.equal(before[k], after_failure[k]) for k in before)
+    return (
+        outcome[0],
+        same_state,
+        retried["loss"].item(),
+        expected["loss"].item(),
+        ff.unshard(state.params),
+        ff.unshard(clean.params),
+    )
+
+
+def test_exception_on_every_rank_leaves_the_state_usable(pool):
+    for kind, same_state, retried, expected, ours, clean in pool.run(_retry_after_exception_everywhere, world=3):
+        assert kind == "RuntimeError"
+        assert same_state
+        assert retried == expected
+        assert all(torch.equal(ours[k], clean[k]) for k in ours)
+
+
+def _nan_guard(group):
+    rank, world = group.rank(), group.size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 1))
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group)
+    step = ff.train_step(fn, lambda m, b: m(b[0]).sub(b[1]).square().mean(), ff.adamw(), skip_nonfinite=True)
+    state = step.init(params)
+    x, y = torch.randn(4, 4), torch.randn(4, 1)
+    if rank == 1:
+        x[0, 0] = float("nan")  # one rank's data is bad: every rank skips the step
+    before = ff.unshard(state.params), {k: v.clone() for k, v in state.buffers.items()}
+    new, metrics = step(state, (x, y))
+    after = ff.unshard(new.params)
+    untouched = all(torch.equal(before[0][k], after[k]) for k in after)
+    buffers_kept = all(torch.equal(before[1][k], new.buffers[k]) for k in new.buffers)
+    good, metrics2 = step(new, (torch.randn(4, 4), y))
+    return bool(metrics["skipped"]), untouched, buffers_kept, new.step, bool(metrics2["skipped"]), good.step
+
+
+def test_nonfinite_step_is_skipped_on_every_rank(pool):
+    for skipped, untouched, buffers_kept, count, skipped2, count2 in pool.run(_nan_guard, world=3):
+        assert skipped
+        assert untouched
+        assert buffers_kept
+        assert count == 0
+        assert not skipped2
+        assert count2 == 1
+
+
+def _empty_batch_on_one_rank(group):
+    rank = group.rank()
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model), group)
+    step = ff.train_step(fn, lambda m, x: m(x).mean(), ff.sgd())
+    x = torch.randn(0 if rank == 2 else 2, 3)
+    return _outcome(step, step.init(params), x)
+
+
+def test_empty_batch_on_one_rank(fragile):
+    outcomes = _messages(fragile, _empty_batch_on_one_rank, world=3)
+    assert outcomes[2] == (
+        "ValueError",
+        "the batch on rank 2 has an empty leading dimension (a tensor of shape (0, 3)); "
+        "every rank needs at least one example, or its mean loss is NaN",
+    )
+    for rank in (0, 1):
+        assert outcomes[rank][0] == "RankFailure"
+        assert "rank 2: ValueError: the batch on rank 2 has an empty leading dimension" in outcomes[rank][1]
