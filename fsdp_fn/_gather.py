@@ -329,6 +329,7 @@ class Runtime:
         deferred: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.fn, self.params = fn, params
+        _check_plan_fits(params.plan, fn)
         self.schedule = schedule or Schedule()
         offload = self.schedule.cpu_offload
         self.device = offload.compute_device() if offload is not None else None
@@ -543,6 +544,18 @@ class Runtime:
             return self._after_forward(self.live[(unit.name, path)].pop(), output, self._reshard(unit))
 
         return hook
+
+
+def _check_plan_fits(plan: Plan, fn: Functional) -> None:
+    """The shards' plan must describe this module: same parameter names and shapes."""
+    for spec in plan.params:
+        have = fn.params.get(spec.name)
+        if have is None or tuple(have.shape) != spec.shape:
+            found = "no such parameter" if have is None else f"shape {tuple(have.shape)}"
+            raise ValueError(
+                f"these shards were made for another plan: their parameter {spec.name!r} is {spec.shape} "
+                f"(unit {unit_label(plan.unit_of(spec.name).name)}) but {type(fn.module).__name__} has {found}"
+            )
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:

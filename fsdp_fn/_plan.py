@@ -253,6 +253,7 @@ def layer_policy(layer_classes: Iterable[type[nn.Module]]) -> Policy:
         return True if recurse else isinstance(module, classes)
 
     policy.__qualname__ = f"layer_policy({', '.join(c.__name__ for c in classes)})"
+    policy.layer_classes = classes  # type: ignore[attr-defined]
     return policy
 
 
@@ -338,6 +339,13 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
 
     if policy is not None:
         visit(module, ROOT)
+    wanted = getattr(policy, "layer_classes", None)
+    if wanted and not any(isinstance(m, wanted) for m in module.modules()):
+        raise ValueError(
+            f"{getattr(policy, '__qualname__', 'the policy')}: {type(module).__name__} has no module of these "
+            "classes, so no unit would be made and the whole model would be gathered at once; "
+            "pass the block class the model is built from (or policy=None for one unit on purpose)"
+        )
 
     # Each name's owner is the deepest unit whose module path contains it.
     unit_set = set(unit_paths)

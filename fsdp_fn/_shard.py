@@ -138,8 +138,15 @@ def check_params(params: Mapping[str, torch.Tensor], plan: Plan) -> None:
             f"params do not match the plan: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}"
         )
+    for unit in plan.units:
+        _device_of(unit, params)
     for name, spec in expected.items():
         t = params[name]
+        if isinstance(t, torch.Tensor) and t.is_meta:
+            raise ValueError(
+                f"parameter {name!r} is on the meta device and holds no values: "
+                "init_shards(module, plan, group) materialises a meta model unit by unit"
+            )
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"parameter {name!r} is a {type(t).__name__}, not a tensor")
         if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
@@ -228,7 +235,7 @@ def shard(params: Mapping[str, torch.Tensor], plan: Plan, group: Group = None) -
             continue
         agree(
             g,
-            "plan",
+            "plans",
             {"plan": plan.fingerprint(), **{f"unit {unit_label(k)}": v for k, v in plan.unit_fingerprints().items()}},
             hint="build the plan from the same model and policy on every rank",
         )

@@ -37,7 +37,7 @@ def _plan_differs(group):
 
 def test_plan_that_differs_between_ranks(pool):
     for msg in pool.run(_plan_differs, world=3):
-        assert msg.startswith("DivergenceError: plan differ between ranks")
+        assert msg.startswith("DivergenceError: plans differ between ranks")
         assert "rank 0:" in msg and "ranks 1, 2:" in msg
 
 
@@ -176,3 +176,71 @@ def test_train_step_arguments():
         ff.train_step(fn, 3, ff.adamw())
     with pytest.raises(TypeError, match="optimizer must be an fsdp_fn Optimizer"):
         ff.train_step(fn, mse_loss, torch.optim.SGD(m.parameters(), lr=1))
+
+
+def test_policy_that_claims_no_unit():
+    with pytest.raises(ValueError, match=r"layer_policy\(Conv2d\): MLP has no module of these classes"):
+        ff.make_plan(MLP(), ff.layer_policy([nn.Conv2d]))
+    assert ff.make_plan(MLP(), None).unit_names == ("",)  # one unit on purpose is fine
+
+
+def _mixed_devices(group):
+    model = MLP()
+    params = dict(model.named_parameters())
+    params["net.0.bias"] = params["net.0.bias"].to("meta")
+    return _error(ff.shard, params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group)
+
+
+def test_parameters_on_mixed_devices(pool):
+    assert (
+        "ValueError: unit 'net.0' has parameters on several devices: ['cpu', 'meta']"
+        in pool.run(_mixed_devices, world=2)[0]
+    )
+
+
+def _shards_from_another_plan(group):
+    torch.manual_seed(0)
+    a, b = MLP((7, 13, 5, 3)), MLP((7, 11, 5, 3))
+    params = ff.shard(dict(a.named_parameters()), ff.make_plan(a, ff.layer_policy([nn.Linear])), group)
+    fn_b = ff.functionalize(b)
+    return _error(ff.apply_sharded, fn_b, params, fn_b.buffers, torch.randn(2, 7))
+
+
+def test_shards_from_another_plan(pool):
+    msg = pool.run(_shards_from_another_plan, world=2)[0]
+    assert "ValueError: these shards were made for another plan: their parameter 'net.0.weight' is (13, 7)" in msg
+    assert "but MLP has shape (11, 7)" in msg
+
+
+def _world_size_changed(group):
+    """Shards saved at W=2 and loaded into a run at W=3."""
+    torch.manual_seed(0)
+    model = MLP()
+    plan = ff.make_plan(model, ff.layer_policy([nn.Linear]))
+    two = pool_group(2)
+    saved = ff.shard(dict(model.named_parameters()), plan, two).shards if two is not None else None
+    if saved is None:
+        saved = {u.name: torch.zeros(u.shard_numel(2)) for u in plan.units}
+    now = ff.Sharded(saved, ff._shard.Layout(plan, group))
+    fn = ff.functionalize(model)
+    step = ff.train_step(fn, mse_loss, ff.sgd())
+    x = (torch.randn(2, 7), torch.randn(2, 3))
+    return _error(step, step.init(now), x)
+
+
+def test_world_size_that_changed(pool):
+    for msg in pool.run(_world_size_changed, world=3):
+        assert "shard of unit 'net.0' is (52,); world size 3 needs (35,)" in msg
+
+
+def _meta_model_to_shard(group):
+    with torch.device("meta"):
+        model = MLP()
+    fn = ff.functionalize(model)
+    return _error(ff.shard, fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group)
+
+
+def test_meta_model_given_to_shard(pool):
+    msg = pool.run(_meta_model_to_shard, world=2)[0]
+    assert "ValueError: parameter 'net.0.weight' is on the meta device and holds no values" in msg
+    assert "init_shards" in msg

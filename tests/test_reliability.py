@@ -77,7 +77,7 @@ def _gpt_step(group, skip_block_on=None, step_kw=None, die_in=None, hang_in=None
 def _messages(pool, fn, *args, world, **kwargs):
     """Every rank's (error type, message); ranks that died report as 'died'."""
     try:
-        return [r for r in pool.run(fn, *args, world=world, **kwargs)]
+        return list(pool.run(fn, *args, world=world, **kwargs))
     except RankError as e:
         out = []
         for rank in range(world):
@@ -229,7 +229,7 @@ def test_exception_on_every_rank_leaves_the_state_usable(pool):
 
 
 def _nan_guard(group):
-    rank, world = group.rank(), group.size()
+    rank = group.rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 1))
     fn = ff.functionalize(model)
