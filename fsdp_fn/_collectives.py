@@ -96,16 +96,15 @@ def record(op: str, unit: str | None, numel: int, dtype: torch.dtype, group: dis
 # --- the raw collectives, on plain tensors -----------------------------------------------
 
 
-def all_to_all(group: dist.ProcessGroup) -> bool:
-    """Whether to run all-gather and reduce-scatter as one all-to-all exchange.
+def pairwise(group: dist.ProcessGroup) -> bool:
+    """Whether to run all-gather and reduce-scatter as pairwise sends and receives.
 
     On gloo, measured on loopback with a 16 MB buffer (``python bench/collectives.py``,
-    W=2 / W=4): all_gather 15.5 / 27.2 ms, all_reduce 14.5 / 26.3 ms, reduce_scatter
-    23.4 / 40.1 ms (gloo copies the buffer and runs a full all-reduce), all_to_all 6.1 /
-    15.0 ms. Each rank still sends exactly ``(W-1)/W`` of the buffer. Pairwise
-    isend/irecv is as fast but its work cannot be polled (``is_completed`` stays false
-    until ``wait``), and a rank must be able to stop waiting when another one fails.
-    NCCL and other backends use their own all-gather and reduce-scatter.
+    W=2 / W=4, ms): all_gather 14.2 / 23.5, as isend/irecv 8.7 / 12.2; reduce_scatter
+    20.8 / 35.3 (gloo copies the buffer and runs a full all-reduce), as all_to_all 12.4 /
+    17.2, as isend/irecv (below) about the same with W-1 shards of scratch instead of W.
+    Each rank sends exactly ``(W-1)/W`` of the buffer. NCCL and other backends use their
+    own all-gather and reduce-scatter.
     """
     return group.size() > 1 and dist.get_backend(group) == "gloo"
 
@@ -123,26 +122,42 @@ class Pending:
         self.works, self.keep = [], ()
 
 
+def _exchange(
+    group: dist.ProcessGroup, sends: list[torch.Tensor | None], recvs: list[torch.Tensor | None], what: str
+) -> Pending:
+    """Send ``sends[j]`` to group rank ``j`` and receive ``recvs[j]`` from it, for every other rank."""
+    ops = []
+    for j, (out, into) in enumerate(zip(sends, recvs, strict=True)):
+        if out is not None:
+            ops.append(dist.P2POp(dist.isend, out, group=group, group_peer=j))
+        if into is not None:
+            ops.append(dist.P2POp(dist.irecv, into, group=group, group_peer=j))
+    kept = tuple(t for t in (*sends, *recvs) if t is not None)
+    return Pending(dist.batch_isend_irecv(ops) if ops else [], what, kept)
+
+
 def all_gather_into(
     out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, unit: str | None, *, async_op: bool = False
 ) -> Any:
-    """``out`` (W * n) <- every rank's ``shard`` (n), in rank order. ``async_op``: returns what to ``wait()`` on.
-
-    Memory (gloo): ``shard`` repeated W times as the send buffer, until the exchange is done.
-    """
-    world = group.size()
+    """``out`` (W * n) <- every rank's ``shard`` (n), in rank order. ``async_op``: returns what to ``wait()`` on."""
+    world, rank = group.size(), group.rank()
     record("all_gather", unit, out.numel(), out.dtype, group)
     what = _guard.describe("all_gather", unit)
     with torch._C._DisableFuncTorch():
         if world == 1:
             out.copy_(shard)
             return None
-        if all_to_all(group):
-            with label("comm"):
-                send = shard.repeat(world)
-            pending = Pending([dist.all_to_all_single(out, send, group=group, async_op=True)], what, (send, out))
+        if pairwise(group):
+            chunks = list(out.chunk(world))
+            pending = _exchange(
+                group,
+                [None if j == rank else shard for j in range(world)],
+                [None if j == rank else c for j, c in enumerate(chunks)],
+                what,
+            )
+            chunks[rank].copy_(shard)
         else:
-            pending = Pending([dist.all_gather_single(out, shard, group=group, async_op=True)], what)
+            pending = Pending([dist.all_gather_single(out, shard, group=group, async_op=True)], what, (out, shard))
         if not async_op:
             pending.wait()
             return None
@@ -154,10 +169,10 @@ def reduce_scatter_start(
 ) -> Callable[[], torch.Tensor]:
     """Issue a reduce-scatter without waiting; call the result to wait and get this rank's shard.
 
-    Memory: one shard, plus (gloo) the W received slices until the result is taken;
+    Memory: one shard, plus (pairwise) ``W-1`` received shards until the result is taken;
     ``full`` stays alive until then. The sum runs in rank order on every rank.
     """
-    world = group.size()
+    world, rank = group.size(), group.rank()
     record("reduce_scatter", unit, full.numel(), full.dtype, group)
     what = _guard.describe("reduce_scatter", unit)
     with torch._C._DisableFuncTorch():
@@ -166,25 +181,32 @@ def reduce_scatter_start(
             alone = full.view(-1) if scale == 1.0 else full * scale
             return lambda: alone
         n = full.numel() // world
-        if not all_to_all(group):
+        if not pairwise(group):
             out = full.new_empty(n)
-            work = Pending(
-                [dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)], what
-            )
+            work = Pending([dist.reduce_scatter_single(out, full, group=group, async_op=True)], what, (full, out))
 
             def finish_native() -> torch.Tensor:
                 work.wait()
                 return out.mul_(scale) if scale != 1.0 else out
 
             return finish_native
+        chunks = list(full.chunk(world))
         with label("comm"):
-            received = full.new_empty(world, n)
-        pending = Pending([dist.all_to_all_single(received, full, group=group, async_op=True)], what, (full,))
+            received = full.new_empty(world - 1, n)
+        others = [j for j in range(world) if j != rank]
+        into: list[torch.Tensor | None] = [None] * world
+        for k, j in enumerate(others):
+            into[j] = received[k]
+        pending = _exchange(group, [None if j == rank else c for j, c in enumerate(chunks)], into, what)
 
         def finish() -> torch.Tensor:
             pending.wait()
             with torch._C._DisableFuncTorch(), label("grads"):
-                out = received.sum(0)  # every rank's slice of this rank's part, summed in rank order
+                parts: list[torch.Tensor] = [chunks[rank], *received]
+                parts.insert(rank, parts.pop(0))  # in rank order: every rank sums the same way
+                out = parts[0].clone()
+                for part in parts[1:]:
+                    out.add_(part)
                 return out.mul_(scale) if scale != 1.0 else out
 
         return finish

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -128,12 +129,18 @@ class Guard:
     # --- waiting ------------------------------------------------------------------------------------
 
     def wait(self, works: Sequence[Any], what: str) -> None:
-        """Wait for ``works`` without hanging: fail on a remote error, a broken connection or the timeout."""
+        """Wait for ``works`` without hanging: fail on a remote error, a broken connection or the timeout.
+
+        The blocking wait runs on a helper thread (gloo's point-to-point work cannot be
+        polled); this thread watches it, the store and the clock. A wait abandoned on a
+        failure stays blocked on its helper, which is a daemon: the group is unusable then.
+        """
         deadline = time.monotonic() + self.timeout
         look = time.monotonic() + 0.05
         pause = 1e-5
+        done = _Waiting(works)
         try:
-            while not all(w.is_completed() for w in works):
+            while not done.done():
                 now = time.monotonic()
                 if now >= look:
                     look = now + 0.05
@@ -146,8 +153,7 @@ class Guard:
                     raise self._fail(what, None)
                 time.sleep(pause)
                 pause = min(pause * 2, 1e-3)
-            for w in works:
-                w.wait()
+            done.result()
         except RankFailure:
             raise
         except RuntimeError as e:  # gloo: a peer's connection closed (the rank died)
@@ -205,6 +211,48 @@ class Guard:
             "units in the same order (call every unit on every rank, even on an empty batch) with the same number "
             f"of micro-batches; {consequence}"
         )
+
+
+class _Waiting:
+    """A blocking wait running on a daemon helper thread (a process can exit even if it never returns)."""
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self.works = works
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+        _queue().put(self)
+
+    def run(self) -> None:
+        try:
+            for w in self.works:
+                w.wait()
+        except BaseException as e:
+            self.error = e
+        self.finished.set()
+
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    def result(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+_jobs: queue.SimpleQueue[_Waiting] | None = None
+
+
+def _queue() -> queue.SimpleQueue[_Waiting]:
+    global _jobs
+    if _jobs is None:
+        _jobs = queue.SimpleQueue()
+        for i in range(4):  # a wait abandoned on a failure keeps its thread; the others carry on
+            threading.Thread(target=_serve, args=(_jobs,), daemon=True, name=f"fsdp_fn-wait-{i}").start()
+    return _jobs
+
+
+def _serve(jobs: queue.SimpleQueue[_Waiting]) -> None:
+    while True:
+        jobs.get().run()
 
 
 def wait(works: Sequence[Any], what: str) -> None:

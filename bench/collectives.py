@@ -1,0 +1,82 @@
+"""How fast each way of all-gathering and reduce-scattering is on this backend (gloo on CPU).
+
+    python bench/collectives.py                 # W = 2 and 4, a 16 MB buffer
+
+The figures choose fsdp_fn's gloo algorithm (``fsdp_fn/_collectives.py``: ``all_to_all``).
+Each rank sends (W-1)/W of the buffer in every variant except all_reduce (2x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from fsdp_fn.testing import RankPool
+
+
+def measure(group: Any, megabytes: int, reps: int) -> dict[str, float]:
+    world, rank = group.size(), group.rank()
+    n = megabytes * 2**20 // 4 // world * world
+    full, shard = torch.randn(n), torch.randn(n // world)
+    out, received = torch.empty(n // world), torch.empty(n)
+
+    def timed(f: Any) -> float:
+        f()
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        for _ in range(reps):
+            f()
+        dist.barrier(group=group)
+        return (time.perf_counter() - start) / reps * 1e3
+
+    def pairwise_all_gather() -> None:
+        ops = []
+        for j in range(world):
+            if j != rank:
+                ops.append(dist.P2POp(dist.isend, shard, group=group, group_peer=j))
+                ops.append(
+                    dist.P2POp(dist.irecv, full[j * len(shard) : (j + 1) * len(shard)], group=group, group_peer=j)
+                )
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    return {
+        "all_gather (gloo)": timed(lambda: dist.all_gather_single(full, shard, group=group)),
+        "all_gather as all_to_all (fsdp_fn)": timed(
+            lambda: dist.all_to_all_single(full, shard.repeat(world), group=group)
+        ),
+        "all_gather as isend/irecv": timed(pairwise_all_gather),
+        "reduce_scatter (gloo)": timed(lambda: dist.reduce_scatter_single(out, full, group=group)),
+        "reduce_scatter as all_to_all + sum (fsdp_fn)": timed(
+            lambda: dist.all_to_all_single(received, full, group=group) or received.view(world, -1).sum(0)
+        ),
+        "all_reduce (gloo)": timed(lambda: dist.all_reduce(full, group=group)),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--megabytes", type=int, default=16)
+    p.add_argument("--reps", type=int, default=10)
+    args = p.parse_args()
+    for world in map(int, args.worlds.split(",")):
+        with RankPool(world, warnings_as_errors=False) as pool:
+            result = pool.run(measure, args.megabytes, args.reps)[0]
+        print(f"W={world}, {args.megabytes} MB buffer, ms per call:")
+        for name, ms in result.items():
+            print(f"  {name:<46} {ms:7.1f}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    main()
