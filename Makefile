@@ -20,8 +20,8 @@ demo: $(READY)
 	$(BIN)/torchrun --standalone --nproc-per-node $(RANKS) -m examples.train_gpt --steps $(STEPS) $(ARGS)
 
 lint: $(READY)
-	$(BIN)/ruff check fsdp_fn tests examples
-	$(BIN)/ruff format --check fsdp_fn tests examples
+	$(BIN)/ruff check fsdp_fn tests examples bench
+	$(BIN)/ruff format --check fsdp_fn tests examples bench
 	$(BIN)/mypy
 
 test: lint
