@@ -49,6 +49,7 @@ class Config:
     # fsdp_fn's memory levers (see docs/memory.md); 0 turns one off
     split_root: int = 1
     update_in_backward: int = 1
+    max_inflight: int = 2
     device: str = "cpu"  # "cuda": NCCL, one GPU per rank, MFU reported
 
     def gpt(self) -> GPTConfig:
@@ -129,7 +130,9 @@ def _build(system: str, cfg: Config, group: Any) -> tuple[Any, Any, Any]:
         buffers = dict(full.named_buffers())
         del full
         fn = ff.functionalize(model)
-        step = ff.train_step(fn, lm_loss, ff.adamw(lr=cfg.lr), update_in_backward=cfg.update_in_backward)
+        step = ff.train_step(
+            fn, lm_loss, ff.adamw(lr=cfg.lr), update_in_backward=cfg.update_in_backward, max_inflight=cfg.max_inflight
+        )
         holder = {"state": step.init(params, buffers)}
 
         def run(batch: torch.Tensor) -> torch.Tensor:
