@@ -198,6 +198,9 @@ def _build(system: str, cfg: Config, group: Any) -> tuple[Any, Any, Any]:
 def activation_floor(model: torch.nn.Module, batch: torch.Tensor) -> int:
     """Live bytes a plain forward leaves for backward (activations, logits, loss) at this batch."""
     with ff.MemoryMeter() as meter:
+        # Tagged, so that views of the weights (a linear's transpose) are not counted as activations.
+        meter.tag(list(model.parameters()), "params")
+        meter.tag(list(model.buffers()), "buffers")
         loss = lm_loss(model, batch)
         meter.sample("end of forward")
     live = meter.current["activations"]
