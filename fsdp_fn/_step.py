@@ -192,8 +192,14 @@ class TrainStep:
                 select_units(params, one),
             )
 
+        # Gradient shards arrive through on_grad as each unit's reduce-scatter completes (in the
+        # background of the rest of backward); vjp's own result is all zeros and unused.
+        total: dict[str, torch.Tensor] = {}
+
+        def collect(unit: str, grad: torch.Tensor) -> None:
+            total[unit] = total[unit].add_(grad) if unit in total else grad
+
         deferred: dict[str, torch.Tensor] | None = {} if self.accumulation > 1 and self.accumulate == "full" else None
-        total: dict[str, torch.Tensor] | None = None
         losses = []
         used: dict[str, None] = {}
         runtime = None
@@ -203,24 +209,15 @@ class TrainStep:
                 params,
                 schedule=self.schedule,
                 order_hint=self.unit_order,
-                on_grad=step_unit if self.update_in_backward else None,
+                on_grad=step_unit if self.update_in_backward else collect,
                 deferred=deferred,
             )
-            loss, grad_shards = self._forward_backward(runtime, params, state.buffers, mb)
-            losses.append(loss)
+            losses.append(self._forward_backward(runtime, params, state.buffers, mb))
             used.update(dict.fromkeys(runtime.gathers))
             self.unit_order = runtime.order
-            if deferred is None and not self.update_in_backward:
-                total = grad_shards if total is None else {k: total[k].add_(v) for k, v in grad_shards.items()}
-            del grad_shards
         assert runtime is not None
         if deferred is not None:  # accumulate="full": one reduce-scatter per unit, now
-            total = {
-                u.name: runtime.reduce(u, deferred.pop(u.name))()
-                if u.name in deferred
-                else torch.zeros_like(params[u.name])
-                for u in params.plan.units
-            }
+            total = {u.name: runtime.reduce(u, deferred.pop(u.name))() for u in params.plan.units if u.name in deferred}
         loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
         order = [u for u in params.plan.unit_names if u in used]
         skipped = torch.zeros((), dtype=torch.bool)
@@ -228,11 +225,10 @@ class TrainStep:
         if self.update_in_backward:
             stats = self._global(loss, square_norms.values(), layout, guard, "the units' updates were already applied")
         else:
-            assert total is not None
             if len(micro) > 1:
                 for g in total.values():
                     g.div_(len(micro))
-            grads = params.replace(total)
+            grads = params.replace({u: total.get(u, torch.zeros_like(params[u])) for u in params.plan.unit_names})
             stats = self._global(
                 loss, (_square_norm(grads[u]) for u in order), layout, guard, "the step was not applied"
             )
@@ -271,7 +267,8 @@ class TrainStep:
 
     def _forward_backward(
         self, runtime: Runtime, params: Sharded, buffers: dict[str, torch.Tensor], batch: Any
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ) -> torch.Tensor:
+        """This rank's loss; the gradient shards go to the runtime's ``on_grad`` as they are ready."""
         def objective(shards: dict[str, torch.Tensor]) -> torch.Tensor:
             model = functools.partial(runtime.run_on, params.replace(shards), buffers)
             loss = self.loss_fn(model, batch)
@@ -285,9 +282,9 @@ class TrainStep:
         # vjp rather than grad: grad always differentiates with create_graph=True, which keeps
         # every backward intermediate alive for a second derivative nobody asked for.
         loss, vjp_fn = vjp(objective, params.shards)  # type: ignore[misc]
-        (grad_shards,) = vjp_fn(torch.ones_like(loss), retain_graph=False, create_graph=False)
+        vjp_fn(torch.ones_like(loss), retain_graph=False, create_graph=False)
         runtime.drain()  # the reduce-scatters still in flight, before anything reads a gradient
-        return loss.detach(), grad_shards
+        return cast(torch.Tensor, loss.detach())
 
     @staticmethod
     def _global(loss: torch.Tensor, square_norms: Any, layout: Layout, guard: Guard, consequence: str) -> torch.Tensor:
