@@ -2,7 +2,7 @@
 
     python bench/collectives.py                 # W = 2 and 4, a 16 MB buffer
 
-The figures choose fsdp_fn's gloo algorithm (``fsdp_fn/_collectives.py``: ``all_to_all``).
+The figures choose fsdp_fn's gloo algorithm (``fsdp_fn/_collectives.py``: ``pairwise``).
 Each rank sends (W-1)/W of the buffer in every variant except all_reduce (2x).
 """
 
@@ -49,14 +49,28 @@ def measure(group: Any, megabytes: int, reps: int) -> dict[str, float]:
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
+    scratch = torch.empty(world - 1, n // world)
+
+    def pairwise_reduce_scatter() -> None:
+        ops, k = [], 0
+        for j in range(world):
+            if j != rank:
+                ops.append(dist.P2POp(dist.isend, full[j * len(out) : (j + 1) * len(out)], group=group, group_peer=j))
+                ops.append(dist.P2POp(dist.irecv, scratch[k], group=group, group_peer=j))
+                k += 1
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        out.copy_(full[rank * len(out) : (rank + 1) * len(out)]).add_(scratch.sum(0))
+
     return {
         "all_gather (gloo)": timed(lambda: dist.all_gather_single(full, shard, group=group)),
-        "all_gather as all_to_all (fsdp_fn)": timed(
+        "all_gather as isend/irecv (fsdp_fn)": timed(pairwise_all_gather),
+        "all_gather as all_to_all (W-fold send copy)": timed(
             lambda: dist.all_to_all_single(full, shard.repeat(world), group=group)
         ),
-        "all_gather as isend/irecv": timed(pairwise_all_gather),
         "reduce_scatter (gloo)": timed(lambda: dist.reduce_scatter_single(out, full, group=group)),
-        "reduce_scatter as all_to_all + sum (fsdp_fn)": timed(
+        "reduce_scatter as isend/irecv + sum (fsdp_fn)": timed(pairwise_reduce_scatter),
+        "reduce_scatter as all_to_all + sum": timed(
             lambda: dist.all_to_all_single(received, full, group=group) or received.view(world, -1).sum(0)
         ),
         "all_reduce (gloo)": timed(lambda: dist.all_reduce(full, group=group)),

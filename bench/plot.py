@@ -1,8 +1,8 @@
 """Plot bench/compare.py results: step time and peak memory per system, one panel pair per world size.
 
-    python bench/compare.py --world 2 --json out/bench_w2.json
-    python bench/compare.py --world 4 --json out/bench_w4.json
-    python bench/plot.py out/bench_w2.json out/bench_w4.json --out docs/performance.png
+python bench/compare.py --world 2 --json out/bench_w2.json
+python bench/compare.py --world 4 --json out/bench_w4.json
+python bench/plot.py out/bench_w2.json out/bench_w4.json --out docs/performance.png
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ def main() -> None:
         mem_ax.set_title(f"W={report['world']}: memory at the step's peak, by category", fontsize=10)
         mem_ax.legend(fontsize=7, ncol=2)
     params = reports[0]["params"] / 1e6
-    fig.suptitle(f"GPT {params:.1f}M parameters on CPU/gloo, {reports[0]['config']['batch']}x{reports[0]['config']['seq']} tokens per rank")
+    fig.suptitle(
+        f"GPT {params:.1f}M parameters on CPU/gloo, {reports[0]['config']['batch']}x{reports[0]['config']['seq']} tokens per rank"
+    )
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)

@@ -100,11 +100,10 @@ def pairwise(group: dist.ProcessGroup) -> bool:
     """Whether to run all-gather and reduce-scatter as pairwise sends and receives.
 
     On gloo, measured on loopback with a 16 MB buffer (``python bench/collectives.py``,
-    W=2 / W=4, ms): all_gather 14.2 / 23.5, as isend/irecv 8.7 / 12.2; reduce_scatter
-    20.8 / 35.3 (gloo copies the buffer and runs a full all-reduce), as all_to_all 12.4 /
-    17.2, as isend/irecv (below) about the same with W-1 shards of scratch instead of W.
-    Each rank sends exactly ``(W-1)/W`` of the buffer. NCCL and other backends use their
-    own all-gather and reduce-scatter.
+    W=2 / W=4, ms): all_gather 18.1 / 24.8, as isend/irecv 6.4 / 13.2; reduce_scatter
+    21.8 / 30.8 (gloo copies the buffer and runs a full all-reduce), as isend/irecv and
+    a sum 10.7 / 16.6. Each rank still sends exactly ``(W-1)/W`` of the buffer. NCCL and
+    other backends use their own all-gather and reduce-scatter.
     """
     return group.size() > 1 and dist.get_backend(group) == "gloo"
 
