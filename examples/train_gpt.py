@@ -2,7 +2,9 @@
 
     torchrun --standalone --nproc-per-node 2 -m examples.train_gpt --steps 200
 
-Each rank keeps 1/W of every transformer block; blocks are gathered just before they run.
+The model is built on the meta device and initialised straight into shards; each rank keeps
+1/W of every block, embedding and head, gathered just before they run; each unit's AdamW
+update runs as soon as its gradient shard exists.
 Rank 0 shows a progress bar; the last line gives tokens/s and each rank's peak memory.
 """
 
@@ -40,13 +42,13 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     cfg = GPTConfig(vocab=256, seq=args.seq, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
-    torch.manual_seed(args.seed)
-    model = GPT(cfg)
+    with torch.device("meta"):  # no rank ever holds the whole model: built unit by unit into shards
+        model = GPT(cfg)
     fn = ff.functionalize(model)
-    plan = ff.make_plan(model, ff.layer_policy([Block]))
-    params = ff.shard(fn.params, plan)
-    step = ff.train_step(fn, lm_loss, ff.adamw(lr=args.lr, weight_decay=0.1))
-    state = step.init(params)
+    plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=True)
+    params, buffers = ff.init_shards(model, plan, seed=args.seed)
+    step = ff.train_step(fn, lm_loss, ff.adamw(lr=args.lr, weight_decay=0.1), update_in_backward=True)
+    state = step.init(params, buffers)
     text = stdlib_text()
     if rank == 0:
         print(
