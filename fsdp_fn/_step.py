@@ -37,7 +37,41 @@ class TrainState(NamedTuple):
 
 
 class TrainStep:
-    """``step(state, batch) -> (state, metrics)``; build with ``train_step``."""
+    """The sharded train step: ``step(state, batch) -> (state, metrics)``; build with ``train_step``.
+
+    ``loss_fn(model, batch) -> scalar`` calls ``model(*args, **kwargs)`` with whatever its
+    forward takes; ``model`` runs the module on the sharded parameters, gathering each unit
+    just before it runs. The loss is this rank's loss on its part of the batch; gradients
+    are averaged over ranks, so equal per-rank batches give the gradient of the global
+    batch's mean loss. ``donate=True`` updates shards and optimizer state in place (the
+    returned state reuses the input's tensors); ``False`` leaves the input state intact.
+
+    Memory and overlap: ``reshard_after_forward=False`` keeps each unit gathered from its
+    forward to its backward (one all-gather less per unit, more memory: ZeRO-2 /
+    ``SHARD_GRAD_OP``). ``update_in_backward=True`` steps each unit's optimizer as soon as
+    its gradient shard is reduce-scattered, so the gradient shards of all units never live
+    at once. ``backward_prefetch`` (``BACKWARD_PRE``, ``BACKWARD_POST``, ``None``) and
+    ``forward_prefetch`` issue the next unit's all-gather early, overlapping it with
+    compute; ``max_inflight`` caps the non-root units gathered at once (prefetch included).
+
+    Training features: ``mixed_precision`` (``MixedPrecision``), ``cpu_offload``
+    (``CPUOffload``), ``accumulation=N`` micro-batches per step (the batch is then a
+    sequence of N; ``accumulate="sharded"`` reduce-scatters each, ``"full"`` keeps full
+    gradients and reduce-scatters once, like ``no_sync``), ``clip_grad_norm`` (the global
+    norm over all shards, as ``torch.nn.utils.clip_grad_norm_``), ``skip_nonfinite`` (a
+    step whose loss or gradient norm is not finite leaves the state as it was; metrics say
+    ``skipped``). ``buffer_sync`` keeps replicated buffers (BatchNorm statistics) equal
+    across ranks after each step: ``"broadcast"`` from rank 0 as DDP does, ``"mean"``, or
+    ``None``.
+
+    Reliability: no step hangs silently. Waits on collectives notice a rank that raised
+    (its error is raised here too, naming it), died, or stayed silent past ``timeout``
+    seconds (named). Every step checks, inside its metrics all-gather, that all ranks
+    issued the same collectives before the optimizer runs; ``check_schedule="first"``
+    (default), ``"always"`` or ``"never"`` also has ranks agree before every collective,
+    so a divergence is named at the unit where it starts (``step.check_next_step()`` asks
+    for it on demand).
+    """
 
     def __init__(
         self,
@@ -269,6 +303,7 @@ class TrainStep:
         self, runtime: Runtime, params: Sharded, buffers: dict[str, torch.Tensor], batch: Any
     ) -> torch.Tensor:
         """This rank's loss; the gradient shards go to the runtime's ``on_grad`` as they are ready."""
+
         def objective(shards: dict[str, torch.Tensor]) -> torch.Tensor:
             model = functools.partial(runtime.run_on, params.replace(shards), buffers)
             loss = self.loss_fn(model, batch)
@@ -370,84 +405,12 @@ def sync_buffers(buffers: Mapping[str, torch.Tensor], group: dist.ProcessGroup, 
             at += t.numel()
 
 
-def train_step(
-    fn: Functional,
-    loss_fn: LossFn,
-    optimizer: Optimizer,
-    *,
-    donate: bool = True,
-    reshard_after_forward: bool = True,
-    update_in_backward: bool = False,
-    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
-    forward_prefetch: bool = True,
-    max_inflight: int = 2,
-    buffer_sync: BufferSync = "broadcast",
-    mixed_precision: MixedPrecision | None = None,
-    cpu_offload: CPUOffload | None = None,
-    accumulation: int = 1,
-    accumulate: Accumulate = "sharded",
-    clip_grad_norm: float | None = None,
-    skip_nonfinite: bool = False,
-    timeout: float = 300.0,
-    check_schedule: CheckSchedule = "first",
-) -> TrainStep:
-    """Build the sharded train step.
-
-    ``loss_fn(model, batch) -> scalar`` calls ``model(*args, **kwargs)`` with whatever its
-    forward takes; ``model`` runs the module on the sharded parameters, gathering each unit
-    just before it runs. The loss is this rank's loss on its part of the batch; gradients
-    are averaged over ranks, so equal per-rank batches give the gradient of the global
-    batch's mean loss. ``donate=True`` updates shards and optimizer state in place (the
-    returned state reuses the input's tensors); ``False`` leaves the input state intact.
-
-    Memory and overlap: ``reshard_after_forward=False`` keeps each unit gathered from its
-    forward to its backward (one all-gather less per unit, more memory: ZeRO-2 /
-    ``SHARD_GRAD_OP``). ``update_in_backward=True`` steps each unit's optimizer as soon as
-    its gradient shard is reduce-scattered, so the gradient shards of all units never live
-    at once. ``backward_prefetch`` (``BACKWARD_PRE``, ``BACKWARD_POST``, ``None``) and
-    ``forward_prefetch`` issue the next unit's all-gather early, overlapping it with
-    compute; ``max_inflight`` caps the non-root units gathered at once (prefetch included).
-
-    Training features: ``mixed_precision`` (``MixedPrecision``), ``cpu_offload``
-    (``CPUOffload``), ``accumulation=N`` micro-batches per step (the batch is then a
-    sequence of N; ``accumulate="sharded"`` reduce-scatters each, ``"full"`` keeps full
-    gradients and reduce-scatters once, like ``no_sync``), ``clip_grad_norm`` (the global
-    norm over all shards, as ``torch.nn.utils.clip_grad_norm_``), ``skip_nonfinite`` (a
-    step whose loss or gradient norm is not finite leaves the state as it was; metrics say
-    ``skipped``). ``buffer_sync`` keeps replicated buffers (BatchNorm statistics) equal
-    across ranks after each step: ``"broadcast"`` from rank 0 as DDP does, ``"mean"``, or
-    ``None``.
-
-    Reliability: no step hangs silently. Waits on collectives notice a rank that raised
-    (its error is raised here too, naming it), died, or stayed silent past ``timeout``
-    seconds (named). Every step checks, inside its metrics all-gather, that all ranks
-    issued the same collectives before the optimizer runs; ``check_schedule="first"``
-    (default), ``"always"`` or ``"never"`` also has ranks agree before every collective,
-    so a divergence is named at the unit where it starts (``step.check_next_step()`` asks
-    for it on demand).
+def train_step(fn: Functional, loss_fn: LossFn, optimizer: Optimizer, **options: Any) -> TrainStep:
+    """Build the sharded train step: ``TrainStep(fn, loss_fn, optimizer, **options)`` (options there).
 
     >>> import torch, torch.nn.functional as F
     >>> def loss_fn(model, batch):
     ...     x, y = batch
     ...     return F.mse_loss(model(x), y)
     """
-    return TrainStep(
-        fn,
-        loss_fn,
-        optimizer,
-        donate=donate,
-        reshard_after_forward=reshard_after_forward,
-        update_in_backward=update_in_backward,
-        backward_prefetch=backward_prefetch,
-        forward_prefetch=forward_prefetch,
-        max_inflight=max_inflight,
-        buffer_sync=buffer_sync,
-        mixed_precision=mixed_precision,
-        cpu_offload=cpu_offload,
-        accumulation=accumulation,
-        accumulate=accumulate,
-        clip_grad_norm=clip_grad_norm,
-        skip_nonfinite=skip_nonfinite,
-        timeout=timeout,
-        check_schedule=check_schedule,
-    )
+    return TrainStep(fn, loss_fn, optimizer, **options)

@@ -83,6 +83,8 @@ OPTIONS = {
     "update_in_backward": {"step_kw": {"update_in_backward": True}},
     "keep_gathered": {"step_kw": {"reshard_after_forward": False}},
     "split_root": {"plan_kw": {"split_root": True}},
+    "prefetch_post": {"step_kw": {"backward_prefetch": ff.BackwardPrefetch.BACKWARD_POST}},
+    "no_prefetch": {"step_kw": {"backward_prefetch": None, "forward_prefetch": False, "max_inflight": 1}},
     "all_three": {
         "step_kw": {"update_in_backward": True, "reshard_after_forward": False},
         "plan_kw": {"split_root": True},
