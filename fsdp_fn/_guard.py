@@ -35,6 +35,7 @@ class RankFailure(RuntimeError):
 
 
 _local = threading.local()
+_steps: dict[str, int] = {}  # guarded steps run so far, per group name
 
 
 def current() -> Guard | None:
@@ -60,7 +61,11 @@ class Guard:
         self.rank, self.world = group.rank(), group.size()
         self.global_rank = dist.get_rank()
         self.store = _store()
-        self.prefix = f"fsdp_fn/{group.group_name}/step{step}"
+        # Keys are unique per guarded step of this group in this process's life, whichever
+        # TrainStep runs it (all ranks count the same), so no stale report from an earlier
+        # failure is ever read as a new one.
+        _steps[group.group_name] = serial = _steps.get(group.group_name, 0) + 1
+        self.prefix = f"fsdp_fn/{group.group_name}/guarded{serial}"
         self.issued: list[tuple[str, str | None, int, str]] = []  # (op, unit, numel, dtype) this step, in order
 
     @contextlib.contextmanager

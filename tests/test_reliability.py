@@ -279,3 +279,20 @@ def test_empty_batch_on_one_rank(fragile):
     for rank in (0, 1):
         assert outcomes[rank][0] == "RankFailure"
         assert "rank 2: ValueError: the batch on rank 2 has an empty leading dimension" in outcomes[rank][1]
+
+
+def _stale_reports(group):
+    """An error reported in one step is never read by a later step, whichever TrainStep runs it."""
+    from fsdp_fn._guard import Guard
+
+    first = Guard(group, 1, timeout=5.0, check=False)
+    first.publish(ValueError("old failure"))
+    torch.distributed.barrier(group=group)
+    later = Guard(group, 1, timeout=5.0, check=False)  # a new TrainStep's first step
+    return first._remote_error() is not None, later._remote_error()
+
+
+def test_stale_error_reports_are_not_read_again(pool):
+    for seen_then, seen_later in pool.run(_stale_reports, world=2):
+        assert seen_then
+        assert seen_later is None
