@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
 
 from fsdp_fn._agree import agree
-from fsdp_fn._collectives import _ReduceScatter, all_gather
+from fsdp_fn._collectives import _ReduceScatter, all_gather, all_reduce_
 from fsdp_fn._group import Group, resolve_groups
 from fsdp_fn._plan import Plan, Unit, unit_label
 
@@ -278,8 +278,9 @@ def reduce_grads(grads: Mapping[str, torch.Tensor | None], like: Sharded, *, mea
     """Reduce-scatter full gradients (keyed by parameter name) into ``like``'s sharded layout.
 
     For users who compute full gradients themselves. Missing or ``None`` gradients count
-    as zero. ``mean=True`` averages over ranks (like DDP), ``False`` sums. Differentiable
-    (its backward is an all-gather). Memory: one unit's flat gradient at a time plus the
+    as zero. ``mean=True`` averages over ranks (like DDP), ``False`` sums; with a 2-D mesh,
+    over the replicas too. Differentiable (its backward is an all-gather; not across
+    replicas). Memory: one unit's flat gradient at a time plus the
     result shards; communication: one reduce-scatter per unit.
     """
     plan, world = like.plan, like.layout.world
@@ -302,5 +303,11 @@ def reduce_grads(grads: Mapping[str, torch.Tensor | None], like: Sharded, *, mea
             pieces.append(torch.zeros(pad, dtype=unit.dtype, device=like[unit.name].device))
         flat = torch.cat(pieces)
         scale = 1.0 / world if mean else 1.0
-        out[unit.name] = _ReduceScatter.apply(flat, like.group, unit.name, scale)
+        shard = _ReduceScatter.apply(flat, like.group, unit.name, scale)
+        replicate = like.layout.replicate
+        if replicate is not None:  # hybrid sharding: then across the replicas
+            shard = all_reduce_(shard.clone(), replicate, unit.name)
+            if mean:
+                shard = shard / like.layout.replicas
+        out[unit.name] = shard
     return like.replace(out)

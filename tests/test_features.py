@@ -352,3 +352,19 @@ def _hsdp_mesh_of_wrong_size(group):
 def test_mesh_whose_size_does_not_match_the_group(pool):
     msg = pool.run(_hsdp_mesh_of_wrong_size, world=4)[0]
     assert "world size 4 needs (26,)" in msg
+
+
+def _hybrid_reduce_grads(group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    m = torch.nn.Linear(5, 3)
+    params = ff.shard(dict(m.named_parameters()), ff.make_plan(m), mesh)
+    mine = {k: torch.full(v.shape, float(group.rank() + 1)) for k, v in m.named_parameters()}
+    full = ff.unshard(ff.reduce_grads(mine, params))
+    return all(torch.allclose(t, torch.full_like(t, 2.5)) for t in full.values())  # mean of 1, 2, 3, 4
+
+
+def test_reduce_grads_averages_over_replicas_too(pool):
+    assert all(pool.run(_hybrid_reduce_grads, world=4))
