@@ -157,10 +157,6 @@ class RankPool:
                 raise RankError(f"rank {rank} did not start within 120 s")
             conn.recv()
 
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
-
     def run(
         self, fn: Callable[..., Any], *args: Any, world: int | None = None, timeout: float | None = None, **kwargs: Any
     ) -> list[Any]:

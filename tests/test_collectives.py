@@ -127,3 +127,30 @@ def test_sharded_is_a_pytree():
     leaves, spec = optree.tree_flatten({"a": 1}, namespace=ff.NAMESPACE)
     assert leaves == [1]
     assert spec.num_leaves == 1
+
+
+def _grad_through_apply_sharded(group):
+    """A user's own functional step: torch.func.grad over apply_sharded gives the averaged gradient."""
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    fn = ff.functionalize(m)
+    params = ff.shard(fn.params, ff.make_plan(m, ff.layer_policy([nn.Linear])), group)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))
+
+    def loss(shards):
+        return ff.apply_sharded(fn, params.replace(shards), fn.buffers, x).square().mean()
+
+    for transform in (torch.func.grad, lambda f: lambda p: torch.func.grad_and_value(f)(p)[0]):
+        got = transform(loss)(params.shards)
+        full = {k: v.detach().requires_grad_() for k, v in fn.params.items()}
+        fn(full, fn.buffers, x).square().mean().backward()
+        want = ff.reduce_grads({k: v.grad for k, v in full.items()}, params)
+        for unit in params:
+            torch.testing.assert_close(got[unit], want[unit])
+    return True
+
+
+def test_grad_through_apply_sharded(pool):
+    for world in (2, 3):
+        assert all(pool.run(_grad_through_apply_sharded, world=world))
