@@ -131,7 +131,7 @@ def test_sharded_is_a_pytree():
 
 def _grad_through_apply_sharded(group):
     """A user's own functional step: torch.func.grad over apply_sharded gives the averaged gradient."""
-    world, rank = group.size(), group.rank()
+    rank = group.rank()
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
     fn = ff.functionalize(m)
