@@ -193,7 +193,7 @@ class _Gathered:
 
     def free(self) -> None:
         """After forward: release the storage; backward will ``start`` it again."""
-        if not self.counted and self.unit.name != ROOT:
+        if all(p.in_place for p in self.parts):
             return  # nothing was allocated
         for part in self.parts:
             part.drop()
