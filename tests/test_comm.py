@@ -8,21 +8,15 @@ import pytest
 import torch
 
 import fsdp_fn as ff
-from examples.gpt import GPT, Block, GPTConfig, lm_loss
-from tests.helpers import local_part
+from examples.gpt import GPTConfig
+from tests.helpers import gpt_state, local_part
 
 CFG = GPTConfig(vocab=50, seq=8, d_model=12, n_layers=4, n_heads=2)
 
 
 def _logged_steps(group, split_root, step_kw):
     world, rank = group.size(), group.rank()
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    fn = ff.functionalize(model)
-    plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=split_root)
-    params = ff.shard(fn.params, plan, group)
-    step = ff.train_step(fn, lm_loss, ff.adamw(), **step_kw)
-    state = step.init(params)
+    plan, step, state = gpt_state(group, CFG, split_root=split_root, **step_kw)
     logs = []
     for k in range(2):
         batch = local_part(

@@ -7,29 +7,23 @@ import torch
 from torch import nn
 
 import fsdp_fn as ff
-from examples.gpt import GPT, Block, GPTConfig, lm_loss
-from tests.helpers import local_part
+from examples.gpt import GPT, Block, GPTConfig
+from tests.helpers import gpt_state, local_part
 
 CFG = GPTConfig(vocab=64, seq=16, d_model=32, n_layers=6, n_heads=2)
 
 
 def _measured_step(group, split_root=False, update_in_backward=False, reshard_after_forward=True, prefetch=True):
     world, rank = group.size(), group.rank()
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    fn = ff.functionalize(model)
-    plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=split_root)
-    params = ff.shard(fn.params, plan, group)
-    step = ff.train_step(
-        fn,
-        lm_loss,
-        ff.adamw(),
+    plan, step, state = gpt_state(
+        group,
+        CFG,
+        split_root=split_root,
         update_in_backward=update_in_backward,
         reshard_after_forward=reshard_after_forward,
         forward_prefetch=prefetch,
         backward_prefetch=ff.BackwardPrefetch.BACKWARD_PRE if prefetch else None,
     )
-    state = step.init(params)
     batch = local_part(
         torch.randint(0, CFG.vocab, (4 * world, CFG.seq + 1), generator=torch.Generator().manual_seed(0)), rank, world
     )
