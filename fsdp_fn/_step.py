@@ -194,8 +194,8 @@ class TrainStep:
         Communication: per unit, an all-gather in forward and in backward and one
         reduce-scatter (per micro-batch, except with ``accumulate="full"``: once); one
         all-gather of four numbers per rank (the metrics and the schedule check); with
-        buffers, one broadcast (or all-reduce) of them per dtype. If the forward or the loss raises, ``state`` is
-        untouched. Units the forward never ran are not stepped (as torch.optim skips
+        buffers, one broadcast (or all-reduce) of them per dtype. If the forward or the loss
+        raises, ``state`` is untouched. Units the forward never ran are not stepped (as torch.optim skips
         parameters without a gradient).
         """
         self.calls += 1
@@ -206,15 +206,15 @@ class TrainStep:
             return self._step(state, batch, guard)
 
     def _step(self, state: TrainState, batch: Any, guard: Guard) -> tuple[TrainState, dict[str, torch.Tensor]]:
-        params, opt_state = state.params, state.opt_state
+        params, opt_state, buffers = state.params, state.opt_state, state.buffers
         layout = params.layout
         micro = self._micro_batches(batch)
         for mb in micro:
             _check_not_empty(mb, guard.rank)
         # A skipped step must leave everything as it was, buffers the forward moves included.
-        saved_buffers = {k: b.clone() for k, b in state.buffers.items()} if self.skip_nonfinite else None
-        if not self.donate:
-            params, opt_state = tree_map(torch.clone, (params, opt_state))
+        saved_buffers = {k: b.clone() for k, b in buffers.items()} if self.skip_nonfinite else None
+        if not self.donate:  # the forward moves buffers in place too: copy them with the rest
+            params, opt_state, buffers = tree_map(torch.clone, (params, opt_state, buffers))
         square_norms: dict[str, torch.Tensor] = {}
 
         def step_unit(unit: str, grad: torch.Tensor) -> None:
@@ -246,7 +246,7 @@ class TrainStep:
                 on_grad=step_unit if self.update_in_backward else collect,
                 deferred=deferred,
             )
-            losses.append(self._forward_backward(runtime, params, state.buffers, mb))
+            losses.append(self._forward_backward(runtime, params, buffers, mb))
             used.update(dict.fromkeys(runtime.gathers))
             self.unit_order = runtime.order
         assert runtime is not None
@@ -267,11 +267,11 @@ class TrainStep:
                 loss, (_square_norm(grads[u]) for u in order), layout, guard, "the step was not applied"
             )
             norm = stats[1].sqrt()
-            finite = bool(torch.isfinite(stats).all())
-            if self.skip_nonfinite and not finite:
+            # Reading the verdict on the host is a sync: only when the guard is asked for.
+            if self.skip_nonfinite and not bool(torch.isfinite(stats).all()):
                 skipped = torch.ones((), dtype=torch.bool)
                 assert saved_buffers is not None
-                for k, b in state.buffers.items():
+                for k, b in buffers.items():
                     b.copy_(saved_buffers[k])
             else:
                 if self.clip_grad_norm is not None:
@@ -283,10 +283,10 @@ class TrainStep:
             del grads, total
 
         metrics = {"loss": stats[0].float(), "grad_norm": stats[1].sqrt().float(), "skipped": skipped}
-        sync_buffers(state.buffers, layout.group, self.buffer_sync)
+        sync_buffers(buffers, layout.group, self.buffer_sync)
         if layout.replicate is not None:
-            sync_buffers(state.buffers, layout.replicate, self.buffer_sync)
-        return TrainState(params, opt_state, state.buffers, state.step + int(not skipped)), metrics
+            sync_buffers(buffers, layout.replicate, self.buffer_sync)
+        return TrainState(params, opt_state, buffers, state.step + int(not skipped)), metrics
 
     def _micro_batches(self, batch: Any) -> Sequence[Any]:
         if self.accumulation == 1:

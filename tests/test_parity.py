@@ -232,3 +232,31 @@ def test_device_mesh_group_and_consistent_buffers(pool, buffer_sync):
         assert started_equal  # broadcast from rank 0 at init
         assert consistent  # every rank's forward moved its statistics; the step made them equal again
         assert tracked == 3
+
+
+def _donate_false_leaves_input_intact(group):
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.Tanh(), nn.Linear(7, 2))
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group)
+    step = ff.train_step(fn, mse_loss, ff.adamw(lr=0.1), donate=False)
+    state = step.init(params)
+    before = [t.clone() for t in ff.tree_leaves((state.params, state.opt_state, state.buffers))]
+    g = torch.Generator().manual_seed(rank)
+    new, _ = step(state, (torch.randn(4, 5, generator=g), torch.randn(4, 2, generator=g)))
+    after = ff.tree_leaves((state.params, state.opt_state, state.buffers))
+    moved = ff.tree_leaves((new.params, new.buffers))
+    intact = all(torch.equal(a, b) for a, b in zip(before, after))
+    return (
+        intact,
+        not torch.equal(moved[0], after[0]),
+        not torch.equal(new.buffers["1.running_mean"], state.buffers["1.running_mean"]),
+    )
+
+
+def test_donate_false_leaves_the_input_state_intact(pool):
+    for intact, params_moved, buffers_moved in pool.run(_donate_false_leaves_input_intact, world=2):
+        assert intact
+        assert params_moved
+        assert buffers_moved
