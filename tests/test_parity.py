@@ -235,7 +235,7 @@ def test_device_mesh_group_and_consistent_buffers(pool, buffer_sync):
 
 
 def _donate_false_leaves_input_intact(group):
-    world, rank = group.size(), group.rank()
+    rank = group.rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.Tanh(), nn.Linear(7, 2))
     fn = ff.functionalize(model)
