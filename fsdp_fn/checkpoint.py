@@ -348,15 +348,21 @@ def is_committed(directory: str | os.PathLike[str]) -> bool:
 def _read_metadata(path: Path) -> Metadata:
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    if not is_committed(path):
-        raise CheckpointError(
-            f"{path} is not a complete checkpoint: it has no {COMMIT_MARKER} marker "
-            "(a save was interrupted before every rank finished); load an earlier one (latest())"
-        )
+    incomplete = CheckpointError(
+        f"{path} is not a complete checkpoint: it has no {COMMIT_MARKER} marker "
+        "(a save was interrupted before every rank finished); load an earlier one (latest())"
+    )
+    if not is_committed(path) and not (path / ".metadata").is_file():
+        raise incomplete
     try:
-        return dcp.FileSystemReader(path).read_metadata()
+        md = dcp.FileSystemReader(path).read_metadata()
     except Exception as e:
         raise CheckpointError(f"{path}: its metadata file cannot be read ({type(e).__name__}: {e})") from e
+    # DCP writes its metadata last, so a torch-written checkpoint (no marker, none of our
+    # entries) is complete; one of ours without the marker is not.
+    if not is_committed(path) and _META in md.state_dict_metadata:
+        raise incomplete
+    return md
 
 
 def _ready(t: torch.Tensor) -> torch.Tensor:

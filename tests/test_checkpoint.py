@@ -164,3 +164,96 @@ def test_save_at_two_loads_resharded_bitwise_and_trains_on(pool, tmp_path, world
     )
     losses = [loss for loss, _ in got[0][2]]
     assert losses == pytest.approx(ref["losses"][2:], rel=1e-5)
+
+
+# --- torch FSDP2 interop ------------------------------------------------------------------
+
+
+def _fsdp2(group, model):
+    import copy
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    peer = copy.deepcopy(model)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for block in peer.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(peer, mesh=mesh)
+    return peer, torch.optim.AdamW(peer.parameters(), lr=LR)
+
+
+def _fsdp2_full(peer, opt) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(peer, opt, options=StateDictOptions(full_state_dict=True))
+    out = {f"model.{k}": v for k, v in msd.items()}
+    for fqn, st in osd["state"].items():
+        for name, v in st.items():
+            out[f"optim.state.{fqn}.{name}"] = v
+    return out
+
+
+def _fsdp2_step(peer, opt, batch, group):
+    opt.zero_grad()
+    loss = lm_loss(peer, batch)
+    loss.backward()
+    opt.step()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    return total.item() / group.size()
+
+
+def _from_fsdp2(group, directory):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, step, like = _setup(group)
+    rank, world = group.rank(), group.size()
+    peer, opt = _fsdp2(group, model)
+    for k in range(2):
+        _fsdp2_step(peer, opt, local_part(batch_for("gpt", model, k), rank, world), group)
+    msd, osd = get_state_dict(peer, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=directory, process_group=group)
+    theirs = _fsdp2_full(peer, opt)
+    state, extra = ckpt.load(directory, like)
+    mine = _full(state)
+    same = mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    batch = local_part(batch_for("gpt", model, 2), rank, world)
+    loaded_step = state.step
+    state, metrics = step(state, batch)
+    return same, loaded_step, extra, metrics["loss"].item(), _fsdp2_step(peer, opt, batch, group)
+
+
+def _to_fsdp2(group, directory):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, step, state = _setup(group)
+    rank, world = group.rank(), group.size()
+    state, _ = _train(model, step, state, group, 0, 2)
+    hyper = torch.optim.AdamW([torch.zeros(1)], lr=LR).defaults
+    ckpt.save(directory, state, hyperparams=hyper)
+    mine = _full(state)
+    peer, opt = _fsdp2(group, model)
+    msd, osd = get_state_dict(peer, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=directory, process_group=group)
+    set_state_dict(peer, opt, model_state_dict=msd, optim_state_dict=osd)
+    theirs = _fsdp2_full(peer, opt)
+    same = mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    batch = local_part(batch_for("gpt", model, 2), rank, world)
+    _, metrics = step(state, batch)
+    return same, metrics["loss"].item(), _fsdp2_step(peer, opt, batch, group)
+
+
+def test_a_torch_fsdp2_checkpoint_loads_into_fsdp_fn(pool, tmp_path):
+    for same, step, extra, mine, theirs in pool.run(_from_fsdp2, str(tmp_path / "c"), world=2):
+        assert same  # parameters and AdamW state, bitwise
+        assert step == 2 and extra is None  # the step from torch's optimizer state
+        assert mine == pytest.approx(theirs, rel=1e-5)  # and training goes on alike
+
+
+def test_an_fsdp_fn_checkpoint_loads_into_torch_fsdp2(pool, tmp_path):
+    for same, mine, theirs in pool.run(_to_fsdp2, str(tmp_path / "c"), world=2):
+        assert same
+        assert mine == pytest.approx(theirs, rel=1e-5)
