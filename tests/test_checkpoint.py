@@ -257,3 +257,74 @@ def test_an_fsdp_fn_checkpoint_loads_into_torch_fsdp2(pool, tmp_path):
     for same, mine, theirs in pool.run(_to_fsdp2, str(tmp_path / "c"), world=2):
         assert same
         assert mine == pytest.approx(theirs, rel=1e-5)
+
+
+# --- bit-identical resume (dropout: every rank's RNG state is in the checkpoint) ------------
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Dropout(0.3), nn.Linear(13, 5), nn.Dropout(0.2))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _mse(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _dropout_run(group, root, first, last, *, save_at=None):
+    """Train steps [first, last) of the dropout MLP; resume from ``root``'s latest when first > 0."""
+    rank, world = group.rank(), group.size()
+    torch.manual_seed(0)
+    model = DropoutMLP()
+    fn = ff.functionalize(model)
+    step = ff.train_step(fn, _mse, ff.adamw(lr=LR))
+    state = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group))
+    torch.manual_seed(100 + rank)  # dropout masks differ per rank
+    manager = ckpt.CheckpointManager(root, keep=2)
+    if first:
+        state, extra = manager.restore(state)
+        assert extra["data"] == first
+    trace = []
+    for k in range(first, last):
+        g = torch.Generator().manual_seed(k)
+        x, y = torch.randn(8, 7, generator=g), torch.randn(8, 5, generator=g)
+        state, metrics = step(state, local_part((x, y), rank, world))
+        trace.append((metrics["loss"].item(), metrics["grad_norm"].item()))
+        if save_at == k + 1:
+            manager.save(state, extra={"data": k + 1})
+    return trace, _full_mlp(state)
+
+
+def _full_mlp(state):
+    return {
+        "params": ff.unshard(state.params),
+        "exp_avg": ff.unshard(state.opt_state.exp_avg),
+        "exp_avg_sq": ff.unshard(state.opt_state.exp_avg_sq),
+        "steps": {u: s.clone() for u, s in state.opt_state.steps.shards.items()},
+        "rng": torch.get_rng_state(),
+    }
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    """Two ranks of their own: new processes for resumes, and ranks a test may kill."""
+    with RankPool(2, timeout=120, collective_timeout=20) as p:
+        yield p
+
+
+def test_resume_in_new_processes_is_bitwise_identical(pool, fresh, tmp_path):
+    root = str(tmp_path / "run")
+    straight = pool.run(_dropout_run, str(tmp_path / "unused"), 0, 6, world=2)
+    first = pool.run(_dropout_run, root, 0, 3, save_at=3, world=2)
+    second = fresh.run(_dropout_run, root, 3, 6, world=2)
+    for (trace, full), (t1, _), (t2, resumed) in zip(straight, first, second):
+        assert trace == t1 + t2  # every loss and gradient norm, exactly
+        for kind in ("params", "exp_avg", "exp_avg_sq", "steps"):
+            assert full[kind].keys() == resumed[kind].keys()
+            assert all(torch.equal(full[kind][k], resumed[kind][k]) for k in full[kind]), kind
+        assert torch.equal(full["rng"], resumed["rng"])
