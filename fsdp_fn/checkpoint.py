@@ -378,8 +378,8 @@ def _zero_padding(unit: Unit, flat: torch.Tensor, layout: Layout) -> None:
 
 class _Target(NamedTuple):
     state: TrainState
-    entries: dict[str, Any]  # what to read, keyed as in the checkpoint
-    owners: dict[str, str]  # key -> how to name it in errors
+    entries: dict[str, Any]  # what this rank reads, keyed as in the checkpoint
+    expected: dict[str, tuple[tuple[int, ...], torch.dtype, str]]  # every rank's keys: shape, dtype, name
 
 
 def _target(like: TrainState) -> _Target:
@@ -401,34 +401,39 @@ def _target(like: TrainState) -> _Target:
         opt_state = type(opt_state)(**fields)
     buffers = {k: _ready(v) for k, v in like.buffers.items()}
     entries: dict[str, Any] = {}
-    owners: dict[str, str] = {}
-    fields_ = _opt_fields(opt_state)
+    expected: dict[str, tuple[tuple[int, ...], torch.dtype, str]] = {}
     for unit in layout.plan.units:
-        where = f"unit {unit_label(unit.name)}"
         for part, flat in _parts(unit, layout, params):
+            for spec in part.params:
+                expected[f"model.{spec.name}"] = (spec.shape, spec.dtype, f"parameter {spec.name!r} ({_where(unit)})")
             _zero_padding(part, flat, layout)
             for spec, pieces in _pieces(part, flat, layout):
                 entries[f"model.{spec.name}"] = pieces
-                owners[f"model.{spec.name}"] = f"parameter {spec.name!r} ({where})"
-        for tname, tree in fields_:
+        for tname, tree in _opt_fields(opt_state):
+            t = tree[unit.name]
+            for spec in unit.params:
+                what = f"optimizer state {tname!r} of {spec.name!r} ({_where(unit)})"
+                expected[f"optim.state.{spec.name}.{tname}"] = (() if _is_step(tname) else spec.shape, t.dtype, what)
             if _is_step(tname):
-                for spec, t in _step_views(unit, tree[unit.name], every=False):
-                    entries[f"optim.state.{spec.name}.{tname}"] = t
-                    owners[f"optim.state.{spec.name}.{tname}"] = f"optimizer state {tname!r} of {spec.name!r}"
+                for spec, view in _step_views(unit, t, every=False):
+                    entries[f"optim.state.{spec.name}.{tname}"] = view
             else:
-                _zero_padding(unit, tree[unit.name], layout)
-                for spec, pieces in _pieces(unit, tree[unit.name], layout):
+                _zero_padding(unit, t, layout)
+                for spec, pieces in _pieces(unit, t, layout):
                     entries[f"optim.state.{spec.name}.{tname}"] = pieces
-                    owners[f"optim.state.{spec.name}.{tname}"] = f"optimizer state {tname!r} of {spec.name!r}"
     for name, b in buffers.items():
         entries[f"model.{name}"] = b
-        owners[f"model.{name}"] = f"buffer {name!r}"
+        expected[f"model.{name}"] = (tuple(b.shape), b.dtype, f"buffer {name!r}")
     state = TrainState(params, opt_state, buffers, like.step)
-    return _Target(state, entries, owners)
+    return _Target(state, entries, expected)
+
+
+def _where(unit: Unit) -> str:
+    return f"unit {unit_label(unit.name)}"
 
 
 def _check(path: Path, md: Metadata, target: _Target, like: TrainState) -> None:
-    """Raise ``CheckpointError`` naming the first parameter the checkpoint cannot fill."""
+    """Raise ``CheckpointError`` naming the first parameter the checkpoint cannot fill (the same on every rank)."""
     saved = md.state_dict_metadata
     names = {n for spec in like.params.plan.params for n in (spec.name, *spec.aliases)}
     unexpected = [k[6:] for k in saved if k.startswith("model.") and k[6:] not in names and k[6:] not in like.buffers]
@@ -438,27 +443,22 @@ def _check(path: Path, md: Metadata, target: _Target, like: TrainState) -> None:
             + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
             + ": saved from another model?"
         )
-    for key in list(target.entries):
-        value = target.entries[key]
-        if not isinstance(value, Pieces | torch.Tensor):
-            continue
-        what = target.owners[key]
+    for key, (shape, dtype, what) in target.expected.items():
         if key not in saved:
             if what.startswith("buffer"):
                 del target.entries[key]  # non-persistent buffers (and FSDP2's checkpoints lack them): keep like's
                 continue
             raise CheckpointError(f"{path} has no {what}: missing from the checkpoint")
         entry = saved[key]
-        shape = tuple(value.size())
         if not isinstance(entry, TensorStorageMetadata):
             raise CheckpointError(f"{path}: {what} is saved as an object, not a tensor")
         if tuple(entry.size) != shape:
             raise CheckpointError(
                 f"{path}: {what} has shape {tuple(entry.size)} in the checkpoint, {shape} in the target"
             )
-        if entry.properties.dtype != value.dtype:
+        if entry.properties.dtype != dtype:
             raise CheckpointError(
-                f"{path}: {what} is {entry.properties.dtype} in the checkpoint, {value.dtype} in the target"
+                f"{path}: {what} is {entry.properties.dtype} in the checkpoint, {dtype} in the target"
             )
     _check_files(path, md, target)
 
@@ -478,7 +478,7 @@ def _check_files(path: Path, md: Metadata, target: _Target) -> None:
         if sizes[name] < info.offset + info.length:
             state = "missing" if sizes[name] < 0 else f"truncated ({sizes[name]} bytes)"
             raise CheckpointError(
-                f"{path}: the data of {target.owners.get(key, repr(key))} is in {name}, which is {state}; "
+                f"{path}: the data of {target.expected[key][2]} is in {name}, which is {state}; "
                 "the checkpoint is corrupt"
             )
 
@@ -607,6 +607,8 @@ class CheckpointManager:
         if _group(layout).rank() != 0 or self.keep is None:
             return
         for _, d in _committed(self.root)[: -self.keep]:
+            shutil.rmtree(d, ignore_errors=True)
+        for d in self.root.glob(".step_*.tmp"):  # left by saves that were killed
             shutil.rmtree(d, ignore_errors=True)
 
     def restore(self, like: TrainState) -> tuple[TrainState, Any] | None:

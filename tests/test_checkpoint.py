@@ -151,7 +151,7 @@ def test_save_at_two_loads_resharded_bitwise_and_trains_on(pool, tmp_path, world
     d = str(tmp_path / "c")
     saved = pool.run(_save_after, d, world=2)[0]
     got = pool.run(_load_full, d, world=world, **setup_kw)
-    for full, extra, metrics, step in got:
+    for full, extra, _metrics, step in got:
         assert extra == {"next": 2} and step == 4  # 2 loaded, 2 more
         assert full.keys() == saved.keys()
         for k, v in saved.items():
@@ -328,3 +328,108 @@ def test_resume_in_new_processes_is_bitwise_identical(pool, fresh, tmp_path):
             assert full[kind].keys() == resumed[kind].keys()
             assert all(torch.equal(full[kind][k], resumed[kind][k]) for k in full[kind]), kind
         assert torch.equal(full["rng"], resumed["rng"])
+
+
+# --- atomic saves, retention, errors ------------------------------------------------------
+
+
+def _save_steps(group, root, steps, keep, kill_rank=None):
+    """Save the tiny GPT at each of ``steps``; ``kill_rank`` SIGKILLs itself inside the last save."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    model, step, state = _setup(group)
+    manager = ckpt.CheckpointManager(root, keep=keep)
+    for s in steps:
+        state = state._replace(step=s)
+        if kill_rank is not None and s == steps[-1] and group.rank() == kill_rank:
+            write = fs.FileSystemWriter.write_data
+
+            def write_then_die(self, plan, planner, write=write):
+                out = write(self, plan, planner)
+                out.wait()  # this rank's data is on disk; the commit has not happened
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            fs.FileSystemWriter.write_data = write_then_die
+        manager.save(state, extra=s)
+    return manager.steps(), str(manager.latest())
+
+
+def _restore(group, root):
+    _, _, like = _setup(group)
+    state, extra = ckpt.CheckpointManager(root).restore(like)
+    return state.step, extra
+
+
+def test_retention_keeps_the_last_k_and_finds_the_latest(pool, tmp_path):
+    root = tmp_path / "run"
+    (root / ".step_00000009.tmp").mkdir(parents=True)  # a killed save's leftovers
+    steps, last = pool.run(_save_steps, str(root), [1, 2, 3, 4, 5], 2, world=2)[0]
+    assert steps == [4, 5] and last == str(root / "step_00000005")
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000005"]
+    assert pool.run(_restore, str(root), world=3) == [(5, 5)] * 3
+    with pytest.raises(RankError, match="already exists; checkpoints are never overwritten"):
+        pool.run(_save_steps, str(root), [5], 2, world=2)
+
+
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(fresh, tmp_path):
+    root = tmp_path / "run"
+    with pytest.raises(RankError, match="rank 1 died"):
+        fresh.run(_save_steps, str(root), [1, 2], 3, kill_rank=1, world=2)
+    partial = root / ".step_00000002.tmp"
+    assert (partial / "__1_0.distcp").is_file()  # rank 1 had written its part
+    assert ckpt.latest(root) == root / "step_00000001"
+    assert fresh.run(_restore, str(root), world=2) == [(1, 1), (1, 1)]
+    with pytest.raises(RankError, match="not a complete checkpoint: it has no COMMITTED marker"):
+        fresh.run(_load_full, str(partial), world=2)
+
+
+def _load_error(group, directory, cfg_kw, dtype=None):
+    cfg = GPTConfig(**{**CFG.__dict__, **cfg_kw})
+    model, step, like = _setup(group, cfg)
+    if dtype is not None:
+        model = GPT(cfg).to(dtype)
+        fn = ff.functionalize(model)
+        step = ff.train_step(fn, lm_loss, ff.adamw())
+        like = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([Block])), group))
+    try:
+        ckpt.load(directory, like)
+    except (ckpt.CheckpointError, FileNotFoundError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"n_layers": 4}, r"has no parameter 'blocks\.3\.ln1\.weight' \(unit 'blocks\.3'\): missing"),
+        ({"n_layers": 2}, r"has parameter 'blocks\.2\.ln1\.weight' that the target model does not have"),
+        (
+            {"vocab": 38},
+            r"parameter 'wte\.weight' \(unit \(root\)\) has shape \(37, 12\) in the checkpoint, \(38, 12\)",
+        ),
+        ("float64", r"parameter 'wte\.weight' .* is torch\.float32 in the checkpoint, torch\.float64 in the target"),
+        (
+            "truncate",
+            r"the data of (parameter|optimizer state '\w+' of) '\S+' .* is in __1_0\.distcp, which is truncated",
+        ),
+        ("no-marker", r"not a complete checkpoint: it has no COMMITTED marker"),
+        ("bad-metadata", r"its metadata file cannot be read"),
+        ("missing", r"FileNotFoundError: no checkpoint at"),
+    ],
+)
+def test_a_mismatched_partial_or_corrupt_checkpoint_is_named(pool, tmp_path, change, message):
+    d = tmp_path / "c"
+    pool.run(_save_after, str(d), 0, world=2)
+    if change == "truncate":
+        f = d / "__1_0.distcp"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif change == "no-marker":
+        (d / ckpt.COMMIT_MARKER).unlink()
+    elif change == "bad-metadata":
+        (d / ".metadata").write_bytes(b"not a pickle")
+    elif change == "missing":
+        d = tmp_path / "nowhere"
+    kw = change if isinstance(change, dict) else {}
+    got = pool.run(_load_error, str(d), kw, torch.float64 if change == "float64" else None, world=2)
+    for text in got:
+        assert __import__("re").search(message, text), text
