@@ -15,6 +15,12 @@ A save is atomic: it writes into a hidden temporary directory, rank 0 writes the
 marker last, then renames the directory into place. A directory without the marker (a
 save killed half-way) is never loaded. ``CheckpointManager`` keeps the last K and finds
 the latest; ``blocking=False`` saves in the background.
+
+Full-model files, streamed (no rank gathers the model): ``export_safetensors`` writes
+Hugging Face safetensors (one file, or a sharded set with its index), each rank writing
+its own bytes; ``import_safetensors`` reads a ``save_pretrained`` directory into shards,
+each rank reading only its slices; ``export_state_dict`` / ``import_state_dict`` do the
+same with a plain state dict (on rank 0 / from full tensors).
 """
 
 from __future__ import annotations
@@ -32,10 +38,13 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from fsdp_fn._dcp import LoadPlanner, Pieces, SavePlanner, ranges
+from fsdp_fn._export import export_safetensors, export_state_dict, import_safetensors, import_state_dict
 from fsdp_fn._plan import ParamSpec, Unit, unit_label
 from fsdp_fn._shard import Layout, Sharded
 from fsdp_fn._step import TrainState
@@ -45,6 +54,10 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "PendingSave",
+    "export_safetensors",
+    "export_state_dict",
+    "import_safetensors",
+    "import_state_dict",
     "is_committed",
     "latest",
     "load",
@@ -274,7 +287,8 @@ def save(
     write_shards = layout.replicate is None or layout.replicate.rank() == 0
     coordinator = group.rank() == 0
     if not blocking:
-        state = TrainState(*_tree_clone((state.params, state.opt_state, state.buffers)), state.step)
+        params, opt_state, buffers = _tree_clone((state.params, state.opt_state, state.buffers))
+        state = TrainState(params, opt_state, buffers, state.step)
     entries = _entries(state, write_shards=write_shards, coordinator=coordinator)
     entries[f"rng.{dist.get_rank()}"] = _rng_state()
     if coordinator:
@@ -318,9 +332,9 @@ def _write(final: Path, entries: dict[str, Any], group: dist.ProcessGroup, step:
             shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
             tmp.mkdir(parents=True)
     _agree_on_error(group, error)
-    dcp.save(
+    dcp_save(
         entries,
-        storage_writer=dcp.FileSystemWriter(tmp),
+        storage_writer=FileSystemWriter(tmp),
         planner=SavePlanner(),
         process_group=group,
     )
@@ -355,7 +369,7 @@ def _read_metadata(path: Path) -> Metadata:
     if not is_committed(path) and not (path / ".metadata").is_file():
         raise incomplete
     try:
-        md = dcp.FileSystemReader(path).read_metadata()
+        md = FileSystemReader(path).read_metadata()
     except Exception as e:
         raise CheckpointError(f"{path}: its metadata file cannot be read ({type(e).__name__}: {e})") from e
     # DCP writes its metadata last, so a torch-written checkpoint (no marker, none of our
@@ -506,29 +520,29 @@ def load(directory: str | os.PathLike[str], like: TrainState) -> tuple[TrainStat
     if not isinstance(like, TrainState):
         raise TypeError(f"load wants a TrainState to load into (step.init(...)), got {type(like).__name__}")
     group = _group(like.params.layout)
+    raised: Exception | None = None
     try:
         md = _read_metadata(path)
         target = _target(like)
         _check(path, md, target, like)
-        error = None
     except (CheckpointError, FileNotFoundError) as e:
-        error, raised = f"{type(e).__name__}: {e}", e
+        raised = e
     # Every rank raises, or none: a rank that went on alone would wait in DCP's collectives.
     errors: list[str | None] = [None] * group.size()
-    dist.all_gather_object(errors, error, group=group)
-    if error is not None:
+    dist.all_gather_object(errors, None if raised is None else f"{type(raised).__name__}: {raised}", group=group)
+    if raised is not None:
         raise raised
-    if any(errors):
-        r, e = next((r, e) for r, e in enumerate(errors) if e)
-        raise CheckpointError(f"rank {r} cannot load {path}: {e}")
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        raise CheckpointError(f"rank {failed[0][0]} cannot load {path}: {failed[0][1]}")
     rng_key = f"rng.{dist.get_rank()}"
     entries = dict(target.entries)
     for key in (_META, rng_key):
         if key in md.state_dict_metadata:
             entries[key] = None
-    dcp.load(
+    dcp_load(
         entries,
-        storage_reader=dcp.FileSystemReader(path),
+        storage_reader=FileSystemReader(path),
         planner=LoadPlanner(),
         process_group=group,
     )

@@ -433,3 +433,65 @@ def test_a_mismatched_partial_or_corrupt_checkpoint_is_named(pool, tmp_path, cha
     got = pool.run(_load_error, str(d), kw, torch.float64 if change == "float64" else None, world=2)
     for text in got:
         assert __import__("re").search(message, text), text
+
+
+# --- streamed export and import -------------------------------------------------------------
+
+
+def _export_import(group, directory, phase):
+    """Export at one world size, import at another; the peak bytes beyond the shards, measured."""
+    from safetensors.torch import load_file
+
+    cfg = GPTConfig(**{**CFG.__dict__, "tie": True})
+    rank = group.rank()
+    model, step, state = _setup(group, cfg)
+    out = {"unit": max(u.gather_bytes() for u in state.params.plan.units)}
+    if phase == "export":
+        state, _ = _train(model, step, state, group, 0, 1)
+        full = ff.unshard(state.params)
+        with ff.MemoryMeter() as meter:
+            meter.tag(state, "state")
+            files = ckpt.export_safetensors(directory, state.params, max_shard_size=6000)
+        out["peak"] = meter.peak()["total"] - meter.peak()["params"] - meter.peak()["optimizer"]
+        with ff.MemoryMeter() as meter:
+            meter.tag(state, "state")
+            sd = ckpt.export_state_dict(state.params)
+        if rank:  # rank 0 ends with the whole model, as asked; the others hold nothing more
+            out["peak"] = max(out["peak"], meter.peak()["total"] - meter.peak()["params"] - meter.peak()["optimizer"])
+        out["files"] = sorted(f.name for f in files)
+        if rank == 0:
+            written = {}
+            for f in files:
+                written.update(load_file(f))
+            out["same"] = written.keys() == full.keys() - {"head.weight"} and all(
+                torch.equal(written[k], full[k]) for k in written
+            )
+            out["sd"] = sd.keys() == written.keys() and all(torch.equal(sd[k], full[k]) for k in sd)
+            torch.save(full, os.path.join(directory, "full.pt"))
+        else:
+            out["same"] = out["sd"] = sd is None
+        return out
+    full = torch.load(os.path.join(directory, "full.pt"))
+    _, _, like = _setup(group, cfg, meta=True)
+    with ff.MemoryMeter() as meter:
+        params = ckpt.import_safetensors(directory, like.params)
+    out["peak"] = meter.peak()["total"] - sum(t.numel() * t.element_size() for t in params.values())
+    got = ff.unshard(params)
+    from_sd = ff.unshard(ckpt.import_state_dict({k: v for k, v in full.items() if k != "head.weight"}, like.params))
+    out["same"] = all(torch.equal(got[k], full[k]) and torch.equal(from_sd[k], full[k]) for k in full)
+    return out
+
+
+def test_export_and_import_stream_each_ranks_own_slices(pool, tmp_path):
+    d = str(tmp_path / "hf")
+    exported = pool.run(_export_import, d, "export", world=2)
+    files = exported[0]["files"]
+    assert len(files) > 1 and files == [
+        f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)
+    ]
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == files
+    imported = pool.run(_export_import, d, "import", world=3)
+    for r in exported + imported:
+        assert r["same"] and r.get("sd", True)
+        assert r["peak"] <= r["unit"]  # beyond its shards, no rank holds more than one unit
