@@ -556,3 +556,33 @@ def test_hugging_face_round_trip(pool, tmp_path):
     assert results[0]["logits"] < 1e-6  # from_pretrained of the export gives fsdp_fn's logits
     assert all(r["imported"] for r in results)
     assert len(list((tmp_path / "pretrained").glob("*.safetensors"))) > 1  # a sharded set, with its index
+
+
+# --- elastic restart under real torchrun -----------------------------------------------------
+
+
+def test_torchrun_restarts_a_killed_job_which_resumes_from_its_checkpoint(pool, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.elastic_job import train
+
+    out = tmp_path / "final.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["--max-restarts", "1", "--monitor-interval", "0.2", "-m", "tests.elastic_job"]
+    cmd += [str(tmp_path / "run"), str(out), "6", "3"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).parent.parent),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+    }
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = torch.load(out)
+    assert int(got.pop("restarts")) == 1  # killed once, restarted by torchrun
+    assert int(got.pop("resumed_from")) == 2  # from the checkpoint before the kill
+    straight = pool.run(train, str(tmp_path / "straight"), 6, world=2)[0]
+    straight.pop("resumed_from")
+    assert got.keys() == straight.keys()
+    assert all(torch.equal(got[k], straight[k]) for k in got)  # as if never interrupted
