@@ -196,10 +196,18 @@ _side_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
 def _side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A second gloo group over the same ranks, for background saves (training keeps the first)."""
+    """A second gloo group over the same ranks, for background saves (training keeps the first).
+
+    Made once, by every rank of the default group (``new_group`` is collective over it).
+    """
     ranks = tuple(dist.get_process_group_ranks(group))
+    if len(ranks) != dist.get_world_size():
+        raise ValueError(
+            f"blocking=False saves on a second process group made over all {dist.get_world_size()} ranks; "
+            f"this state's group holds only ranks {list(ranks)}: save with blocking=True"
+        )
     if ranks not in _side_groups:
-        made = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        made = dist.new_group(list(ranks), backend="gloo")
         assert made is not None
         _side_groups[ranks] = made
     return _side_groups[ranks]

@@ -586,3 +586,34 @@ def test_torchrun_restarts_a_killed_job_which_resumes_from_its_checkpoint(pool, 
     straight.pop("resumed_from")
     assert got.keys() == straight.keys()
     assert all(torch.equal(got[k], straight[k]) for k in got)  # as if never interrupted
+
+
+# --- async save -----------------------------------------------------------------------------
+
+
+def _async_save(group, root):
+    model, step, state = _setup(group)
+    state, _ = _train(model, step, state, group, 0, 2)
+    saved = _full(state)
+    manager = ckpt.CheckpointManager(root, keep=1)
+    pending = manager.save(state, extra="two", blocking=False)  # returns once the shards are copied
+    state, _ = _train(model, step, state, group, 2, 4)  # training goes on, in place, meanwhile
+    assert manager.wait() == pending.directory
+    _, _, like = _setup(group)
+    loaded, extra = ckpt.load(pending.directory, like)
+    full = _full(loaded)
+    same = extra == "two" and all(torch.equal(full[k], saved[k]) for k in saved)
+    # a failure in the background surfaces at the next wait (or save), naming the rank
+    ckpt.save(pending.directory, state, blocking=False)  # it exists already
+    try:
+        ckpt.wait()
+    except ckpt.CheckpointError as e:
+        return same, str(e)
+    return same, "no error"
+
+
+def test_async_save_returns_at_once_and_writes_the_state_as_it_was(fresh, tmp_path):
+    for rank, (same, error) in enumerate(fresh.run(_async_save, str(tmp_path / "run"), world=2)):
+        assert same
+        assert f"background save of {tmp_path / 'run' / 'step_00000002'} failed on rank {rank}" in error
+        assert "already exists" in error
