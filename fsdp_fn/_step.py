@@ -291,7 +291,7 @@ class TrainStep:
             if stepped:
                 note = (
                     f"step {self.calls} failed after update_in_backward had already stepped units "
-                    f"{[unit_label(u) for u in stepped]}: these shards and optimizer state are half-updated and "
+                    f"{', '.join(unit_label(u) for u in stepped)}: these shards and optimizer state are half-updated and "
                     "a retry would apply those updates twice; restore the last checkpoint"
                 )
                 _consume((state.params, state.opt_state), note)
