@@ -327,3 +327,76 @@ def test_donated_state_refuses_reuse(pool):
         for m in messages:
             assert "these shards were donated to step 1" in m, m
             assert "use the state the step returned, or build the step with donate=False" in m
+
+
+class SharingBlock(nn.Module):
+    def __init__(self, shared: nn.Linear) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.shared = shared  # the same module object in two blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.shared(torch.tanh(self.fc(x))))
+
+
+def _shared_module(group, split_root):
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    shared = nn.Linear(6, 6)
+    model = nn.Sequential(nn.Linear(5, 6), SharingBlock(shared), SharingBlock(shared), nn.Linear(6, 3))
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([SharingBlock]), split_root=split_root)
+    step = ff.train_step(fn, make_loss(["plain"]), ff.adamw(lr=0.05, weight_decay=0.1))
+    state = step.init(ff.shard(fn.params, plan, group))
+    batches = _batches(world)
+    norms = []
+    for b in batches:
+        state, metrics = step(state, tuple(t.chunk(world)[rank] for t in b))
+        norms.append(metrics["grad_norm"].item())
+    full = ff.unshard(state.params)
+    ref_norms, ref_params = _reference(model, make_loss(["plain"]), batches, 0.05)
+    assert all(type(p) is nn.Parameter for p in model.parameters())  # the module is left as it was
+    return (
+        plan.unit("1.shared.weight").modules,
+        max(rel(a, b) for a, b in zip(norms, ref_norms)),
+        max((full[k] - v).abs().max().item() for k, v in ref_params.items()),
+    )
+
+
+@pytest.mark.parametrize("split_root", [False, True])
+def test_a_module_shared_by_two_units_is_gathered_by_each(pool, split_root):
+    for modules, norm, param in pool.run(_shared_module, split_root, world=3):
+        assert modules == ("1.shared", "2.shared")  # one unit for the module's weight and bias
+        assert norm < 1e-5
+        assert param < 1e-5
+
+
+def _plain_backward(group):
+    """Plain autograd through apply_sharded: the shards' .grad is the rank-mean gradient."""
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = Net()
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([Block])), group)
+    for t in params.values():
+        t.requires_grad_(True)
+    x, y = (t.chunk(world)[rank] for t in _batches(world, 1)[0])
+    F.mse_loss(ff.apply_sharded(fn, params, fn.buffers, x), y).backward()
+    # independent reference: this rank's full gradient, averaged over ranks by all_reduce, then sliced
+    full = {k: v.detach().clone().requires_grad_() for k, v in fn.params.items()}
+    F.mse_loss(fn(full, fn.buffers, x), y).backward()
+    worst = 0.0
+    for unit in params.plan.units:
+        grads = [full[p.name].grad for p in unit.params]
+        flat = torch.cat([torch.zeros(p.numel) if g is None else g.reshape(-1) for p, g in zip(unit.params, grads)])
+        flat = torch.cat([flat, flat.new_zeros(unit.padded_numel(world) - unit.numel)])
+        torch.distributed.all_reduce(flat, group=group)
+        n = unit.shard_numel(world)
+        want = flat[rank * n : (rank + 1) * n] / world
+        worst = max(worst, (params[unit.name].grad - want).abs().max().item())
+    return worst
+
+
+def test_plain_backward_through_apply_sharded(pool):
+    for world in (1, 2, 3):
+        assert max(pool.run(_plain_backward, world=world)) < 1e-6
