@@ -73,3 +73,4 @@ __all__ = [
     "unshard",
     "value_and_grad",
 ]
+from fsdp_fn import checkpoint as checkpoint  # the public submodule: ff.checkpoint.save / load

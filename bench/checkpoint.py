@@ -1,0 +1,164 @@
+"""Checkpoint save and load, side by side in one run: fsdp_fn.checkpoint and torch FSDP2 + DCP.
+
+Same GPT (33.7M parameters by default), same world size, AdamW state populated by one
+step. Per system: save time, load time (median over repetitions of the slowest rank) and
+the bytes each rank wrote. For fsdp_fn also the async save: how long ``save(...,
+blocking=False)`` blocks, and the step time while the write runs in the background.
+
+    python bench/checkpoint.py --world 2
+    python bench/checkpoint.py --world 4 --json out/ckpt_w4.json
+    python bench/checkpoint.py --d-model 128 --layers 2 --vocab 512 --reps 1   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import fsdp_fn as ff
+import fsdp_fn.checkpoint as ckpt
+from examples.gpt import GPT, Block, GPTConfig, lm_loss
+from fsdp_fn.testing import RankPool
+
+
+def _slowest(seconds: float, group: Any) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _timed(fn: Any, group: Any) -> tuple[float, Any]:
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    out = fn()
+    return _slowest(time.perf_counter() - start, group), out
+
+
+def _bytes_written(directory: pathlib.Path, rank: int) -> int:
+    return sum(f.stat().st_size for f in directory.glob(f"__{rank}_*.distcp"))
+
+
+def _fsdp_fn(group: Any, cfg: GPTConfig, root: str, reps: int, tokens: torch.Tensor) -> dict[str, Any]:
+    rank = group.rank()
+    out: dict[str, Any] = {"save": [], "load": []}
+    with torch.device("meta"):
+        model = GPT(cfg)
+    plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=True)
+    step = ff.train_step(ff.functionalize(model), lm_loss, ff.adamw(lr=1e-4))
+    state, _ = step(step.init(*ff.init_shards(model, plan, group)), tokens)
+    for r in range(reps):
+        d = pathlib.Path(root) / f"fsdp_fn_{r}"
+        seconds, _ = _timed(lambda d=d, state=state: ckpt.save(d, state), group)
+        out["save"].append(seconds)
+        out["bytes"] = _bytes_written(d, rank)
+        like = step.init(*ff.init_shards(model, plan, group, device="meta"))
+        seconds, (state, _) = _timed(lambda d=d, like=like: ckpt.load(d, like), group)
+        out["load"].append(seconds)
+    # async: the blocking part, and the step time while the write runs
+    plain = []
+    for _ in range(2):
+        seconds, (state, _) = _timed(lambda state=state: step(state, tokens), group)
+        plain.append(seconds)
+    d = pathlib.Path(root) / "fsdp_fn_async"
+    blocked, _ = _timed(lambda state=state: ckpt.save(d, state, blocking=False), group)
+    during, _ = _timed(lambda state=state: step(state, tokens), group)
+    ckpt.wait()
+    out["async"] = {"blocks": blocked, "step": min(plain), "step_during_write": during}
+    return out
+
+
+def _fsdp2(group: Any, cfg: GPTConfig, root: str, reps: int, tokens: torch.Tensor) -> dict[str, Any]:
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    out: dict[str, Any] = {"save": [], "load": []}
+    torch.manual_seed(0)
+    peer = GPT(cfg)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for block in peer.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(peer, mesh=mesh)
+    opt = torch.optim.AdamW(peer.parameters(), lr=1e-4)
+    lm_loss(peer, tokens).backward()
+    opt.step()
+    for r in range(reps):
+        d = pathlib.Path(root) / f"fsdp2_{r}"
+
+        def save(d: pathlib.Path = d) -> None:
+            msd, osd = get_state_dict(peer, opt)
+            dcp_save({"model": msd, "optim": osd}, checkpoint_id=d, process_group=group)
+
+        def load(d: pathlib.Path = d) -> None:
+            msd, osd = get_state_dict(peer, opt)
+            dcp_load({"model": msd, "optim": osd}, checkpoint_id=d, process_group=group)
+            set_state_dict(peer, opt, model_state_dict=msd, optim_state_dict=osd)
+
+        out["save"].append(_timed(save, group)[0])
+        out["bytes"] = _bytes_written(d, group.rank())
+        out["load"].append(_timed(load, group)[0])
+    return out
+
+
+def _run(group: Any, cfg: GPTConfig, root: str, reps: int) -> dict[str, Any]:
+    tokens = torch.randint(0, cfg.vocab, (1, cfg.seq + 1), generator=torch.Generator().manual_seed(group.rank()))
+    mine = _fsdp_fn(group, cfg, root, reps, tokens)
+    return {"fsdp_fn": mine, "async": mine.pop("async"), "fsdp2": _fsdp2(group, cfg, root, reps, tokens)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--dir", type=pathlib.Path, default=None, help="where checkpoints go (default: a temporary dir)")
+    p.add_argument("--json", type=pathlib.Path)
+    args = p.parse_args()
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
+    root = pathlib.Path(args.dir or tempfile.mkdtemp(prefix="fsdp_fn_ckpt_bench_"))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        with RankPool(args.world, timeout=3600, warnings_as_errors=False) as pool:
+            ranks = pool.run(_run, cfg, str(root), args.reps)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    numel = sum(p.numel() for p in GPT(cfg).parameters())
+    report = {"world": args.world, "parameters": numel, "ranks": ranks}
+    print(f"GPT {numel / 1e6:.1f}M parameters, W={args.world}, CPU, gloo; median of {args.reps} (slowest rank)")
+    print("| system | save s | load s | bytes written per rank (MiB) |")
+    print("|---|---|---|---|")
+    for system in ("fsdp_fn", "fsdp2"):
+        r0 = ranks[0][system]
+        per_rank = ", ".join(f"{r[system]['bytes'] / 2**20:.1f}" for r in ranks)
+        print(f"| {system} | {statistics.median(r0['save']):.3f} | {statistics.median(r0['load']):.3f} | {per_rank} |")
+    a = ranks[0]["async"]
+    print(
+        f"fsdp_fn async save: blocks {a['blocks']:.3f} s; step {a['step']:.3f} s alone, "
+        f"{a['step_during_write']:.3f} s while the write runs"
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
