@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from fsdp_fn._dcp import LoadPlanner, Pieces, SavePlanner, ranges
 from fsdp_fn._export import export_safetensors, export_state_dict, import_safetensors, import_state_dict
 from fsdp_fn._plan import ParamSpec, Unit, unit_label
-from fsdp_fn._shard import Layout, Sharded
+from fsdp_fn._shard import Layout, Sharded, ensure_live
 from fsdp_fn._step import TrainState
 
 __all__ = [
@@ -290,6 +290,7 @@ def save(
     final = Path(directory)
     if not isinstance(state, TrainState):
         raise TypeError(f"save wants a TrainState (from step.init), got {type(state).__name__}")
+    ensure_live(state, "checkpoint.save")
     layout = state.params.layout
     group = _group(layout)
     write_shards = layout.replicate is None or layout.replicate.rank() == 0
@@ -527,6 +528,7 @@ def load(directory: str | os.PathLike[str], like: TrainState) -> tuple[TrainStat
     path = Path(directory)
     if not isinstance(like, TrainState):
         raise TypeError(f"load wants a TrainState to load into (step.init(...)), got {type(like).__name__}")
+    ensure_live(like, "checkpoint.load")
     group = _group(like.params.layout)
     raised: Exception | None = None
     try:
@@ -554,6 +556,8 @@ def load(directory: str | os.PathLike[str], like: TrainState) -> tuple[TrainStat
         planner=LoadPlanner(),
         process_group=group,
     )
+    for tree in (like.params, *(v for _, v in _opt_fields(like.opt_state))):
+        tree.consumed = f"its tensors were loaded into by checkpoint.load({str(path)!r}): use the state it returned"
     meta = entries.get(_META)
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
         meta = {"step": _torch_step(target), "world": None, "extra": None}  # written by torch (FSDP2)
@@ -599,6 +603,7 @@ class CheckpointManager:
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be at least 1 (or None to keep every checkpoint), got {keep!r}")
         self.root, self.keep = Path(root), keep
+        self._prune_after: Layout | None = None
 
     def directory(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
@@ -611,6 +616,7 @@ class CheckpointManager:
 
     def save(self, state: TrainState, *, extra: Any = None, blocking: bool = True, **kwargs: Any) -> PendingSave | Path:
         """``save(root/step_N, state, ...)`` then the retention (in the background too, with ``blocking=False``)."""
+        self.wait()  # the previous background save, then its retention
         result = save(self.directory(state.step), state, extra=extra, blocking=blocking, **kwargs)
         if isinstance(result, Path):
             self._prune(state.params.layout)
@@ -619,8 +625,9 @@ class CheckpointManager:
         return result
 
     def wait(self) -> Path | None:
+        """Wait for the background save, if any (raising its failure), then apply the retention."""
         done = wait()
-        layout = getattr(self, "_prune_after", None)
+        layout, self._prune_after = self._prune_after, None
         if done is not None and layout is not None:
             self._prune(layout)
         return done

@@ -313,7 +313,7 @@ def _full_mlp(state):
 @pytest.fixture(scope="module")
 def fresh():
     """Two ranks of their own: new processes for resumes, and ranks a test may kill."""
-    with RankPool(2, timeout=120, collective_timeout=20) as p:
+    with RankPool(2, timeout=180) as p:
         yield p
 
 
