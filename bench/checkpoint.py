@@ -51,74 +51,91 @@ def _bytes_written(directory: pathlib.Path, rank: int) -> int:
     return sum(f.stat().st_size for f in directory.glob(f"__{rank}_*.distcp"))
 
 
-def _fsdp_fn(group: Any, cfg: GPTConfig, root: str, reps: int, tokens: torch.Tensor) -> dict[str, Any]:
-    rank = group.rank()
-    out: dict[str, Any] = {"save": [], "load": []}
-    with torch.device("meta"):
-        model = GPT(cfg)
-    plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=True)
-    step = ff.train_step(ff.functionalize(model), lm_loss, ff.adamw(lr=1e-4))
-    state, _ = step(step.init(*ff.init_shards(model, plan, group)), tokens)
-    for r in range(reps):
-        d = pathlib.Path(root) / f"fsdp_fn_{r}"
-        seconds, _ = _timed(lambda d=d, state=state: ckpt.save(d, state), group)
-        out["save"].append(seconds)
-        out["bytes"] = _bytes_written(d, rank)
-        like = step.init(*ff.init_shards(model, plan, group, device="meta"))
-        seconds, (state, _) = _timed(lambda d=d, like=like: ckpt.load(d, like), group)
-        out["load"].append(seconds)
-    # async: the blocking part, and the step time while the write runs
-    plain = []
-    for _ in range(2):
-        seconds, (state, _) = _timed(lambda state=state: step(state, tokens), group)
-        plain.append(seconds)
-    d = pathlib.Path(root) / "fsdp_fn_async"
-    blocked, _ = _timed(lambda state=state: ckpt.save(d, state, blocking=False), group)
-    during, _ = _timed(lambda state=state: step(state, tokens), group)
-    ckpt.wait()
-    out["async"] = {"blocks": blocked, "step": min(plain), "step_during_write": during}
-    return out
+class _Ours:
+    """fsdp_fn: the GPT from the meta device into shards, one AdamW step taken."""
+
+    def __init__(self, group: Any, cfg: GPTConfig, tokens: torch.Tensor) -> None:
+        with torch.device("meta"):
+            self.model = GPT(cfg)
+        self.group, self.tokens = group, tokens
+        self.plan = ff.make_plan(self.model, ff.layer_policy([Block]), split_root=True)
+        self.step = ff.train_step(ff.functionalize(self.model), lm_loss, ff.adamw(lr=1e-4))
+        self.state, _ = self.step(self.step.init(*ff.init_shards(self.model, self.plan, group)), tokens)
+
+    def save(self, d: pathlib.Path) -> None:
+        ckpt.save(d, self.state)
+
+    def template(self) -> None:
+        """The target to load into, as a run that restarts builds it (not timed: FSDP2's is its model)."""
+        self.like = self.step.init(*ff.init_shards(self.model, self.plan, self.group, device="meta"))
+
+    def load(self, d: pathlib.Path) -> None:
+        self.state, _ = ckpt.load(d, self.like)
+
+    def async_cost(self, d: pathlib.Path) -> dict[str, float]:
+        """How long ``save(blocking=False)`` blocks, and a step alone and while the write runs."""
+        plain = []
+        for _ in range(2):
+            seconds, (self.state, _) = _timed(lambda: self.step(self.state, self.tokens), self.group)
+            plain.append(seconds)
+        blocked, _ = _timed(lambda: ckpt.save(d, self.state, blocking=False), self.group)
+        during, (self.state, _) = _timed(lambda: self.step(self.state, self.tokens), self.group)
+        ckpt.wait()
+        return {"blocks": blocked, "step": min(plain), "step_during_write": during}
 
 
-def _fsdp2(group: Any, cfg: GPTConfig, root: str, reps: int, tokens: torch.Tensor) -> dict[str, Any]:
-    from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint import save as dcp_save
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+class _Theirs:
+    """torch FSDP2 on the same GPT, AdamW, one step taken; saved and loaded as torch documents it."""
 
-    out: dict[str, Any] = {"save": [], "load": []}
-    torch.manual_seed(0)
-    peer = GPT(cfg)
-    mesh = DeviceMesh.from_group(group, "cpu")
-    for block in peer.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(peer, mesh=mesh)
-    opt = torch.optim.AdamW(peer.parameters(), lr=1e-4)
-    lm_loss(peer, tokens).backward()
-    opt.step()
-    for r in range(reps):
-        d = pathlib.Path(root) / f"fsdp2_{r}"
+    def __init__(self, group: Any, cfg: GPTConfig, tokens: torch.Tensor) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
 
-        def save(d: pathlib.Path = d) -> None:
-            msd, osd = get_state_dict(peer, opt)
-            dcp_save({"model": msd, "optim": osd}, checkpoint_id=d, process_group=group)
+        torch.manual_seed(0)
+        self.model, self.group = GPT(cfg), group
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        lm_loss(self.model, tokens).backward()
+        self.opt.step()
 
-        def load(d: pathlib.Path = d) -> None:
-            msd, osd = get_state_dict(peer, opt)
-            dcp_load({"model": msd, "optim": osd}, checkpoint_id=d, process_group=group)
-            set_state_dict(peer, opt, model_state_dict=msd, optim_state_dict=osd)
+    def template(self) -> None:
+        pass
 
-        out["save"].append(_timed(save, group)[0])
-        out["bytes"] = _bytes_written(d, group.rank())
-        out["load"].append(_timed(load, group)[0])
-    return out
+    def save(self, d: pathlib.Path) -> None:
+        from torch.distributed.checkpoint import save as dcp_save
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.opt)
+        dcp_save({"model": msd, "optim": osd}, checkpoint_id=d, process_group=self.group)
+
+    def load(self, d: pathlib.Path) -> None:
+        from torch.distributed.checkpoint import load as dcp_load
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(self.model, self.opt)
+        dcp_load({"model": msd, "optim": osd}, checkpoint_id=d, process_group=self.group)
+        set_state_dict(self.model, self.opt, model_state_dict=msd, optim_state_dict=osd)
 
 
 def _run(group: Any, cfg: GPTConfig, root: str, reps: int) -> dict[str, Any]:
-    tokens = torch.randint(0, cfg.vocab, (1, cfg.seq + 1), generator=torch.Generator().manual_seed(group.rank()))
-    mine = _fsdp_fn(group, cfg, root, reps, tokens)
-    return {"fsdp_fn": mine, "async": mine.pop("async"), "fsdp2": _fsdp2(group, cfg, root, reps, tokens)}
+    rank = group.rank()
+    tokens = torch.randint(0, cfg.vocab, (1, cfg.seq + 1), generator=torch.Generator().manual_seed(rank))
+    systems = {"fsdp_fn": _Ours(group, cfg, tokens), "fsdp2": _Theirs(group, cfg, tokens)}
+    out: dict[str, Any] = {name: {"save": [], "load": []} for name in systems}
+    for r in range(reps):  # interleaved, so a noisy machine slows both alike
+        for name, system in systems.items():
+            d = pathlib.Path(root) / f"{name}_{r}"
+            out[name]["save"].append(_timed(lambda s=system, d=d: s.save(d), group)[0])
+            out[name]["bytes"] = _bytes_written(d, rank)
+        for name, system in systems.items():
+            d = pathlib.Path(root) / f"{name}_{r}"
+            system.template()
+            out[name]["load"].append(_timed(lambda s=system, d=d: s.load(d), group)[0])
+    out["async"] = systems["fsdp_fn"].async_cost(pathlib.Path(root) / "fsdp_fn_async")  # type: ignore[attr-defined]
+    return out
 
 
 def main() -> None:
