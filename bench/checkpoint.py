@@ -8,6 +8,7 @@ blocking=False)`` blocks, and the step time while the write runs in the backgrou
     python bench/checkpoint.py --world 2
     python bench/checkpoint.py --world 4 --json out/ckpt_w4.json
     python bench/checkpoint.py --d-model 128 --layers 2 --vocab 512 --reps 1   # quick
+    python bench/checkpoint.py --world 2 --export-memory   # MemoryMeter: export/import beyond the shards
 """
 
 from __future__ import annotations
@@ -138,6 +139,30 @@ def _run(group: Any, cfg: GPTConfig, root: str, reps: int) -> dict[str, Any]:
     return out
 
 
+def _export_memory(group: Any, cfg: GPTConfig, root: str) -> dict[str, int]:
+    """Peak live bytes beyond the shards (``MemoryMeter``) while exporting to safetensors,
+    importing them back, and gathering a state dict to rank 0 (measured on the other ranks)."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=True)
+    params, _ = ff.init_shards(model, plan, group)
+    own = sum(t.numel() * t.element_size() for t in params.values())
+    out = {"largest_unit": max(u.gather_bytes() for u in plan.units), "shards": own}
+    with ff.MemoryMeter() as meter:
+        meter.tag(params, "params")
+        ckpt.export_safetensors(pathlib.Path(root) / "hf", params, max_shard_size=50 << 20)
+    out["export"] = meter.peak()["total"] - meter.peak()["params"]
+    like, _ = ff.init_shards(model, plan, group, device="meta")
+    with ff.MemoryMeter() as meter:
+        back = ckpt.import_safetensors(pathlib.Path(root) / "hf", like)
+    out["import"] = meter.peak()["total"] - sum(t.numel() * t.element_size() for t in back.values())
+    with ff.MemoryMeter() as meter:
+        meter.tag(back, "params")
+        ckpt.export_state_dict(back)
+    out["state_dict"] = meter.peak()["total"] - meter.peak()["params"]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2)
@@ -149,12 +174,23 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--dir", type=pathlib.Path, default=None, help="where checkpoints go (default: a temporary dir)")
     p.add_argument("--json", type=pathlib.Path)
+    p.add_argument("--export-memory", action="store_true", help="measure the streamed export/import instead")
     args = p.parse_args()
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
     root = pathlib.Path(args.dir or tempfile.mkdtemp(prefix="fsdp_fn_ckpt_bench_"))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
         with RankPool(args.world, timeout=3600, warnings_as_errors=False) as pool:
+            if args.export_memory:
+                mib = 2**20
+                for r, m in enumerate(pool.run(_export_memory, cfg, str(root))):
+                    print(
+                        f"rank {r}: shards {m['shards'] / mib:.1f} MiB, largest unit gathered "
+                        f"{m['largest_unit'] / mib:.1f} MiB; beyond the shards: export_safetensors "
+                        f"{m['export'] / mib:.2f} MiB, import_safetensors {m['import'] / mib:.2f} MiB, "
+                        f"export_state_dict {m['state_dict'] / mib:.2f} MiB"
+                    )
+                return
             ranks = pool.run(_run, cfg, str(root), args.reps)
     finally:
         shutil.rmtree(root, ignore_errors=True)
