@@ -69,9 +69,7 @@ save_nothing = SavePolicy("save_nothing")
 
 save_dots = SavePolicy(
     "save_dots",
-    frozenset(
-        {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_dot_product_flash_attention_for_cpu}
-    ),
+    frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_dot_product_flash_attention_for_cpu}),
 )
 """Keep the outputs of matrix multiplications (``nn.Linear`` lowers to ``mm``/``addmm``)
 and of CPU fused attention; recompute the cheap element-wise rest (JAX's
@@ -134,7 +132,7 @@ class _CapturedCheck(TorchFunctionMode):
 
     Its gradient would otherwise be silently zero (the Function's backward only returns
     gradients for its inputs). Intermediate tensors never require grad here: the forward
-    runs without autograd, and under ``torch.func`` on unwrapped tensors.
+    runs without autograd (except views of inputs), and under ``torch.func`` on unwrapped tensors.
     """
 
     def __init__(self, inputs: Sequence[torch.Tensor], where: str) -> None:
@@ -144,7 +142,7 @@ class _CapturedCheck(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         for t in torch_pytree.tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and id(t) not in self.inputs and t.requires_grad:
+            if isinstance(t, torch.Tensor) and t.requires_grad and not self._input(t):
                 raise RematError(
                     f"remat({self.where}): {getattr(func, '__name__', func)} uses a tensor of shape "
                     f"{tuple(t.shape)} ({t.dtype}) that requires grad but is not an argument of the region, "
@@ -152,6 +150,10 @@ class _CapturedCheck(TorchFunctionMode):
                     "remat the module itself, remat(module)(...))"
                 )
         return func(*args, **(kwargs or {}))
+
+    def _input(self, t: torch.Tensor) -> bool:
+        # Under plain autograd the inputs themselves require grad, and so do views of them.
+        return id(t) in self.inputs or (t._base is not None and id(t._base) in self.inputs)
 
 
 class _Call:
@@ -164,8 +166,26 @@ class _Call:
         self.constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         self.out_spec: Any = None
         self.out_constants: list[Any] = []
+        self.out_slots: list[int] = []
         self.rng: tuple[torch.Tensor, list[int], list[torch.Tensor]] | None = None
-        self.kept: list[Any] | None = []
+        # The policy's kept results: their tensors (until autograd has saved them) and the rest.
+        self.kept_tensors: list[torch.Tensor] = []
+        self.kept_layout: list[tuple[Any, Any, list[Any], tuple[int, ...]]] = []  # (op, spec, leaves, versions)
+
+    def keep(self, kept: list[tuple[Any, Any, tuple[int, ...]]]) -> None:
+        for op, out, versions in kept:
+            leaves, spec = torch_pytree.tree_flatten(out)
+            self.kept_tensors += [x for x in leaves if isinstance(x, torch.Tensor)]
+            self.kept_layout.append((op, spec, [None if isinstance(x, torch.Tensor) else x for x in leaves], versions))
+
+    def kept(self, tensors: Sequence[torch.Tensor]) -> list[tuple[Any, Any, tuple[int, ...]]]:
+        """The kept results, rebuilt around ``tensors`` (``kept_tensors`` as autograd saved them)."""
+        it = iter(tensors)
+        out = []
+        for op, spec, leaves, versions in self.kept_layout:
+            filled = [next(it) if x is None else x for x in leaves]
+            out.append((op, torch_pytree.tree_unflatten(filled, spec), versions))
+        return out
 
     def run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Run the function on ``tensors`` (the region's tensor inputs); its tensor outputs, flat."""
@@ -175,16 +195,15 @@ class _Call:
         args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
         out_leaves, out_spec = torch_pytree.tree_flatten(self.fn(*args, **kwargs))
         if self.out_spec is None:
-            self.out_spec = out_spec
-            self.out_constants = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
-        return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+            self.out_spec, self.out_constants = out_spec, out_leaves
+            self.out_slots = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
+        return [out_leaves[i] for i in self.out_slots]
 
     def outputs(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The function's result: its constants, and ``tensors`` where it returned tensors."""
         leaves = list(self.out_constants)
-        it = iter(tensors)
-        for i, c in enumerate(leaves):
-            if c is None:
-                leaves[i] = next(it)
+        for i, t in zip(self.out_slots, tensors, strict=True):
+            leaves[i] = t
         return torch_pytree.tree_unflatten(leaves, self.out_spec)
 
     def save_rng(self) -> None:
@@ -213,7 +232,7 @@ class _Remat(torch.autograd.Function):
         record = _Record(call.policy)
         with _CapturedCheck(tensors, call.where), record if call.policy.ops else contextlib.nullcontext():
             outs = call.run(tensors)
-        call.kept = record.kept
+        call.keep(record.kept)
         inputs = {id(t) for t in tensors}
         # An input returned as-is cannot be both returned and saved: return a view of it.
         return tuple(o.view_as(o) if id(o) in inputs else o for o in outs)
@@ -223,9 +242,8 @@ class _Remat(torch.autograd.Function):
         call: _Call = inputs[0]
         ctx.call = call  # type: ignore[attr-defined]
         ctx.n_inputs = len(inputs) - 1  # type: ignore[attr-defined]
-        kept = [t for _, out, _ in call.kept or () for t in torch_pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         # By reference: autograd frees them after this backward; nothing is copied.
-        ctx.save_for_backward(*inputs[1:], *kept)
+        ctx.save_for_backward(*inputs[1:], *call.kept_tensors)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*(o for o in output if not (o.is_floating_point() or o.is_complex())))
 
@@ -233,18 +251,12 @@ class _Remat(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         call: _Call = ctx.call
         saved = ctx.saved_tensors
-        inputs, kept_flat = list(saved[: ctx.n_inputs]), iter(saved[ctx.n_inputs :])
+        inputs, kept = list(saved[: ctx.n_inputs]), call.kept(saved[ctx.n_inputs :])
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
         used = [j for j, g in enumerate(grads) if g is not None]
         result: list[torch.Tensor | None] = [None] * (1 + len(inputs))
         if not wanted or not used:
             return tuple(result)
-        # The kept results, rebuilt around the tensors autograd saved for us.
-        kept = []
-        for op, out, versions in call.kept or ():
-            leaves, spec = torch_pytree.tree_flatten(out)
-            leaves = [next(kept_flat) if isinstance(x, torch.Tensor) else x for x in leaves]
-            kept.append((op, torch_pytree.tree_unflatten(leaves, spec), versions))
 
         def region(*diff: torch.Tensor) -> tuple[torch.Tensor, ...]:
             tensors = list(inputs)
@@ -255,7 +267,7 @@ class _Remat(torch.autograd.Function):
             return tuple(outs[j] for j in used)
 
         with call.replay_rng():
-            _, pull = torch.func.vjp(region, *(inputs[i] for i in wanted))
+            _, pull = torch.func.vjp(region, *(inputs[i] for i in wanted))[:2]
         for i, g in zip(wanted, pull(tuple(grads[j] for j in used)), strict=True):
             result[1 + i] = g
         return tuple(result)
@@ -287,12 +299,15 @@ def remat(fn: Callable[..., Any], policy: SavePolicy = save_nothing) -> Callable
     operators ``policy`` names), not its intermediate activations. Compute: the backward
     runs ``fn`` once more, with the CPU (and initialised CUDA) generators set to their
     state at the forward, so dropout masks are the same; gradients equal those without
-    remat bitwise. No communication of its own. Arguments are any pytree: tensors are the
-    region's inputs (those that require grad, at any ``torch.func`` level, get gradients),
-    everything else is a constant. When ``fn`` is an ``nn.Module``, its parameters and
-    buffers are inputs too. A tensor that requires grad and reaches ``fn`` any other way
-    (a closure) is refused with an error. Works under plain autograd and inside
-    ``torch.func.grad``, ``grad_and_value`` and ``vjp``; ``jvp`` and ``vmap`` raise.
+    remat bitwise. No communication of its own.
+
+    Arguments are any pytree: tensors are the region's inputs (those that require grad,
+    at any ``torch.func`` level, get gradients), everything else is a constant. When
+    ``fn`` is an ``nn.Module`` or a module's bound method, the module's parameters and
+    buffers (read at each call) are inputs too. A tensor that requires grad and reaches
+    ``fn`` any other way (a closure) is refused with an error, never silently given no
+    gradient. Works under plain autograd and inside ``torch.func.grad``,
+    ``grad_and_value`` and ``vjp``; ``jvp`` and ``vmap`` raise ``RematError``.
 
     >>> import torch
     >>> f = remat(lambda x: torch.tanh(x).sum())
@@ -303,8 +318,9 @@ def remat(fn: Callable[..., Any], policy: SavePolicy = save_nothing) -> Callable
         raise TypeError(f"remat wants a callable, got {type(fn).__name__} {fn!r}")
     if not isinstance(policy, SavePolicy):
         raise TypeError(f"remat policy must be a SavePolicy (save_nothing, save_dots, ...), got {policy!r}")
-    if isinstance(fn, nn.Module):
-        return _remat_with_state(fn, [fn], policy, _describe(fn))
+    owner = fn.__self__ if isinstance(fn, types.MethodType) else fn
+    if isinstance(owner, nn.Module):
+        return _remat_with_state(fn, [owner], policy, _describe(fn))
     where = _describe(fn)
 
     @functools.wraps(fn)
@@ -312,7 +328,7 @@ def remat(fn: Callable[..., Any], policy: SavePolicy = save_nothing) -> Callable
         leaves, spec = torch_pytree.tree_flatten((args, kwargs))
         call = _Call(fn, policy, leaves, spec, where)
         outs = _Remat.apply(call, *(leaves[i] for i in call.slots))
-        call.kept = None  # autograd holds them now (every level's context has been set up)
+        call.kept_tensors = []  # autograd holds them now (every level's context has been set up)
         return call.outputs(outs)
 
     return rematerialised
@@ -345,13 +361,13 @@ def _state_slots(modules: Sequence[nn.Module]) -> tuple[list[torch.Tensor], list
 @contextlib.contextmanager
 def _installed(slots: list[list[tuple[nn.Module, str, bool]]], tensors: Sequence[torch.Tensor]) -> Iterator[None]:
     """The modules' parameters and buffers are ``tensors`` for the block (restored after it)."""
-    previous = []
+    previous: list[tuple[dict[str, Any], str, Any]] = []
     try:
         for places, t in zip(slots, tensors, strict=True):
             for m, attr, is_param in places:
-                table = m._parameters if is_param else m._buffers
+                table: dict[str, Any] = m._parameters if is_param else m._buffers
                 previous.append((table, attr, table[attr]))
-                table[attr] = t  # type: ignore[assignment]
+                table[attr] = t
         yield
     finally:
         for table, attr, old in reversed(previous):
@@ -418,7 +434,8 @@ class Remat:
 
     @classmethod
     def of(cls, value: bool | Policy | Remat | None) -> Remat | None:
-        """What ``train_step(remat=value)`` means: ``None``/``False`` none, ``True`` every unit, a policy, a ``Remat``."""
+        """What ``train_step(remat=value)`` means: ``None``/``False`` none, ``True`` every
+        non-root unit, a unit policy, or a ``Remat``."""
         if value is None or value is False:
             return None
         if isinstance(value, Remat):
@@ -448,7 +465,7 @@ class Remat:
                     f"Remat: unit {unit_label(unit.name)} is not a submodule of {type(module).__name__}: "
                     "was the plan made for another model?"
                 ) from e
-            if self.units is not True:
+            if not isinstance(self.units, bool):
                 answer = self.units(sub, False, unit.numel + unit.frozen_part.numel)
                 if not isinstance(answer, bool):
                     raise TypeError(
@@ -512,7 +529,13 @@ def _routed_checkpoint(
             "for selective checkpointing use fsdp_fn.remat(fn, policy=fsdp_fn.save_dots) or "
             "train_step(remat=fsdp_fn.Remat(policy=fsdp_fn.save_dots))"
         )
-    return _remat_with_state(function, _modules_in(function), save_nothing, name)(*args, **kwargs)
+    # A partial's bound arguments become the region's arguments, so its tensors are inputs too.
+    while isinstance(function, functools.partial):
+        args, kwargs = (*function.args, *args), {**function.keywords, **kwargs}
+        function = function.func
+    modules = _modules_in(function) + [m for x in (*args, *kwargs.values()) for m in _modules_in(x)]
+    modules = list({id(m): m for m in modules}.values())
+    return _remat_with_state(function, modules, save_nothing, name)(*args, **kwargs)
 
 
 class _RoutedCheckpointFunction:
