@@ -224,7 +224,8 @@ class _Call:
 
 class _Remat(torch.autograd.Function):
     """Forward: run the region, keep its inputs (and the policy's results). Backward:
-    recompute it under ``torch.func.vjp`` with the forward's RNG state and pull back."""
+    recompute it under ``torch.func.vjp`` with the forward's RNG state and pull back.
+    Forward mode (``jvp``): ``torch.func.jvp`` of the region. ``vmap``: generated."""
 
     @staticmethod
     def forward(call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -245,11 +246,13 @@ class _Remat(torch.autograd.Function):
         # By reference: autograd frees them after this backward; nothing is copied.
         ctx.save_for_backward(*inputs[1:], *call.kept_tensors)
         ctx.set_materialize_grads(False)
+        ctx.primals = inputs[1:]  # type: ignore[attr-defined]  # for jvp; dropped by backward or jvp
         ctx.mark_non_differentiable(*(o for o in output if not (o.is_floating_point() or o.is_complex())))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         call: _Call = ctx.call
+        ctx.primals = ()  # reverse mode: only the saved tensors, which autograd frees after this
         saved = ctx.saved_tensors
         inputs, kept = list(saved[: ctx.n_inputs]), call.kept(saved[ctx.n_inputs :])
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
@@ -272,20 +275,23 @@ class _Remat(torch.autograd.Function):
             result[1 + i] = g
         return tuple(result)
 
-    @staticmethod
-    def jvp(ctx: Any, *tangents: Any) -> Any:
-        raise RematError(
-            "remat: forward-mode differentiation (torch.func.jvp, jacfwd, hessian) is not supported "
-            "through a rematerialised region; there is nothing to rematerialise in forward mode: "
-            "call the function without remat"
-        )
+    generate_vmap_rule = True
 
     @staticmethod
-    def vmap(info: Any, in_dims: Any, *args: Any) -> Any:
-        raise RematError(
-            "remat: torch.func.vmap over a rematerialised region is not supported; vmap the function "
-            "without remat, or remat the vmapped function"
-        )
+    def jvp(ctx: Any, call: Any, *tangents: torch.Tensor | None) -> Any:
+        # Forward mode keeps nothing for later: push the tangents through the function once more.
+        primals, ctx.primals = ctx.primals, ()
+        live = [i for i, t in enumerate(tangents) if t is not None]
+
+        def region(*diff: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            tensors = list(primals)
+            for i, t in zip(live, diff, strict=True):
+                tensors[i] = t
+            return tuple(ctx.call.run(tensors))
+
+        with ctx.call.replay_rng():
+            pushed = torch.func.jvp(region, tuple(primals[i] for i in live), tuple(tangents[i] for i in live))
+        return pushed[1]
 
 
 def _describe(fn: Any) -> str:
@@ -306,8 +312,10 @@ def remat(fn: Callable[..., Any], policy: SavePolicy = save_nothing) -> Callable
     ``fn`` is an ``nn.Module`` or a module's bound method, the module's parameters and
     buffers (read at each call) are inputs too. A tensor that requires grad and reaches
     ``fn`` any other way (a closure) is refused with an error, never silently given no
-    gradient. Works under plain autograd and inside ``torch.func.grad``,
-    ``grad_and_value`` and ``vjp``; ``jvp`` and ``vmap`` raise ``RematError``.
+    gradient. Works under plain autograd (double backward included) and inside every
+    ``torch.func`` transform: ``grad``, ``grad_and_value``, ``vjp``, ``jacrev``, ``vmap``
+    (vmap's rule is generated from the forward), ``jvp`` and ``jacfwd`` (forward mode
+    pushes the tangents through ``fn`` once more: it keeps nothing for later anyway).
 
     >>> import torch
     >>> f = remat(lambda x: torch.tanh(x).sum())

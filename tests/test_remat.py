@@ -219,12 +219,31 @@ def test_captured_tensor_that_requires_grad_is_refused() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func.jvp's import
-def test_forward_mode_and_vmap_are_refused_by_name() -> None:
-    x = torch.randn(3)
-    with pytest.raises(ff.RematError, match="forward-mode.*torch.func.jvp"):
-        torch.func.jvp(ff.remat(torch.sin), (x,), (x,))
-    with pytest.raises(ff.RematError, match="torch.func.vmap"):
-        torch.func.vmap(ff.remat(torch.sin))(x)
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
+def test_every_transform_matches_the_plain_function(policy: ff.SavePolicy) -> None:
+    """vmap (per-sample gradients, dropout with randomness='different'), jvp, jacfwd/jacrev
+    Hessians and plain double backward: remat changes no result."""
+    torch.manual_seed(0)
+    w, x = torch.randn(3, 3), torch.randn(4, 3)
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(torch.tanh(x @ w), 0.5).sum()
+
+    def g(w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ w).square().sum()
+
+    def results(f: Any, g: Any) -> list[Any]:
+        torch.manual_seed(1)
+        out = [torch.func.vmap(grad(f), in_dims=(None, 0), randomness="different")(w, x)]
+        out.append(torch.func.jvp(g, (w,), (torch.ones_like(w),)))
+        out.append(torch.func.jacfwd(torch.func.jacrev(g))(w))
+        out.append(torch.func.jacrev(torch.func.jacrev(g))(w))
+        leaf = w.clone().requires_grad_()
+        (first,) = torch.autograd.grad(g(leaf), leaf, create_graph=True)
+        out.append(torch.autograd.grad(first.sum(), leaf))
+        return out
+
+    assert equal(results(f, g), results(ff.remat(f, policy), ff.remat(g, policy)))
 
 
 def test_bad_arguments() -> None:
