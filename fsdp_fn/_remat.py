@@ -156,6 +156,9 @@ class _CapturedCheck(TorchFunctionMode):
         return id(t) in self.inputs or (t._base is not None and id(t._base) in self.inputs)
 
 
+_TENSOR = object()  # where a kept result has a tensor
+
+
 class _Call:
     """One call of a rematerialised region: the function, its non-tensor inputs, RNG states, kept results."""
 
@@ -176,14 +179,16 @@ class _Call:
         for op, out, versions in kept:
             leaves, spec = torch_pytree.tree_flatten(out)
             self.kept_tensors += [x for x in leaves if isinstance(x, torch.Tensor)]
-            self.kept_layout.append((op, spec, [None if isinstance(x, torch.Tensor) else x for x in leaves], versions))
+            self.kept_layout.append(
+                (op, spec, [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves], versions)
+            )
 
     def kept(self, tensors: Sequence[torch.Tensor]) -> list[tuple[Any, Any, tuple[int, ...]]]:
         """The kept results, rebuilt around ``tensors`` (``kept_tensors`` as autograd saved them)."""
         it = iter(tensors)
         out = []
         for op, spec, leaves, versions in self.kept_layout:
-            filled = [next(it) if x is None else x for x in leaves]
+            filled = [next(it) if x is _TENSOR else x for x in leaves]
             out.append((op, torch_pytree.tree_unflatten(filled, spec), versions))
         return out
 
@@ -226,6 +231,8 @@ class _Remat(torch.autograd.Function):
     """Forward: run the region, keep its inputs (and the policy's results). Backward:
     recompute it under ``torch.func.vjp`` with the forward's RNG state and pull back.
     Forward mode (``jvp``): ``torch.func.jvp`` of the region. ``vmap``: generated."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -274,8 +281,6 @@ class _Remat(torch.autograd.Function):
         for i, g in zip(wanted, pull(tuple(grads[j] for j in used)), strict=True):
             result[1 + i] = g
         return tuple(result)
-
-    generate_vmap_rule = True
 
     @staticmethod
     def jvp(ctx: Any, call: Any, *tangents: torch.Tensor | None) -> Any:
