@@ -109,6 +109,16 @@ class Unit:
     def padded_numel(self, world: int) -> int:
         return self.shard_numel(world) * world
 
+    def local_ranges(self, world: int, rank: int) -> tuple[tuple[int, int, int], ...]:
+        """``(i, lo, hi)`` for every parameter ``i`` of ``params``: the elements ``[lo, hi)`` of
+        rank ``rank``'s shard that hold part of it (``lo == hi`` when the rank holds none)."""
+        n = self.shard_numel(world)
+        start, out = rank * n, []
+        for i, (spec, at) in enumerate(zip(self.params, self.offsets, strict=True)):
+            lo, hi = max(at, start), min(at + spec.numel, start + n)
+            out.append((i, lo - start, max(lo, hi) - start))
+        return tuple(out)
+
     def gather_bytes(self, world: int = 1, dtype: torch.dtype | None = None) -> int:
         """Bytes of the gathered flat buffers (padding included, frozen part too) on one rank."""
         total = self.padded_numel(world) * (dtype or self.dtype).itemsize
