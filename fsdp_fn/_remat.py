@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -360,7 +361,8 @@ def _state_slots(modules: Sequence[nn.Module]) -> tuple[list[torch.Tensor], list
         for m in root.modules():
             for table, is_param in ((m._parameters, True), (m._buffers, False)):
                 for attr, t in table.items():
-                    if not isinstance(t, torch.Tensor) or (id(m), attr) in seen:
+                    # meta: a stand-in for a parameter that is not there (another unit's, not gathered)
+                    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or (id(m), attr) in seen:
                         continue
                     seen.add((id(m), attr))
                     k = index.setdefault(id(t), len(tensors))
@@ -559,13 +561,18 @@ class _RoutedCheckpointFunction:
         return _routed_checkpoint(function, *args, use_reentrant=True)
 
 
-def _refused_generator(fn: Any, *args: Any, **kwargs: Any) -> Iterator[None]:
-    raise RematError(
-        f"torch.utils.checkpoint's non-reentrant checkpoint of {_describe(fn)} reached torch's saved-tensor "
-        "hooks, which torch.func refuses; call torch.utils.checkpoint.checkpoint (it is routed to "
-        "fsdp_fn.remat) or use fsdp_fn.remat directly"
-    )
-    yield  # a generator, like the function it stands in for
+def _refusing(what: str) -> Callable[..., Iterator[None]]:
+    """Stands in for torch's non-reentrant checkpoint generator where it cannot be routed."""
+
+    def refused(fn: Any, *args: Any, **kwargs: Any) -> Iterator[None]:
+        raise RematError(
+            f"{what} of {_describe(fn)} relies on saved-tensor hooks, which torch.func refuses; "
+            "use fsdp_fn.remat (train_step(remat=...) for units, fsdp_fn.remat(module) for any module) "
+            "or call torch.utils.checkpoint.checkpoint, which is routed to it"
+        )
+        yield  # a generator, like the function it stands in for
+
+    return refused
 
 
 def _patches() -> list[tuple[Any, str, Any]]:
@@ -579,11 +586,22 @@ def _patches() -> list[tuple[Any, str, Any]]:
             "fsdp_fn cannot route torch.utils.checkpoint.checkpoint in this torch version "
             f"({torch.__version__}); wrap the region with fsdp_fn.remat instead"
         )
-    return [
+    patches = [
         (original, "__dynamo_disable", _routed_checkpoint),
         (torch_checkpoint, "CheckpointFunction", _RoutedCheckpointFunction),
-        (torch_checkpoint, "_checkpoint_without_reentrant_generator", _refused_generator),
+        (
+            torch_checkpoint,
+            "_checkpoint_without_reentrant_generator",
+            _refusing("torch.utils.checkpoint's non-reentrant generator"),
+        ),
     ]
+    # torch.distributed._composable.checkpoint(module) enters that generator from module hooks,
+    # around a forward it cannot replace: not routable, refused by name (when it is loaded at all).
+    composable = sys.modules.get("torch.distributed._composable.checkpoint_activation")
+    if composable is not None and hasattr(composable, "_checkpoint_without_reentrant_generator"):
+        refused = _refusing("torch.distributed._composable.checkpoint")
+        patches.append((composable, "_checkpoint_without_reentrant_generator", refused))
+    return patches
 
 
 @contextlib.contextmanager
@@ -594,7 +612,9 @@ def route_torch_checkpoint() -> Iterator[None]:
     Gradients equal those without checkpointing. The parameters and buffers of the modules
     the checkpointed function reaches (a module, a bound method's owner, a partial's
     arguments, closure cells) become inputs of the region, so they get gradients.
-    ``context_fn`` and ``debug`` are refused with an error. Restored on exit, also on an
+    ``context_fn`` and ``debug`` are refused with an error, and so is
+    ``torch.distributed._composable.checkpoint`` (its hooks cannot hand the forward
+    over). Restored on exit, also on an
     exception. Thread safety: the patch is process-wide; nested and concurrent blocks
     share it (the first entry installs it, the last exit removes it), so a thread that
     checkpoints outside fsdp_fn meanwhile is routed too, which is still exact.

@@ -126,6 +126,22 @@ def test_module_under_plain_autograd(policy: ff.SavePolicy) -> None:
     assert equal(grads[0], grads[1])
 
 
+def test_nested_regions() -> None:
+    """A region that rematerialises another inside it (a checkpointed model whose layers checkpoint)."""
+    model, x = mlp_with_dropout()
+    params = detached(model)
+
+    def outer(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        inner = ff.remat(lambda p, x: functional_call(model, p, (x,)), ff.save_dots)
+        return inner(p, x).tanh() + inner(p, x)
+
+    def run(f: Any) -> Any:
+        torch.manual_seed(1)
+        return grad(lambda p: f(p, x).square().sum())(params)
+
+    assert equal(run(outer), run(ff.remat(outer)))
+
+
 def test_pytree_arguments_kwargs_and_outputs() -> None:
     torch.manual_seed(0)
     w, b = torch.randn(4, 3), torch.randn(3)
@@ -435,6 +451,16 @@ def test_routed_checkpoint_refuses_context_fn() -> None:
 
     with ff.route_torch_checkpoint(), pytest.raises(ff.RematError, match=r"context_fn=.*fsdp_fn.save_dots"):
         torch_checkpoint.checkpoint(torch.sin, torch.randn(2), use_reentrant=False, context_fn=context_fn)
+
+
+def test_composable_checkpoint_refused_by_name() -> None:
+    from torch.distributed._composable import checkpoint
+
+    model = Checkpointed(None)
+    checkpoint(model.b)
+    params = detached(model)
+    with ff.route_torch_checkpoint(), pytest.raises(ff.RematError, match=r"_composable.checkpoint of Linear"):
+        vjp(lambda p: functional_call(model, p, (torch.randn(2, 8),)), params)
 
 
 def test_hugging_face_gradient_checkpointing_inside_vjp() -> None:
