@@ -35,7 +35,7 @@ from torch.autograd.function import FunctionCtx
 from torch.func import functional_call
 
 from fsdp_fn._collectives import Collective, all_gather, all_gather_into, all_reduce_, reduce_scatter_start
-from fsdp_fn._functional import Functional
+from fsdp_fn._functional import Functional, parameters_restored
 from fsdp_fn._memory import label, retag
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
 from fsdp_fn._policy import BackwardPrefetch, Schedule
@@ -657,7 +657,8 @@ class Runtime:
                 handles.append(target.register_forward_pre_hook(self._pre_hook(unit, target, swapped)))
                 handles.append(target.register_forward_hook(self._post_hook(unit, target, swapped)))
         try:
-            out = functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
+            with parameters_restored(module):
+                out = functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
         except Exception as e:
             where = f"unit {unit_label(self.running[-1])}" if self.running else "the root unit"
             e.add_note(f"fsdp_fn: raised in the forward of {where}")

@@ -21,7 +21,7 @@ import torch
 from torch.optim.adamw import adamw as _adamw_kernel
 from torch.optim.sgd import sgd as _sgd_kernel
 
-from fsdp_fn._plan import Unit
+from fsdp_fn._plan import Unit, unit_label
 from fsdp_fn._shard import Sharded
 from fsdp_fn._tree import tree_leaves, tree_map
 
@@ -256,7 +256,7 @@ def from_torch(optimizer: torch.optim.Optimizer) -> Optimizer:
             if any(mask) and not all(mask):
                 unused = [spec.name for spec, got in zip(unit.params, mask, strict=True) if not got]
                 raise ValueError(
-                    f"parameters {unused} of unit {unit.name or '(root)'} got no gradient while the rest of the "
+                    f"parameters {unused} of unit {unit_label(unit.name)} got no gradient while the rest of the "
                     "unit did; a torch.optim optimizer on flat shards can only skip whole units: use ff.adamw or "
                     "ff.sgd (they skip per parameter, as torch.optim does)"
                 )

@@ -291,8 +291,8 @@ class TrainStep:
             if stepped:
                 note = (
                     f"step {self.calls} failed after update_in_backward had already stepped units "
-                    f"{[unit_label(u) for u in stepped]}: these shards and optimizer state are half-updated and "
-                    "a retry would apply those updates twice; restore the last checkpoint"
+                    f"{', '.join(unit_label(u) for u in stepped)}: these shards and optimizer state are "
+                    "half-updated and a retry would apply those updates twice; restore the last checkpoint"
                 )
                 _consume((state.params, state.opt_state), note)
                 e.add_note(f"fsdp_fn: {note}")
