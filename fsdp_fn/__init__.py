@@ -19,6 +19,7 @@ from fsdp_fn._memory import CATEGORIES, MemoryEstimate, MemoryMeter, estimate_me
 from fsdp_fn._optim import AdamWState, Optimizer, SGDState, adamw, from_torch, sgd, tree_leaves, tree_map
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Policy, Unit, layer_policy, make_plan, size_policy
 from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedule
+from fsdp_fn._remat import Remat, RematError, SavePolicy, remat, route_torch_checkpoint, save_dots, save_nothing
 from fsdp_fn._shard import NAMESPACE, Sharded, reduce_grads, shard, unshard
 from fsdp_fn._step import TrainState, TrainStep, clip_grad_norm_, sync_buffers, train_step
 
@@ -72,4 +73,11 @@ __all__ = [
     "tree_map",
     "unshard",
     "value_and_grad",
+    "Remat",
+    "RematError",
+    "SavePolicy",
+    "remat",
+    "route_torch_checkpoint",
+    "save_dots",
+    "save_nothing",
 ]
