@@ -130,6 +130,7 @@ def test_remat_lowers_activation_memory_with_the_same_training(pool):
         assert a1 <= a2 <= a0, (a0, a1, a2)  # selective sits between
         assert abs(l0 - l1) <= 1e-6 * abs(l0) and abs(l0 - l2) <= 1e-6 * abs(l0)
         assert all((p0[k] - p1[k]).abs().max().item() <= 1e-6 for k in p0)
+        assert all((p0[k] - p2[k]).abs().max().item() <= 1e-6 for k in p0)
 
 
 FEATURES = {
