@@ -22,12 +22,30 @@ from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedu
 from fsdp_fn._remat import Remat, RematError, SavePolicy, remat, route_torch_checkpoint, save_dots, save_nothing
 from fsdp_fn._shard import NAMESPACE, Sharded, reduce_grads, shard, unshard
 from fsdp_fn._step import TrainState, TrainStep, clip_grad_norm_, sync_buffers, train_step
+from fsdp_fn._transforms import (
+    AccumulateState,
+    ApplyIfFiniteState,
+    GradientTransformation,
+    accumulate,
+    apply_if_finite,
+    chain,
+    clip_by_global_norm,
+    global_norm,
+)
 
 __all__ = [
     "NAMESPACE",
     "ROOT",
     "CATEGORIES",
+    "AccumulateState",
     "AdamWState",
+    "ApplyIfFiniteState",
+    "GradientTransformation",
+    "accumulate",
+    "apply_if_finite",
+    "chain",
+    "clip_by_global_norm",
+    "global_norm",
     "BackwardPrefetch",
     "CPUOffload",
     "Collective",
