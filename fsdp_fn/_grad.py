@@ -20,12 +20,13 @@ from torch.func import grad_and_value, vjp
 
 from fsdp_fn._collectives import all_reduce_
 from fsdp_fn._functional import Functional
-from fsdp_fn._gather import GradSink, Runtime
 from fsdp_fn._guard import guarded
 from fsdp_fn._plan import Policy
 from fsdp_fn._policy import Schedule
 from fsdp_fn._remat import Remat
+from fsdp_fn._runtime import Runtime
 from fsdp_fn._shard import Sharded, ensure_live
+from fsdp_fn._sink import GradSink
 
 LossFn = Callable[[Callable[..., Any], Any], torch.Tensor]
 

@@ -15,15 +15,17 @@ import torch.utils._pytree as torch_pytree
 from fsdp_fn._agree import DivergenceError
 from fsdp_fn._collectives import all_gather_into, all_reduce_, broadcast_
 from fsdp_fn._functional import Functional
-from fsdp_fn._gather import GradSink, Runtime, metrics_words
 from fsdp_fn._grad import LossFn, lean_pass
 from fsdp_fn._guard import Guard, guarded
 from fsdp_fn._memory import label
 from fsdp_fn._optim import Optimizer
 from fsdp_fn._plan import Plan, Policy, unit_label
 from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedule
+from fsdp_fn._predict import metrics_words
 from fsdp_fn._remat import Remat
+from fsdp_fn._runtime import Runtime
 from fsdp_fn._shard import Layout, Sharded, ensure_live
+from fsdp_fn._sink import GradSink
 from fsdp_fn._transforms import AccumulateState, ApplyIfFiniteState, ChainState, chain, clip_by_global_norm
 from fsdp_fn._tree import NAMESPACE, tree_leaves, tree_map
 
