@@ -71,11 +71,12 @@ class Sharded:
     ``received`` (gradients only): for each unit, which of its trainable parameters got a
     gradient (``value_and_grad`` sets it; ``None`` means all of them). Optimizers skip the
     others, as torch.optim skips a parameter whose ``.grad`` is ``None``. It is not part of
-    the pytree structure: ``tree_map`` returns a tree without it. ``consumed`` says why the
+    the pytree structure: ``tree_map`` returns a tree without it (nor ``norm``, the global
+    norm of a gradient when the step computed it already). ``consumed`` says why the
     shards may no longer be used (donated to a step, left half-updated by a failed one).
     """
 
-    __slots__ = ("consumed", "layout", "received", "shards")
+    __slots__ = ("consumed", "layout", "norm", "received", "shards")
 
     def __init__(
         self, shards: Mapping[str, Any], layout: Layout, received: Mapping[str, tuple[bool, ...]] | None = None
@@ -86,6 +87,7 @@ class Sharded:
         self.shards = dict(shards)
         self.layout = layout
         self.received = dict(received) if received is not None else None
+        self.norm: torch.Tensor | None = None  # gradients only: their global norm, when the step knows it
         self.consumed: str | None = None
 
     @property
@@ -117,6 +119,12 @@ class Sharded:
     def with_received(self, received: Mapping[str, tuple[bool, ...]] | None) -> Sharded:
         """The same shards, marking which parameters of each unit got a gradient."""
         return Sharded(self.shards, self.layout, received)
+
+    def like(self, shards: Mapping[str, Any]) -> Sharded:
+        """New shards with this tree's layout, ``received`` and ``norm`` (a transformed gradient)."""
+        out = Sharded(shards, self.layout, self.received)
+        out.norm = self.norm
+        return out
 
     def __repr__(self) -> str:
         inner = ", ".join(
