@@ -79,23 +79,51 @@ class CheckpointError(ValueError):
 # --- state <-> FQN-keyed DCP entries -----------------------------------------------------
 
 
-def _opt_fields(opt_state: Any) -> list[tuple[str, Sharded]]:
-    """(torch.optim state name, Sharded) for each field of an fsdp_fn optimizer state."""
-    if opt_state is None:
-        return []
-    if not (isinstance(opt_state, tuple) and hasattr(opt_state, "_fields")):
+Path_ = tuple[str, ...]
+
+
+def _walk(state: Any, path: Path_ = ()) -> list[tuple[Path_, Any]]:
+    """The leaves of an optimizer state (NamedTuples and tuples of ``Sharded`` and plain values)."""
+    if isinstance(state, Sharded) or state is None:
+        return [(path, state)]
+    if isinstance(state, torch.optim.Optimizer):
         raise TypeError(
-            f"checkpoints hold fsdp_fn optimizer states (AdamWState, SGDState: NamedTuples of Sharded), "
-            f"got {type(opt_state).__name__}; a from_torch optimizer keeps its state in the torch object"
+            "checkpoints hold fsdp_fn optimizer states (adamw(), sgd(), chains of them); a from_torch "
+            "optimizer keeps its state in the torch object"
         )
-    out = []
-    for field, value in zip(opt_state._fields, opt_state, strict=True):
-        if value is None:
-            continue
-        if not isinstance(value, Sharded):
-            raise TypeError(f"optimizer state field {field!r} is a {type(value).__name__}, not Sharded")
-        out.append((TORCH_NAMES.get(field, field), value))
-    return out
+    if isinstance(state, tuple):
+        names = getattr(state, "_fields", None) or [str(i) for i in range(len(state))]
+        return [leaf for name, value in zip(names, state, strict=True) for leaf in _walk(value, (*path, name))]
+    return [(path, state)]
+
+
+def _opt_fields(opt_state: Any) -> list[tuple[str, Sharded]]:
+    """(name, Sharded) for each sharded leaf of the optimizer state: torch.optim's name for
+    AdamW's and SGD's fields (``step``, ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``),
+    the field name for others (a chain's accumulated gradients: ``summed``)."""
+    leaves = [(path, v) for path, v in _walk(opt_state) if isinstance(v, Sharded)]
+    names = [TORCH_NAMES.get(path[-1], path[-1]) for path, _ in leaves]
+    if len(set(names)) < len(names):  # two optimizers in one state: keep them apart by path
+        names = [".".join(path) for path, _ in leaves]
+    return list(zip(names, (v for _, v in leaves), strict=True))
+
+
+def _opt_values(opt_state: Any) -> dict[str, Any]:
+    """The optimizer state's plain values (a chain's counters), by path: saved with the step."""
+    return {".".join(path): v for path, v in _walk(opt_state) if not isinstance(v, Sharded) and v is not None}
+
+
+def _rebuild(state: Any, sharded: dict[int, Sharded], values: dict[str, Any], path: Path_ = ()) -> Any:
+    """``state`` with each ``Sharded`` replaced (by identity) and plain values taken from ``values``."""
+    if isinstance(state, Sharded):
+        return sharded[id(state)]
+    if state is None:
+        return None
+    if isinstance(state, tuple):
+        names = getattr(state, "_fields", None) or [str(i) for i in range(len(state))]
+        items = [_rebuild(v, sharded, values, (*path, n)) for n, v in zip(names, state, strict=True)]
+        return type(state)(*items) if hasattr(state, "_fields") else tuple(items)
+    return values.get(".".join(path), state)
 
 
 def _parts(unit: Unit, layout: Layout, shards: Sharded) -> list[tuple[Unit, torch.Tensor]]:
@@ -118,7 +146,7 @@ def _pieces(part: Unit, flat: torch.Tensor, layout: Layout) -> list[tuple[ParamS
 
 
 def _is_step(name: str) -> bool:
-    return name == "step"
+    return name.rsplit(".", 1)[-1] in ("step", "steps")
 
 
 def _step_views(unit: Unit, steps: torch.Tensor, *, every: bool) -> list[tuple[ParamSpec, torch.Tensor]]:
@@ -301,7 +329,13 @@ def save(
     entries = _entries(state, write_shards=write_shards, coordinator=coordinator)
     entries[f"rng.{dist.get_rank()}"] = _rng_state()
     if coordinator:
-        entries[_META] = {"format": _FORMAT, "step": state.step, "world": group.size(), "extra": extra}
+        entries[_META] = {
+            "format": _FORMAT,
+            "step": state.step,
+            "world": group.size(),
+            "extra": extra,
+            "optimizer": _opt_values(state.opt_state),
+        }
         if hyperparams is not None:
             names = [spec.name for unit in layout.plan.units for spec in unit.params]
             for key, value in {**hyperparams, "params": names}.items():
@@ -416,12 +450,7 @@ def _target(like: TrainState) -> _Target:
         return Sharded({k: _ready(v) for k, v in tree.shards.items()}, layout)
 
     params = ready(like.params)
-    opt_state = like.opt_state
-    if opt_state is not None:
-        fields = {
-            f: ready(v) if isinstance(v, Sharded) else v for f, v in zip(opt_state._fields, opt_state, strict=True)
-        }
-        opt_state = type(opt_state)(**fields)
+    opt_state = _rebuild(like.opt_state, {id(v): ready(v) for _, v in _opt_fields(like.opt_state)}, {})
     buffers = {k: _ready(v) for k, v in like.buffers.items()}
     entries: dict[str, Any] = {}
     expected: dict[str, tuple[tuple[int, ...], torch.dtype, str]] = {}
@@ -563,7 +592,12 @@ def load(directory: str | os.PathLike[str], like: TrainState) -> tuple[TrainStat
         meta = {"step": _torch_step(target), "world": None, "extra": None}  # written by torch (FSDP2)
     if meta["world"] == group.size() and entries.get(rng_key) is not None:
         _set_rng_state(entries[rng_key])
-    return target.state._replace(step=int(meta["step"])), meta["extra"]
+    loaded = target.state
+    values = meta.get("optimizer") or {}
+    if values:  # a chain's counters, as saved
+        same = {id(v): v for _, v in _opt_fields(loaded.opt_state)}
+        loaded = loaded._replace(opt_state=_rebuild(loaded.opt_state, same, values))
+    return loaded._replace(step=int(meta["step"])), meta["extra"]
 
 
 # --- a directory of checkpoints ----------------------------------------------------------

@@ -617,3 +617,41 @@ def test_async_save_returns_at_once_and_writes_the_state_as_it_was(fresh, tmp_pa
         assert same
         assert f"background save of {tmp_path / 'run' / 'step_00000002'} failed on rank {rank}" in error
         assert "already exists" in error
+
+
+# --- wrapped optimizer states (chains) ----------------------------------------------------
+
+
+def _chained(group, directory, phase):
+    """clip + skip-non-finite + accumulate(2, adamw): saved mid-accumulation, loaded at another W."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    fn = ff.functionalize(model)
+    opt = ff.accumulate(2, ff.adamw(lr=LR))
+    step = ff.train_step(fn, lm_loss, opt, clip_grad_norm=1.0, skip_nonfinite=True)
+    state = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([Block])), group))
+    if phase == "save":
+        state, _ = _train(model, step, state, group, 0, 3)  # the third gradient waits in the accumulator
+        ckpt.save(directory, state)
+    else:
+        state, _ = ckpt.load(directory, state)
+    leaves = [(path, v) for path, v in ckpt._walk(state.opt_state)]
+    full = {  # step counters are replicated, (P,) per unit; the rest is sharded
+        ".".join(p): dict(v.shards) if p[-1] == "steps" else ff.unshard(v)
+        for p, v in leaves
+        if isinstance(v, ff.Sharded)
+    }
+    values = {".".join(p): v for p, v in leaves if not isinstance(v, ff.Sharded)}
+    state, trace = _train(model, step, state, group, 3, 4)  # the fourth completes the accumulation
+    return full, values, trace, ff.unshard(state.params)
+
+
+def test_a_chained_optimizer_state_round_trips_across_world_sizes(pool, tmp_path):
+    d = str(tmp_path / "c")
+    saved = pool.run(_chained, d, "save", world=2)[0]
+    loaded = pool.run(_chained, d, "load", world=3)[0]
+    assert any(k.endswith("summed") for k in saved[0]) and saved[1] == loaded[1]
+    for k, tensors in saved[0].items():
+        assert all(torch.equal(tensors[n], loaded[0][k][n]) for n in tensors), k
+    assert list(loaded[2][0]) == pytest.approx(list(saved[2][0]), rel=1e-5)  # loss, gradient norm
+    assert all(torch.allclose(saved[3][k], loaded[3][k], atol=1e-6) for k in saved[3])
