@@ -26,7 +26,7 @@ from fsdp_fn._remat import Remat
 from fsdp_fn._runtime import Runtime
 from fsdp_fn._shard import Layout, Sharded, ensure_live
 from fsdp_fn._sink import GradSink
-from fsdp_fn._transforms import AccumulateState, ApplyIfFiniteState, ChainState, chain, clip_by_global_norm
+from fsdp_fn._transforms import AccumulateState, ApplyIfFiniteState, ChainState, clip_by_global_norm
 from fsdp_fn._tree import NAMESPACE, tree_leaves, tree_map
 
 BufferSync = Literal["broadcast", "mean"] | None
@@ -147,8 +147,9 @@ class TrainStep:
                     f"update_in_backward steps each unit during backward, before the whole gradient exists; "
                     f"it cannot be combined with {', '.join(named)}"
                 )
-        if clip_grad_norm is not None:  # the option is this chain
-            optimizer = chain(clip_by_global_norm(clip_grad_norm), optimizer)
+        # The option is this transformation, applied just before the optimizer (the optimizer's
+        # state keeps its own layout; chain(clip_by_global_norm(x), opt) is the same update).
+        self._clip = clip_by_global_norm(clip_grad_norm) if clip_grad_norm is not None else None
         self.fn, self.loss_fn, self.optimizer, self.donate = fn, loss_fn, optimizer, donate
         # A chain with apply_if_finite may skip a step: buffers the forward moved are restored then.
         self._may_skip = skip_nonfinite or "apply_if_finite" in optimizer.links
@@ -185,13 +186,8 @@ class TrainStep:
         ensure_live(params, "init")
         source = self.fn.buffers if buffers is None else buffers
         device = self.schedule.cpu_offload.compute_device() if self.schedule.cpu_offload else None
-        dtype = self.schedule.mixed_precision.buffer_dtype
-        copies = {
-            k: v.detach().to(
-                device=device, dtype=dtype if dtype is not None and v.is_floating_point() else None, copy=True
-            )
-            for k, v in source.items()
-        }
+        precision = self.schedule.mixed_precision
+        copies = {k: v.detach().to(device=device, dtype=precision.buffer(v), copy=True) for k, v in source.items()}
         layout = params.layout
         for g in (layout.group, layout.replicate):
             if g is not None:
@@ -303,6 +299,8 @@ class TrainStep:
                 if self.skip_nonfinite and not bool(torch.isfinite(stats).all()):
                     skipped = torch.ones((), dtype=torch.bool)
                 else:
+                    if self._clip is not None:
+                        grads, _ = self._clip.update(grads, (), params)
                     params, opt_state = self.optimizer.update(grads, opt_state, params)
                     if _skipped_by_chain(opt_state):
                         skipped = torch.ones((), dtype=torch.bool)
