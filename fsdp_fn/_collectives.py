@@ -237,6 +237,13 @@ def broadcast_(tensor: torch.Tensor, group: dist.ProcessGroup, src: int = 0) -> 
 
 
 class _AllGather(torch.autograd.Function):
+    """``shard`` (n) -> every rank's shard in rank order (W * n). Its transpose is ``_ReduceScatter``.
+
+    Every rule calls the pair's differentiable ``apply`` (never the raw collective), so the
+    derivative of a derivative is still a collective the outer transform sees: grad of
+    grad, jvp of grad, vmap of grad, jacrev, jacfwd and hessian compose.
+    """
+
     @staticmethod
     def forward(shard: torch.Tensor, group: dist.ProcessGroup, unit: str | None, grad_scale: float) -> torch.Tensor:
         full = shard.new_empty(shard.numel() * group.size())
@@ -251,8 +258,33 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return _ReduceScatter.apply(grad, ctx.group, ctx.unit, ctx.grad_scale), None, None, None
 
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
+        # AG is linear: its tangent is the all-gather of the tangent.
+        return cast(torch.Tensor, _AllGather.apply(tangent, ctx.group, ctx.unit, ctx.grad_scale))
+
+    @staticmethod
+    def vmap(
+        info: Any,
+        in_dims: tuple[int | None, ...],
+        shard: torch.Tensor,
+        group: dist.ProcessGroup,
+        unit: str | None,
+        grad_scale: float,
+    ) -> tuple[torch.Tensor, int | None]:
+        dim = in_dims[0]
+        if dim is None:
+            return _AllGather.apply(shard, group, unit, grad_scale), None
+        # B shards of n -> one gather of the (B * n) buffer: (W, B, n) in rank order -> (B, W * n).
+        batch = shard.movedim(dim, 0)
+        size, n = batch.shape
+        full = _AllGather.apply(batch.reshape(-1), group, unit, grad_scale)
+        return full.view(group.size(), size, n).transpose(0, 1).reshape(size, -1), 0
+
 
 class _ReduceScatter(torch.autograd.Function):
+    """``full`` (W * n) -> ``scale *`` this rank's slice of the sum over ranks (n). Its transpose is ``_AllGather``."""
+
     @staticmethod
     def forward(full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float) -> torch.Tensor:
         return reduce_scatter(full, group, unit, scale)
@@ -266,6 +298,32 @@ class _ReduceScatter(torch.autograd.Function):
         # d(scale * RS(x)) = scale * AG(g) = AG(scale * g); AG's own vjp is then scale * RS.
         scaled = grad * ctx.scale if ctx.scale != 1.0 else grad
         return _AllGather.apply(scaled, ctx.group, ctx.unit, ctx.scale), None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
+        # scale * RS is linear: its tangent is scale * RS of the tangent.
+        return cast(torch.Tensor, _ReduceScatter.apply(tangent, ctx.group, ctx.unit, ctx.scale))
+
+    @staticmethod
+    def vmap(
+        info: Any,
+        in_dims: tuple[int | None, ...],
+        full: torch.Tensor,
+        group: dist.ProcessGroup,
+        unit: str | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, int | None]:
+        dim = in_dims[0]
+        if dim is None:
+            return _ReduceScatter.apply(full, group, unit, scale), None
+        # (B, W * n) -> (W, B, n): rank r's slots of every batch element are contiguous, so one
+        # reduce-scatter of the (W * B * n) buffer leaves this rank (B, n).
+        world = group.size()
+        batch = full.movedim(dim, 0)
+        size = batch.shape[0]
+        n = batch.shape[1] // world
+        ranked = batch.reshape(size, world, n).transpose(0, 1).reshape(-1)
+        return _ReduceScatter.apply(ranked, group, unit, scale).view(size, n), 0
 
 
 def all_gather(

@@ -82,6 +82,11 @@ def _worker(
         settings.load_profile("fsdp_fn")
     except ImportError:  # pragma: no cover - hypothesis is a test extra
         pass
+    with warnings.catch_warnings():
+        # torch loads its forward-mode decompositions on the first jvp through torch.jit.script,
+        # which warns (deprecated): load them now, so a test's first jvp does not fail on it.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import torch._decomp.decompositions_for_jvp  # noqa: F401
     conn.send(("ready", rank))
     while True:
         try:
