@@ -284,3 +284,83 @@ def test_transforms_through_apply_sharded(pool, transform, spec, plan, world):
 @given(spec=fft.models(depth=(1, 2)), plan=fft.plans(), world=fft.worlds())
 def test_transforms_through_value_and_grad(pool, transform, spec, plan, world):
     _check(pool, "value_and_grad", transform, spec, plan, world)
+
+
+# --- the research examples (examples/research.py) ---------------------------------------
+
+
+def _reference(world, per_rank=3):
+    from examples import research
+
+    module = research.make_model()
+    params = {k: p.detach() for k, p in module.named_parameters()}
+    x, y = research.data(world, per_rank)
+
+    def loss(p, x, y):
+        return research.squared_error(lambda inp: torch.func.functional_call(module, p, (inp,)), x, y)
+
+    return module, params, x, y, loss
+
+
+def _research(group):
+    from examples import research
+
+    world = group.size()
+    module, full, x, y, loss = _reference(world)
+    plan = ff.make_plan(module, ff.layer_policy([torch.nn.Linear]))
+    as_shards = lambda tree: ff.shard(tree, plan, group).shards  # noqa: E731  (this rank's slice of full tensors)
+    close = functools.partial(torch.testing.assert_close, **TOL)
+
+    # DP-SGD: per-example norms and the clipped mean gradient
+    clip = 2.0
+    per_example = torch.vmap(torch.func.grad(lambda p, xi, yi: loss(p, xi[None], yi[None])), in_dims=(None, 0, 0))(
+        full, x, y
+    )
+    norms = sum(g.flatten(1).square().sum(1) for g in per_example.values()).sqrt()
+    factor = (clip / norms).clamp(max=1.0)
+    clipped = {k: (factor.view(-1, *[1] * (g.dim() - 1)) * g).mean(0) for k, g in per_example.items()}
+    got = research.dp_sgd_gradient(group, clip=clip)
+    close(got["norms"], norms)
+    assert (norms > clip).any() and (norms < clip).any()  # some examples clipped, some not
+    close(got["grad"], as_shards(clipped))
+
+    # Hessian-vector product, and power iteration against the same iteration unsharded and the spectrum
+    params, v, hvp = research.hessian_vector_product(group)
+    g = torch.Generator().manual_seed(7)
+    v_full = {k: torch.randn(p.shape, generator=g, dtype=p.dtype) for k, p in full.items()}
+    close(v, as_shards(v_full))
+
+    def ref_hvp(vec):
+        return torch.func.jvp(lambda p: torch.func.grad(loss)(p, x, y), (full,), (vec,))[1]
+
+    close(hvp(v), as_shards(ref_hvp(v_full)))
+    top = research.top_hessian_eigenvalue(group, iterations=30)
+    vec, history = v_full, []
+    for _ in range(30):
+        norm = torch.sqrt(sum(t.square().sum() for t in vec.values()))
+        vec = {k: t / norm for k, t in vec.items()}
+        hv = ref_hvp(vec)
+        history.append(float(sum((vec[k] * hv[k]).sum() for k in vec)))
+        vec = hv
+    close(torch.tensor(top["history"]), torch.tensor(history))
+    flat = torch.cat([p.reshape(-1) for p in full.values()])
+
+    def flat_loss(f):
+        pieces = f.split([p.numel() for p in full.values()])
+        return loss({k: t.view(full[k].shape) for k, t in zip(full, pieces, strict=True)}, x, y)
+
+    spectrum = torch.linalg.eigvalsh(torch.func.hessian(flat_loss)(flat))
+    top_abs = spectrum[spectrum.abs().argmax()]
+    assert abs(top["eigenvalue"] - float(top_abs)) < 1e-3 * abs(float(top_abs))
+
+    # forward mode: the directional derivative equals the reference's and <grad, v>
+    got = research.directional_derivative(group)
+    value, slope = torch.func.jvp(lambda p: loss(p, x, y), (full,), (v_full,))
+    assert abs(got["loss"] - float(value)) < 1e-12 * max(1.0, abs(float(value)))
+    assert abs(got["jvp"] - float(slope)) < 1e-10 and abs(got["dot"] - float(slope)) < 1e-10
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_research_examples(pool, world):
+    assert all(pool.run(_research, world=world))
