@@ -1,10 +1,14 @@
 """All-gather and reduce-scatter as one differentiable pair, and a log of every collective.
 
 ``all_gather`` transposes into ``reduce_scatter`` and back, as JAX's ``all_gather`` and
-``psum_scatter`` do: the backward of each is the other, so grad-of-grad works too. Both
-are ``torch.autograd.Function``s with a separate ``setup_context`` so they run inside
-``torch.func.grad``/``vjp``; the collectives themselves run with functorch disabled on
-plain tensors (they write into buffers, which a transform would refuse).
+``psum_scatter`` do: the backward of each is the other. Both are linear, so the tangent
+of each (forward mode) is the same collective of the tangent; under ``vmap`` each runs
+once over the flattened batch. Every rule calls the pair's differentiable ``apply``
+again, so nested transforms (grad of grad, jvp of grad, vmap of grad, jacrev, jacfwd,
+hessian) see every collective they need. Both are ``torch.autograd.Function``s with a
+separate ``setup_context``, as ``torch.func`` requires; the collectives themselves run
+with functorch disabled on plain tensors (they write into buffers, which a transform
+would refuse).
 """
 
 from __future__ import annotations
@@ -332,8 +336,9 @@ def all_gather(
     """Differentiable all-gather of 1-D ``shard`` into a new (W * n) tensor.
 
     Backward: ``grad_scale * reduce_scatter(grad)`` (``grad_scale=1/W`` averages over
-    ranks, like DDP). Memory: allocates the gathered buffer; communication: one
-    all-gather of ``W * n`` elements.
+    ranks, like DDP); forward mode: the all-gather of the tangent; under ``vmap`` a
+    (B, n) batch of shards is one all-gather of ``B * n`` elements per rank. Memory:
+    allocates the gathered buffer; communication: one all-gather of ``W * n`` elements.
     """
     return cast(torch.Tensor, _AllGather.apply(shard, group, unit, grad_scale))
 
@@ -343,8 +348,9 @@ def reduce_scatter_sum(
 ) -> torch.Tensor:
     """Differentiable ``scale * reduce_scatter(full)``: this rank's 1/W slice of the sum.
 
-    Backward: ``scale * all_gather(grad)``. Memory: allocates one shard; communication:
-    one reduce-scatter of ``full``.
+    Backward: ``scale * all_gather(grad)``; forward mode: ``scale * reduce_scatter`` of
+    the tangent; under ``vmap`` one reduce-scatter of the whole batch. Memory: allocates
+    one shard; communication: one reduce-scatter of ``full``.
     """
     if full.numel() % group.size():
         raise ValueError(
