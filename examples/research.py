@@ -45,13 +45,11 @@ def setup(group: Any, seed: int = 0) -> tuple[ff.Functional, ff.Sharded]:
 
 
 def model_on(fn: ff.Functional, params: ff.Sharded) -> Callable[[Shards], Callable[..., torch.Tensor]]:
-    """``model_on(fn, params)(shards)(x)``: the module run on ``shards``, every unit all-gathered by ``gather_for``."""
+    """``model_on(fn, params)(shards)(x)``: the module run on ``shards`` by ``apply_sharded``
+    (each unit all-gathered as it runs; every torch.func transform composes with it)."""
 
     def with_shards(shards: Shards) -> Callable[..., torch.Tensor]:
-        full: dict[str, torch.Tensor] = {}
-        for unit in params.plan.units:
-            full.update(ff.gather_for(unit)(params.replace(shards)))
-        return functools.partial(fn, full, fn.buffers)
+        return functools.partial(ff.apply_sharded, fn, params.replace(shards), fn.buffers)
 
     return with_shards
 
