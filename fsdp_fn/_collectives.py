@@ -357,3 +357,96 @@ def reduce_scatter_sum(
             f"reduce_scatter needs a length divisible by the group size {group.size()}, got {full.numel()}"
         )
     return cast(torch.Tensor, _ReduceScatter.apply(full, group, unit, scale))
+
+
+# --- replicas (hybrid sharding): the same value on every replica, and its transpose -------
+
+
+class _Replicate(torch.autograd.Function):
+    """Identity forward on a value every rank of ``group`` holds alike (hybrid sharding's replicas),
+    tied as one value: its backward is ``_AllReduce``, so each rank's gradient flows into it
+    (summed, times ``grad_scale``), as DDP ties its replicas."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, group: dist.ProcessGroup, unit: str | None, grad_scale: float) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.group, ctx.unit, ctx.grad_scale = inputs  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _AllReduce.apply(grad, ctx.group, ctx.unit, ctx.grad_scale), None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
+        return cast(torch.Tensor, _Replicate.apply(tangent, ctx.group, ctx.unit, ctx.grad_scale))
+
+    @staticmethod
+    def vmap(
+        info: Any,
+        in_dims: tuple[int | None, ...],
+        x: torch.Tensor,
+        group: dist.ProcessGroup,
+        unit: str | None,
+        grad_scale: float,
+    ) -> tuple[torch.Tensor, int | None]:
+        return _Replicate.apply(x, group, unit, grad_scale), in_dims[0]
+
+
+class _AllReduce(torch.autograd.Function):
+    """``scale *`` the sum over ranks (elementwise, any shape); self-adjoint, so its backward is itself."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float) -> torch.Tensor:
+        out = all_reduce_(x.detach().clone(memory_format=torch.contiguous_format), group, unit)
+        return out.mul_(scale) if scale != 1.0 else out
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.group, ctx.unit, ctx.scale = inputs  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        # Every rank's output depends on every rank's input alike: the sum is its own transpose.
+        return _AllReduce.apply(grad, ctx.group, ctx.unit, ctx.scale), None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
+        return cast(torch.Tensor, _AllReduce.apply(tangent, ctx.group, ctx.unit, ctx.scale))
+
+    @staticmethod
+    def vmap(
+        info: Any,
+        in_dims: tuple[int | None, ...],
+        x: torch.Tensor,
+        group: dist.ProcessGroup,
+        unit: str | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, int | None]:
+        return _AllReduce.apply(x, group, unit, scale), in_dims[0]  # elementwise: one all-reduce of the batch
+
+
+def replicate(
+    x: torch.Tensor, group: dist.ProcessGroup, *, unit: str | None = None, grad_scale: float = 1.0
+) -> torch.Tensor:
+    """``x`` itself, as a value that every rank of ``group`` holds alike (hybrid sharding's replicas).
+
+    Backward: ``grad_scale *`` the all-reduce (sum) of the gradient over ``group``
+    (``grad_scale=1/R`` averages over ``R`` replicas); forward mode: the tangent itself.
+    Memory: none; communication: nothing forward, one all-reduce of ``x``'s size backward.
+    """
+    return cast(torch.Tensor, _Replicate.apply(x, group, unit, grad_scale))
+
+
+def all_reduce_sum(
+    x: torch.Tensor, group: dist.ProcessGroup, *, unit: str | None = None, scale: float = 1.0
+) -> torch.Tensor:
+    """Differentiable ``scale *`` the sum of ``x`` over the ranks of ``group`` (a new tensor).
+
+    Backward: ``scale *`` the all-reduce of the gradient (every output depends on every
+    input alike); forward mode: the all-reduce of the tangent; under ``vmap`` one
+    all-reduce of the batch. Memory: one copy of ``x``; communication: one all-reduce.
+    """
+    return cast(torch.Tensor, _AllReduce.apply(x, group, unit, scale))

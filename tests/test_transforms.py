@@ -133,6 +133,52 @@ def test_nested_transforms_of_the_pair(pool, world):
     assert all(pool.run(_nested_pair, world=world))
 
 
+def _hybrid_pair(group):
+    """Hybrid sharding by hand: 2 replicas x 2 shards. ``replicate`` ties the replicas' copies of
+    a shard; every transform equals the reference on the mean over all 4 ranks' losses."""
+    from fsdp_fn._collectives import all_reduce_sum, replicate
+
+    mesh = fft.LayoutSpec(4, 2).group()
+    shards, replicas = mesh.get_group(1), mesh.get_group(0)
+    world, rank = shards.size(), shards.rank()
+    n = 3
+    g = torch.Generator().manual_seed(11)
+    full, v = (torch.randn(world * n, generator=g, dtype=torch.float64) for _ in range(2))
+    cs = torch.randn(4, world * n, generator=g, dtype=torch.float64)  # each rank's own data
+    c = cs[torch.distributed.get_rank()]
+    x, vr = _slice(full, world, rank).clone(), _slice(v, world, rank).clone()
+
+    def f(s):
+        tied = replicate(s, replicas, grad_scale=1.0 / replicas.size())
+        return (ff.all_gather(tied, shards, grad_scale=1.0 / world).sin() * c).sum()
+
+    def ref(z):
+        return (z.sin() * cs).sum(1).mean()
+
+    grad, hess = torch.func.grad(ref)(full), torch.func.hessian(ref)(full)
+    torch.testing.assert_close(torch.func.grad(f)(x), _slice(grad, world, rank), **TOL)
+    hv = hess @ v
+    torch.testing.assert_close(torch.func.jvp(torch.func.grad(f), (x,), (vr,))[1], _slice(hv, world, rank), **TOL)
+    got = torch.func.grad(lambda s: torch.dot(torch.func.grad(f)(s), vr))(x)
+    torch.testing.assert_close(got, _slice(hv, world, rank) / world, **TOL)
+    # the sum over ranks: its tangent, batch and transpose
+    y, t = (torch.randn(5, generator=g, dtype=torch.float64) + torch.distributed.get_rank() for _ in range(2))
+    total = all_reduce_sum(y, replicas, scale=0.5)
+    out, tangent = torch.func.jvp(lambda a: all_reduce_sum(a, replicas, scale=0.5), (y,), (t,))
+    torch.testing.assert_close(out, total)
+    torch.testing.assert_close(tangent, all_reduce_sum(t, replicas, scale=0.5))
+    ys = torch.stack([y, t, y * t])
+    got = torch.vmap(lambda a: all_reduce_sum(a, replicas, scale=0.5), in_dims=1)(ys.T.contiguous())
+    torch.testing.assert_close(got, torch.stack([all_reduce_sum(e, replicas, scale=0.5) for e in ys]))
+    _, pull = torch.func.vjp(lambda a: all_reduce_sum(a, replicas, scale=0.5), y)
+    torch.testing.assert_close(pull(t)[0], all_reduce_sum(t, replicas, scale=0.5))
+    return True
+
+
+def test_hybrid_replicas_tie_through_every_transform(pool):
+    assert all(pool.run(_hybrid_pair, world=4))
+
+
 # --- whole models, through each path ---------------------------------------------------
 
 
