@@ -463,7 +463,8 @@ def assert_matches_unsharded(
     tensors -> ``torch.optim.Optimizer``) it trains: ``train_step`` with
     ``from_torch(optimizer(shards))`` against ``optimizer(params)`` on a copy of the
     module, comparing the loss, then every parameter after each step. Without it, it
-    differentiates: the loss and every gradient at the initial parameters, per batch.
+    differentiates with ``value_and_grad`` (the train step's gradient function): the loss
+    and every gradient at the initial parameters, per batch.
     ``step_options`` go to ``train_step``. Compares in plan order, with
     ``|sharded - reference| <= atol + rtol * |reference|`` (the train step reports its
     loss in float32: training compares the loss to at least float32's epsilon); returns the largest absolute
@@ -472,7 +473,7 @@ def assert_matches_unsharded(
     """
     from fsdp_fn._collectives import all_gather
     from fsdp_fn._functional import functionalize
-    from fsdp_fn._gather import apply_sharded
+    from fsdp_fn._grad import value_and_grad
     from fsdp_fn._optim import from_torch
     from fsdp_fn._shard import shard, unshard
     from fsdp_fn._step import train_step
@@ -517,12 +518,7 @@ def assert_matches_unsharded(
 
     if optimizer is None:
         for step, batch in enumerate(batches):
-            local = split(batch, rank, world)
-
-            def local_loss(p: Any, local: Any = local) -> torch.Tensor:
-                return loss_fn(lambda *a, **k: apply_sharded(fn, p, fn.buffers, *a, **k), local)
-
-            grads, loss = torch.func.grad_and_value(local_loss)(params)
+            loss, grads = value_and_grad(fn, loss_fn)(params, fn.buffers, split(batch, rank, world))
             reference.zero_grad()
             want = loss_fn(reference, batch)
             want.backward()
