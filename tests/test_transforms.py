@@ -15,7 +15,8 @@ full flat (padded) unit buffers and ``[r]`` this rank's slice of them:
 - Hessian-vector products: ``jvp`` of ``grad`` gives ``(H v)[r]``; ``grad`` of the
   rank's partial dot ``<grad[r], v[r]>`` gives ``(H v)[r] / W`` (the dot is one rank's
   share of a sum, and gradients average);
-- ``hessian`` (replicated input): rows ``[r]``, columns folded.
+- ``hessian`` (replicated input): rows ``[r]``, columns folded; ``jacrev`` of ``grad``
+  (reverse over reverse): columns ``[r]``, rows folded, divided by ``W``.
 """
 
 from __future__ import annotations
@@ -288,6 +289,19 @@ def _model_transform(group, path, transform, spec, plan_spec):
                 for u, row in want.items()
             },
         )
+    elif transform == "hessian_rev":  # reverse over reverse: a cotangent basis vector on every rank at once
+        got = torch.func.jacrev(lambda s: grad_of(s, batch))(shards)
+        want = torch.func.hessian(ref_loss)(flats, batch)
+        close(
+            got,
+            {
+                u: {
+                    v: _slice(_fold(h.transpose(0, 1), world).transpose(0, 1), world, rank) / world
+                    for v, h in row.items()
+                }
+                for u, row in want.items()
+            },
+        )
     else:
         raise ValueError(transform)
     return True
@@ -303,8 +317,9 @@ TRANSFORMS = [
     "hvp_jvp_of_grad",
     "hvp_grad_of_grad",
     "hessian",
+    "hessian_rev",
 ]
-GRADIENT_TRANSFORMS = ["grad", "per_example_grads", "hvp_jvp_of_grad", "hvp_grad_of_grad", "hessian"]
+GRADIENT_TRANSFORMS = ["grad", "per_example_grads", "hvp_jvp_of_grad", "hvp_grad_of_grad", "hessian", "hessian_rev"]
 
 
 def _check(pool, path, transform, spec, plan, world):
@@ -312,21 +327,21 @@ def _check(pool, path, transform, spec, plan, world):
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
-@settings(max_examples=3)
+@settings(max_examples=5)
 @given(spec=fft.models(depth=(1, 2), frozen=False), plan=fft.plans(), world=fft.worlds())
 def test_transforms_through_gather_for(pool, transform, spec, plan, world):
     _check(pool, "gather_for", transform, spec, plan, world)
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
-@settings(max_examples=3)
+@settings(max_examples=5)
 @given(spec=fft.models(depth=(1, 2)), plan=fft.plans(), world=fft.worlds())
 def test_transforms_through_apply_sharded(pool, transform, spec, plan, world):
     _check(pool, "apply_sharded", transform, spec, plan, world)
 
 
 @pytest.mark.parametrize("transform", GRADIENT_TRANSFORMS)
-@settings(max_examples=3)
+@settings(max_examples=5)
 @given(spec=fft.models(depth=(1, 2)), plan=fft.plans(), world=fft.worlds())
 def test_transforms_through_value_and_grad(pool, transform, spec, plan, world):
     _check(pool, "value_and_grad", transform, spec, plan, world)
