@@ -464,20 +464,23 @@ def assert_matches_unsharded(
     ``from_torch(optimizer(shards))`` against ``optimizer(params)`` on a copy of the
     module, comparing the loss, then every parameter after each step. Without it, it
     differentiates with ``value_and_grad`` (the train step's gradient function): the loss
-    and every gradient at the initial parameters, per batch.
-    ``step_options`` go to ``train_step``. Compares in plan order, with
-    ``|sharded - reference| <= atol + rtol * |reference|`` (the train step reports its
-    loss in float32: training compares the loss to at least float32's epsilon); returns the largest absolute
-    difference seen for the loss, the gradients or the parameters. Memory: the whole
-    model twice on every rank (the reference and the unsharded result).
+    and every gradient at the initial parameters, per batch. ``step_options`` go to
+    ``train_step``. Compares in plan order, with ``|sharded - reference| <= atol + rtol *
+    |reference|`` (the train step reports its loss in float32, so training compares the
+    loss to at least float32's epsilon); returns the largest absolute difference seen for
+    the loss, the gradients and the parameters. Memory: the whole model twice on every
+    rank (the reference and the unsharded result); communication: the run's own, plus one
+    all-gather per unit per comparison.
     """
-    from fsdp_fn._collectives import all_gather
+    from fsdp_fn._collectives import all_gather, all_reduce_
     from fsdp_fn._functional import functionalize
     from fsdp_fn._grad import value_and_grad
     from fsdp_fn._optim import from_torch
     from fsdp_fn._shard import shard, unshard
     from fsdp_fn._step import train_step
 
+    if step_options and optimizer is None:
+        raise ValueError(f"train_step options {sorted(step_options)} need an optimizer: without one nothing trains")
     plan = plan if plan is not None else make_plan(module, policy)
     fn = functionalize(module)
     params = shard(fn.params, plan, group)
@@ -492,8 +495,6 @@ def assert_matches_unsharded(
     def mean_over_ranks(x: torch.Tensor) -> float:
         every = all_gather(x.detach().double().reshape(1), pg)
         if params.layout.replicate is not None:
-            from fsdp_fn._collectives import all_reduce_
-
             all_reduce_(every, params.layout.replicate)
             every = every / params.layout.replicas
         return float(every.mean())

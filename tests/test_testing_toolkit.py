@@ -115,3 +115,9 @@ def test_model_strategy(spec):
     frozen = {i for i, layer in enumerate(model.layers) if not layer.weight.requires_grad}
     assert frozen == set(spec.frozen)
     assert any(p.requires_grad for p in model.parameters())
+
+
+def test_step_options_without_an_optimizer_are_refused():
+    model = fft.ModelSpec((3, 1)).build()
+    with pytest.raises(ValueError, match=r"train_step options \['accumulation'\] need an optimizer"):
+        fft.assert_matches_unsharded(model, _mse, [], accumulation=2)
