@@ -21,6 +21,7 @@ from torch.func import grad_and_value, vjp
 from fsdp_fn._collectives import all_reduce_
 from fsdp_fn._functional import Functional
 from fsdp_fn._gather import GradSink, Runtime
+from fsdp_fn._guard import guarded
 from fsdp_fn._policy import Schedule
 from fsdp_fn._shard import Sharded, ensure_live
 
@@ -70,7 +71,7 @@ def _inside_transform() -> bool:
 
 
 def value_and_grad(
-    fn: Functional, loss_fn: LossFn, *, schedule: Schedule | None = None
+    fn: Functional, loss_fn: LossFn, *, schedule: Schedule | None = None, timeout: float = 300.0
 ) -> Callable[[Sharded, Mapping[str, torch.Tensor], Any], tuple[torch.Tensor, Sharded]]:
     """``value_and_grad(fn, loss_fn)(params, buffers, batch) -> (loss, grads)`` over shards.
 
@@ -96,9 +97,10 @@ def value_and_grad(
             return _composable(fn, loss_fn, schedule, params, buffers, batch)
         sink = GradSink(params, schedule)
         runtime = Runtime(fn, params, schedule=schedule, sink=sink)
-        loss = lean_pass(runtime, params, buffers, batch, loss_fn)
+        with guarded(params.group, "value_and_grad", timeout):
+            loss = lean_pass(runtime, params, buffers, batch, loss_fn)
+            masks = _all_ranks(sink.received_masks(), params)
         plan = params.plan
-        masks = _all_ranks(sink.received_masks(), params)
         grads = {u.name: sink.totals.get(u.name) for u in plan.units}
         shards = {u: g if g is not None else torch.zeros_like(params[u]) for u, g in grads.items()}
         return loss, params.replace(shards).with_received(masks)

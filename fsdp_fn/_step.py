@@ -17,7 +17,7 @@ from fsdp_fn._collectives import all_gather_into, all_reduce_, broadcast_
 from fsdp_fn._functional import Functional
 from fsdp_fn._gather import GradSink, Runtime, metrics_words
 from fsdp_fn._grad import LossFn, lean_pass
-from fsdp_fn._guard import Guard
+from fsdp_fn._guard import Guard, guarded
 from fsdp_fn._memory import label
 from fsdp_fn._optim import Optimizer
 from fsdp_fn._plan import Plan, unit_label
@@ -177,8 +177,9 @@ class TrainStep:
         layout = params.layout
         for g in (layout.group, layout.replicate):
             if g is not None:
-                for b in copies.values():
-                    broadcast_(b, g)
+                with guarded(g, "step.init", self.timeout):
+                    for b in copies.values():
+                        broadcast_(b, g)
         if self.schedule.cpu_offload is not None:
             cpu = {k: v.to("cpu") for k, v in layout.frozen.items()}
             params = Sharded(
@@ -216,6 +217,7 @@ class TrainStep:
         self._check_next = self.check_schedule == "always"
         guard = Guard(state.params.group, self.calls, timeout=self.timeout, check=check)
         with guard.active():
+            guard.enter(rendezvous=check)
             new, metrics = self._step(state, batch, guard)
         if self.donate:
             _consume(
