@@ -28,6 +28,7 @@ from torch.func import functional_call
 
 from fsdp_fn._collectives import all_gather
 from fsdp_fn._functional import Functional, parameters_restored, requires_grad_tolerated
+from fsdp_fn._gather import gather_differentiably
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
 from fsdp_fn._policy import BackwardPrefetch, Schedule
 from fsdp_fn._prefetch import ForwardOrder, may_start, refill_next
@@ -224,7 +225,7 @@ class Runtime:
         for part, shard in shards_of(self.params, unit):
             source = shard.to(dtype=self.schedule.gather_dtype(part.dtype), device=self.device or shard.device)
             if part is unit:
-                full = all_gather(source, layout.group, unit=unit.name, grad_scale=1.0 / layout.world)
+                full = gather_differentiably(source, layout, unit.name)
             else:  # frozen: a constant
                 with torch.no_grad():
                     full = all_gather(source.detach(), layout.group, unit=unit.name)

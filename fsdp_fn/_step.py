@@ -219,6 +219,12 @@ class TrainStep:
         is the next use's error). Parameters the loss never reached are not stepped, as
         torch.optim skips parameters whose ``.grad`` is ``None``.
         """
+        if torch._C._functorch.maybe_current_level() is not None:
+            raise RuntimeError(
+                "fsdp_fn: a train step cannot run inside a torch.func transform (grad, vjp, jvp, vmap): it updates "
+                "the state in place and its gradients travel outside autograd, so the transform would see zeros; "
+                "differentiate fsdp_fn.value_and_grad(fn, loss_fn) (or apply_sharded) instead"
+            )
         ensure_live((state.params, state.opt_state), f"step {self.calls + 1}")
         if not self.donate and isinstance(state.opt_state, torch.optim.Optimizer):
             raise ValueError(
