@@ -53,6 +53,10 @@ class TrainStep:
     batch's mean loss. ``donate=True`` updates shards and optimizer state in place (the
     returned state reuses the input's tensors); ``False`` leaves the input state intact.
 
+    ``schedule`` (a ``Schedule``) is the gather policy as one value: resharding after
+    forward, prefetch, in-flight limit, mixed precision and offload; the separate options
+    below build the same value.
+
     Memory and overlap: ``reshard_after_forward=False`` keeps each unit gathered from its
     forward to its backward (one all-gather less per unit, more memory: ZeRO-2 /
     ``SHARD_GRAD_OP``). ``update_in_backward=True`` steps each unit's optimizer as soon as
@@ -108,6 +112,7 @@ class TrainStep:
         timeout: float = 300.0,
         check_schedule: CheckSchedule = "first",
         remat: bool | Policy | Remat | None = None,
+        schedule: Schedule | None = None,
     ) -> None:
         if not isinstance(fn, Functional):
             raise TypeError(f"train_step wants the Functional from functionalize(module), got {type(fn).__name__}")
@@ -153,7 +158,7 @@ class TrainStep:
         self.fn, self.loss_fn, self.optimizer, self.donate = fn, loss_fn, optimizer, donate
         # A chain with apply_if_finite may skip a step: buffers the forward moved are restored then.
         self._may_skip = skip_nonfinite or "apply_if_finite" in optimizer.links
-        self.schedule = Schedule(
+        separate = Schedule(
             reshard_after_forward,
             backward_prefetch,
             forward_prefetch,
@@ -161,6 +166,16 @@ class TrainStep:
             mixed_precision or MixedPrecision(),
             cpu_offload,
         )
+        if schedule is not None:
+            if not isinstance(schedule, Schedule):
+                raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+            if separate != Schedule():
+                changed = [f for f in Schedule.__dataclass_fields__ if getattr(separate, f) != getattr(Schedule(), f)]
+                raise ValueError(
+                    f"pass the gather policy either as schedule= or as separate options, not both: {changed} "
+                    "were also given; put them in the Schedule"
+                )
+        self.schedule = schedule if schedule is not None else separate
         self.update_in_backward = update_in_backward
         self.remat = Remat.of(remat)
         self.buffer_sync = buffer_sync
@@ -500,12 +515,5 @@ def sync_buffers(buffers: Mapping[str, torch.Tensor], group: dist.ProcessGroup, 
             at += t.numel()
 
 
-def train_step(fn: Functional, loss_fn: LossFn, optimizer: Optimizer, **options: Any) -> TrainStep:
-    """Build the sharded train step: ``TrainStep(fn, loss_fn, optimizer, **options)`` (options there).
-
-    >>> import torch, torch.nn.functional as F
-    >>> def loss_fn(model, batch):
-    ...     x, y = batch
-    ...     return F.mse_loss(model(x), y)
-    """
-    return TrainStep(fn, loss_fn, optimizer, **options)
+# The JAX-style builder name; the class is the builder, so every option is typed.
+train_step = TrainStep
