@@ -7,7 +7,7 @@ RANKS  ?= 2
 STEPS  ?= 150
 ARGS   ?=
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint docs bench clean
 
 $(READY): requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,11 +24,14 @@ lint: $(READY)
 	$(BIN)/ruff format --check fsdp_fn tests examples bench
 	$(BIN)/mypy
 
-test: lint
+docs: $(READY)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+test: lint docs
 	$(BIN)/python -m pytest -q
 
 bench: $(READY)
 	$(BIN)/python bench/compare.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build/site
