@@ -6,6 +6,12 @@ storage once with a category, and after every op sums the bytes of the storages 
 alive. Storage sizes are re-read at every sample, so memory released by
 ``untyped_storage().resize_(0)`` (how fsdp_fn and FSDP2 free gathered parameters) is seen.
 
+Only storages that hold data count. A tensor subclass that wraps others (a ``DTensor``:
+torch FSDP2's parameters, gradients and optimizer state) is unwrapped to the tensors it
+holds, and an op on one is left to the subclass, so the meter sees the local ops it runs
+(as torch's ``MemTracker`` does); a storage that reports bytes but owns no data (a
+wrapper's own) is skipped, or the whole model would be counted again.
+
 Categories: a storage's category comes from, in order of precedence, ``meter.tag(...)``
 (e.g. the train state's shards and optimizer moments), the innermost ``label(...)`` block
 active when it was allocated (fsdp_fn labels gathered buffers, gradients and
@@ -23,7 +29,11 @@ from typing import Any
 import optree
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
 
 from fsdp_fn._plan import ROOT, Plan
 
@@ -55,8 +65,7 @@ Rule = Callable[[Any, tuple[Any, ...], dict[str, Any], Any], list[tuple[torch.Te
 class _Entry:
     __slots__ = ("category", "nbytes", "ref")
 
-    def __init__(self, t: torch.Tensor, category: str) -> None:
-        st = t.untyped_storage()
+    def __init__(self, st: torch.UntypedStorage, category: str) -> None:
         self.ref = StorageWeakRef(st)  # does not keep the storage alive
         self.nbytes = st.nbytes()
         self.category = category
@@ -69,12 +78,27 @@ class _Entry:
 def _tensors(tree: Any) -> list[torch.Tensor]:
     from fsdp_fn._shard import NAMESPACE
 
-    out = []
-    for leaf in optree.tree_leaves(tree, namespace=NAMESPACE):
-        if isinstance(leaf, torch.Tensor):
-            local = getattr(leaf, "_local_tensor", None)  # a DTensor's shard
-            out.append(local if isinstance(local, torch.Tensor) else leaf)
-    return out
+    return [leaf for leaf in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(leaf, torch.Tensor)]
+
+
+def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The storages that hold ``t``'s data: a wrapper subclass's inner tensors', recursively."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from _storages(inner)
+        return
+    if t.device.type == "meta":
+        return
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a wrapper tensor without a storage
+        return
+    if st.nbytes() > 0 and st.data_ptr() == 0:  # reports a size but owns no data
+        return
+    yield st
 
 
 class MemoryMeter(TorchDispatchMode):
@@ -110,17 +134,13 @@ class MemoryMeter(TorchDispatchMode):
     # --- registering storages -------------------------------------------------------------
 
     def _register(self, t: torch.Tensor, category: str, override: bool) -> None:
-        if t.device.type == "meta" or (type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)):
-            return
-        try:
-            key = t.untyped_storage()._cdata
-        except (RuntimeError, NotImplementedError):  # wrapper tensors without storage
-            return
-        entry = self.entries.get(key)
-        if entry is None or entry.ref.expired():
-            self.entries[key] = _Entry(t, category)
-        elif override:
-            entry.category = category
+        for st in _storages(t):
+            key = st._cdata
+            entry = self.entries.get(key)
+            if entry is None or entry.ref.expired():
+                self.entries[key] = _Entry(st, category)
+            elif override:
+                entry.category = category
 
     def tag(self, tree: Any, category: str) -> None:
         """Count the tensors in ``tree`` (any pytree, ``Sharded`` included) as ``category``.
@@ -166,6 +186,8 @@ class MemoryMeter(TorchDispatchMode):
             self.timeline.append((what, current))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # the subclass runs the op as ops on plain tensors, which come back here
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         category = _labels[-1] if _labels else "activations"
