@@ -36,4 +36,5 @@ def square_norm(t: torch.Tensor) -> torch.Tensor:
     whole = flat.numel() // ROW * ROW
     rows = torch.linalg.vector_norm(flat[:whole].view(-1, ROW), dim=1, dtype=acc).double()
     tail = torch.linalg.vector_norm(flat[whole:], dtype=acc).double()
-    return rows.square().sum() + tail.square()
+    total: torch.Tensor = rows.square().sum() + tail.square()
+    return total
