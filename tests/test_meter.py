@@ -126,3 +126,37 @@ def test_meter_agrees_with_torch_trackers(pool, system, foreach):
 def test_meter_agrees_with_mem_tracker_on_fsdp_fn(pool, split_root, update_in_backward):
     for ours, theirs in pool.run(_peaks_fsdp_fn, split_root, update_in_backward, world=2):
         assert abs(ours - theirs) <= 0.1 * MIB, (ours / MIB, theirs / MIB)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@cuda
+def test_meter_agrees_with_the_cuda_allocator():
+    """On a GPU the meter's peak is the caching allocator's, less its 512-byte rounding."""
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).cuda()
+    x = torch.randn(256, 1024, device="cuda")
+    model(x).square().mean().backward()  # warm: cuBLAS's workspace is allocated once, by no op the meter sees
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated()
+    with ff.MemoryMeter() as meter:
+        meter.tag(list(model.parameters()), "params")
+        meter.tag(x, "activations")
+        model(x).square().mean().backward()
+    torch.cuda.synchronize()
+    tagged = sum(t.numel() * t.element_size() for t in [*model.parameters(), x])
+    allocator = torch.cuda.max_memory_allocated() - held + tagged
+    assert abs(meter.peak()["total"] - allocator) <= 0.1 * MIB, (meter.peak()["total"] / MIB, allocator / MIB)
+
+
+@pytest.mark.cuda
+@cuda
+def test_square_norm_on_cuda_is_exact():
+    from fsdp_fn._norms import square_norm
+
+    x = torch.randn(5_000_003, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    exact = x.double().square().sum().item()
+    assert abs(square_norm(x).item() - exact) <= 1e-9 * exact
