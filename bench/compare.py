@@ -62,6 +62,7 @@ class System:
 
 SYSTEMS: dict[str, System] = {
     "fsdp_fn": System("fsdp_fn", {}, "fsdp_fn at its defaults"),
+    "fsdp_fn+split_root": System("fsdp_fn", {"split_root": True}, "fsdp_fn, split_root only"),
     "fsdp_fn+levers": System(
         "fsdp_fn", {"split_root": True, "update_in_backward": True}, "fsdp_fn, split_root + update_in_backward"
     ),
@@ -191,7 +192,8 @@ def _device(cfg: Config) -> torch.device:
     return torch.device(cfg.device, torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
 
 
-def _build_fsdp_fn(cfg: Config, group: Any, split_root: bool = False, **step_options: Any) -> Built:
+def _build_fsdp_fn(cfg: Config, group: Any, **options: Any) -> Built:
+    """fsdp_fn: ``split_root`` goes to ``make_plan`` (its default where absent), the rest to ``train_step``."""
     device = _device(cfg)
     torch.manual_seed(0)
     # The same initial weights as the other systems; the module itself lives on meta, so
@@ -199,11 +201,12 @@ def _build_fsdp_fn(cfg: Config, group: Any, split_root: bool = False, **step_opt
     full = GPT(cfg.gpt()).to(device)
     with torch.device("meta"):
         model = GPT(cfg.gpt())
-    plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=split_root)
+    plan_options = {k: options.pop(k) for k in ("split_root",) if k in options}
+    plan = ff.make_plan(model, ff.layer_policy([Block]), **plan_options)
     params = ff.shard(dict(full.named_parameters()), plan, group)
     buffers = dict(full.named_buffers())
     del full
-    train = ff.train_step(ff.functionalize(model), lm_loss, ff.adamw(lr=cfg.lr), **step_options)
+    train = ff.train_step(ff.functionalize(model), lm_loss, ff.adamw(lr=cfg.lr), **options)
     holder = {"state": train.init(params, buffers)}
 
     def step(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -460,7 +463,7 @@ def main() -> None:
                         abs(r["peak"]["total"] - r["torch_tracker_peak"]) for r in per_rank
                     )
                 runs[name].append(entry)
-                print(f"  rep {rep + 1} {name:>15}: median step {statistics.median(step_max):.3f} s", flush=True)
+                print(f"  rep {rep + 1} {name:>18}: median step {statistics.median(step_max):.3f} s", flush=True)
 
     tokens = cfg.batch * cfg.seq * world
     report: dict[str, Any] = {
@@ -521,7 +524,7 @@ def print_report(report: dict[str, Any]) -> None:
         f"{cfg['batch']}x{cfg['seq']} tokens per rank; peak live tensor MiB per rank at the step's peak"
     )
     print(
-        f"{'system':>15} {'step s':>7} {'rep min-max':>13} {'tok/s':>7} {'comm MB':>8} "
+        f"{'system':>18} {'step s':>7} {'rep min-max':>13} {'tok/s':>7} {'comm MB':>8} "
         + " ".join(f"{c[:9]:>9}" for c in cats)
         + f" {'total':>7} {'torch':>7}  loss[-1]"
     )
@@ -529,7 +532,7 @@ def print_report(report: dict[str, Any]) -> None:
         peak = s["peak_bytes"] or {}
         lo, hi = min(s["step_s_rep_medians"]), max(s["step_s_rep_medians"])
         print(
-            f"{name:>15} {s['step_s_median']:>7.3f} {lo:>6.3f}-{hi:<6.3f} {s['tokens_per_s']:>7.0f} "
+            f"{name:>18} {s['step_s_median']:>7.3f} {lo:>6.3f}-{hi:<6.3f} {s['tokens_per_s']:>7.0f} "
             f"{(s['comm_bytes_per_step'] or 0) / 1e6:>8.1f} "
             + " ".join(f"{peak.get(c, 0) / mib:>9.1f}" for c in cats)
             + f" {peak.get('total', 0) / mib:>7.1f} {(s['torch_tracker_peak_bytes'] or 0) / mib:>7.1f}"
@@ -566,7 +569,7 @@ def print_report(report: dict[str, Any]) -> None:
                 norm = max(abs(a - b) / abs(b) for a, b in zip(s["grad_norms"], ref_norms))
                 s["max_rel_diff_to_single"] = {"loss": loss, "grad_norm": norm}
                 print(
-                    f"  {name:>15}: max relative difference to one process, every step: loss {loss:.1e}, grad norm {norm:.1e}"
+                    f"  {name:>18}: max relative difference to one process, every step: loss {loss:.1e}, grad norm {norm:.1e}"
                 )
 
 
