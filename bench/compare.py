@@ -63,6 +63,7 @@ class System:
 SYSTEMS: dict[str, System] = {
     "fsdp_fn": System("fsdp_fn", {}, "fsdp_fn at its defaults"),
     "fsdp_fn+split_root": System("fsdp_fn", {"split_root": True}, "fsdp_fn, split_root only"),
+    "fsdp_fn-split_root": System("fsdp_fn", {"split_root": False}, "fsdp_fn, the root kept whole (the old default)"),
     "fsdp_fn+levers": System(
         "fsdp_fn", {"split_root": True, "update_in_backward": True}, "fsdp_fn, split_root + update_in_backward"
     ),
