@@ -43,7 +43,9 @@ def speed_table(report: dict[str, Any]) -> str:
                 "loss": max(abs(a - b) / abs(b) for a, b in zip(s["losses"], ref["losses"], strict=True)),
                 "grad_norm": max(abs(a - b) / abs(b) for a, b in zip(s["grad_norms"], ref["grad_norms"], strict=True)),
             }
-        correct = f"{diff['loss']:.0e} / {diff['grad_norm']:.0e}" if diff else "(reference)"
+        correct = (
+            f"{diff['loss']:.0e} / {diff['grad_norm']:.0e}" if diff else "(reference)" if name == "single" else "-"
+        )
         comm = s.get("comm_bytes_per_step") or 0
         rows.append(
             f"| {name} | {s['step_s_median']:.3f} ({lo:.3f}-{hi:.3f}) | {s['tokens_per_s']:.0f} | {vs_peer} | {vs_ddp} "
