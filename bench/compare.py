@@ -1,13 +1,28 @@
 """Side by side, in one run: fsdp_fn, torch FSDP2, torch FSDP1, DDP and one process.
 
-Same GPT, same data, same world size; systems interleaved, each repetition running every
-system once. Reports per system the median step time (max over ranks), tokens/s, peak
-live tensor bytes per rank by category (one meter for all: fsdp_fn.MemoryMeter),
-collective bytes per step per rank (ring model) and the loss after each step.
+Same GPT, same data, same world size, same work: every system sees the same batches, and
+every torch system steps the same AdamW implementation (``foreach``). Comparisons are like
+for like: fsdp_fn at its defaults against FSDP2 at its defaults, and fsdp_fn with its
+memory levers (``split_root``, ``update_in_backward``) against FSDP2 laid out as
+torchtitan lays it out (embedding and head in their own groups, the last block and the head
+not resharded after forward). Each repetition runs every system once, in a random order,
+with ``--warmup`` untimed and ``--steps`` timed steps.
 
-    python bench/compare.py                      # W=2, the 33.7M-parameter GPT
+Reports per system: median step time (max over ranks) and its spread over repetitions,
+tokens/s, peak live tensor bytes per rank by category (one meter for all,
+``fsdp_fn.MemoryMeter``, checked in the same step against torch's ``FSDPMemTracker`` /
+``MemTracker``), collective bytes per step per rank (ring model), and, step by step, the
+loss and the global gradient norm against one process on the global batch.
+
+    python bench/compare.py                                  # W=2, 33.7M params, 2x128 tokens per rank
     python bench/compare.py --world 4 --json out/w4.json
-    python bench/compare.py --d-model 128 --layers 2 --vocab 512 --steps 3 --reps 1   # quick
+    python bench/compare.py --seq 256 --batch 8              # the realistic batch
+    python bench/compare.py --collectives native             # fsdp_fn on gloo's own collectives
+    python bench/compare.py --d-model 128 --layers 2 --vocab 512 --steps 2 --warmup 1 --reps 1   # quick
+    python bench/compare.py --device cuda --world 8 --peak-tflops 67 --json out/cuda.json        # NCCL, MFU
+
+Systems are rows of ``SYSTEMS`` (a kind and its options): add a row to compare another
+setting, e.g. ``System("fsdp2", {"checkpoint": True})`` for activation checkpointing.
 """
 
 from __future__ import annotations
@@ -16,14 +31,17 @@ import argparse
 import json
 import os
 import pathlib
+import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
@@ -32,7 +50,35 @@ import fsdp_fn as ff
 from examples.gpt import GPT, Block, GPTConfig, lm_loss, stdlib_text, token_batches
 from fsdp_fn.testing import RankPool
 
-SYSTEMS = ("fsdp_fn", "fsdp2", "fsdp1", "ddp", "single")
+
+@dataclass(frozen=True)
+class System:
+    """One row of the comparison: a kind of system (``BUILDERS``) and its options."""
+
+    kind: str
+    options: dict[str, Any] = field(default_factory=dict)
+    about: str = ""
+
+
+SYSTEMS: dict[str, System] = {
+    "fsdp_fn": System("fsdp_fn", {}, "fsdp_fn at its defaults"),
+    "fsdp_fn+split_root": System("fsdp_fn", {"split_root": True}, "fsdp_fn, split_root only"),
+    "fsdp_fn-split_root": System("fsdp_fn", {"split_root": False}, "fsdp_fn, the root kept whole (the old default)"),
+    "fsdp_fn+levers": System(
+        "fsdp_fn", {"split_root": True, "update_in_backward": True}, "fsdp_fn, split_root + update_in_backward"
+    ),
+    "fsdp2": System("fsdp2", {}, "FSDP2 at its defaults: fully_shard on each block and the root"),
+    "fsdp2+tuned": System(
+        "fsdp2",
+        {"torchtitan": True},
+        "FSDP2 as torchtitan: embedding, each block, [final norm, head] in own groups; last block and head kept",
+    ),
+    "fsdp1": System("fsdp1", {}, "FSDP1, one FlatParameter per block and the root"),
+    "ddp": System("ddp", {}, "DDP, gradient_as_bucket_view"),
+    "single": System("single", {}, "one process on the global batch"),
+}
+# The pairs compared in the headline: (fsdp_fn row, FSDP2 row).
+PAIRS = (("fsdp_fn", "fsdp2"), ("fsdp_fn+levers", "fsdp2+tuned"))
 
 
 @dataclass(frozen=True)
@@ -43,13 +89,10 @@ class Config:
     vocab: int = 8192
     seq: int = 128
     batch: int = 2  # sequences per rank
-    steps: int = 4  # timed steps per repetition
-    warmup: int = 1
+    steps: int = 8  # timed steps per repetition
+    warmup: int = 2
     lr: float = 3e-4
-    # fsdp_fn's memory levers (see docs/memory.md); 0 turns one off
-    split_root: int = 1
-    update_in_backward: int = 1
-    max_inflight: int = 2
+    collectives: str = "pairwise"  # fsdp_fn on gloo: "pairwise" sends/receives, or "native" (gloo's own)
     device: str = "cpu"  # "cuda": NCCL, one GPU per rank, MFU reported
 
     def gpt(self) -> GPTConfig:
@@ -109,74 +152,151 @@ def fsdp2_rule(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: An
 # --- one system on this rank ------------------------------------------------------------------
 
 
+class OpsOnlyTracker(MemTracker):
+    """torch's ``MemTracker`` without its per-module hooks, for fsdp_fn: under ``torch.func`` a
+    module's parameters are functorch wrappers without storage, which those hooks read."""
+
+    def _pre_fw_hook(self, *args: Any) -> None:
+        pass
+
+    def _post_fw_hook(self, *args: Any) -> None:
+        pass
+
+    def _pre_bw_hook(self, *args: Any) -> None:
+        pass
+
+    def _post_bw_hook(self, *args: Any) -> None:
+        pass
+
+
 def _batches(text: bytes, cfg: Config, k: int, rank: int, world: int, whole: bool) -> torch.Tensor:
     if whole:  # the global batch: every rank's part, in rank order
         return torch.cat([token_batches(text, cfg.batch, cfg.seq, seed=k * world + r) for r in range(world)])
     return token_batches(text, cfg.batch, cfg.seq, seed=k * world + rank)
 
 
-def _build(system: str, cfg: Config, group: Any) -> tuple[Any, Any, Any]:
-    """(run_one_step(batch) -> loss tensor (this rank's), tag(meter), module) for a system."""
+@dataclass
+class Built:
+    """A system ready to step on this rank.
+
+    ``step(batch)`` -> (this rank's loss, the global gradient norm, seconds spent on the
+    norm, which the timing leaves out for torch's systems: it is the bench's, not theirs).
+    """
+
+    step: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, float]]
+    tag: Callable[[ff.MemoryMeter], None]
+    tracker: Callable[[torch.Tensor], MemTracker]
+    module: torch.nn.Module
+
+
+def _device(cfg: Config) -> torch.device:
+    return torch.device(cfg.device, torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+
+
+def _build_fsdp_fn(cfg: Config, group: Any, **options: Any) -> Built:
+    """fsdp_fn: ``split_root`` goes to ``make_plan`` (its default where absent), the rest to ``train_step``."""
+    device = _device(cfg)
     torch.manual_seed(0)
-    device = torch.device(cfg.device, torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
-    if system == "fsdp_fn":
-        # The same initial weights as the other systems; the module itself lives on meta, so
-        # after sharding no rank holds the full model (as after FSDP2's fully_shard).
-        full = GPT(cfg.gpt()).to(device)
-        with torch.device("meta"):
-            model = GPT(cfg.gpt())
-        plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=cfg.split_root)
-        params = ff.shard(dict(full.named_parameters()), plan, group)
-        buffers = dict(full.named_buffers())
-        del full
-        fn = ff.functionalize(model)
-        step = ff.train_step(
-            fn, lm_loss, ff.adamw(lr=cfg.lr), update_in_backward=cfg.update_in_backward, max_inflight=cfg.max_inflight
-        )
-        holder = {"state": step.init(params, buffers)}
+    # The same initial weights as the other systems; the module itself lives on meta, so
+    # after sharding no rank holds the full model (as after FSDP2's fully_shard).
+    full = GPT(cfg.gpt()).to(device)
+    with torch.device("meta"):
+        model = GPT(cfg.gpt())
+    plan_options = {k: options.pop(k) for k in ("split_root",) if k in options}
+    plan = ff.make_plan(model, ff.layer_policy([Block]), **plan_options)
+    params = ff.shard(dict(full.named_parameters()), plan, group)
+    buffers = dict(full.named_buffers())
+    del full
+    train = ff.train_step(ff.functionalize(model), lm_loss, ff.adamw(lr=cfg.lr), **options)
+    holder = {"state": train.init(params, buffers)}
 
-        def run(batch: torch.Tensor) -> torch.Tensor:
-            holder["state"], metrics = step(holder["state"], batch)
-            return metrics["loss"]
+    def step(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        holder["state"], metrics = train(holder["state"], batch)
+        return metrics["loss"], metrics["grad_norm"], 0.0
 
-        return run, lambda meter: meter.tag(holder["state"], "state"), model
+    def tracker(batch: torch.Tensor) -> MemTracker:
+        from fsdp_fn._memory import _tensors
 
+        t = OpsOnlyTracker()
+        t.track_external(*_tensors(holder["state"]), batch)
+        return t
+
+    return Built(step, lambda meter: meter.tag(holder["state"], "state"), tracker, model)
+
+
+def _build_torch(kind: str, cfg: Config, group: Any, torchtitan: bool = False, checkpoint: bool = False) -> Built:
+    device = _device(cfg)
+    torch.manual_seed(0)
     model = GPT(cfg.gpt()).to(device)
-    if system == "fsdp2":
+    if checkpoint:  # activation checkpointing on every block (composable: works with FSDP2 and DDP)
+        from torch.distributed._composable import checkpoint as composable_checkpoint
+
+        for block in model.blocks:
+            composable_checkpoint(block)
+    if kind == "fsdp2":
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = DeviceMesh.from_group(group, device.type)
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
+        if torchtitan:
+            fully_shard(model.wte, mesh=mesh)
+            last = len(model.blocks) - 1
+            for i, block in enumerate(model.blocks):
+                fully_shard(block, mesh=mesh, reshard_after_forward=i < last)  # backward needs the last first
+            fully_shard([model.ln_f, model.head], mesh=mesh, reshard_after_forward=False)
+        else:
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         wrapped = model
-    elif system == "fsdp1":
+    elif kind == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         wrapped = FullyShardedDataParallel(
-            model, process_group=group, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu")
+            model, process_group=group, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device
         )
-    elif system == "ddp":
+    elif kind == "ddp":
         wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=True)
     else:
         wrapped = model
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr)  # torch's default kernel choice
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr, foreach=True)
     world = group.size() if group is not None else 1
+    sharded = kind in ("fsdp1", "fsdp2") and world > 1
 
-    def run(batch: torch.Tensor) -> torch.Tensor:
+    def grad_norm() -> torch.Tensor:
+        """The global gradient norm, in float64 (FSDP's gradients are shards: sum over ranks)."""
+        square = torch.zeros((), dtype=torch.float64, device=device)
+        for p in wrapped.parameters():
+            if p.grad is not None:
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                square += g.double().square().sum()
+        if sharded:
+            dist.all_reduce(square, group=group)
+        return square.sqrt()
+
+    buckets: list[torch.Tensor] = []
+
+    def step(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         opt.zero_grad(set_to_none=True)
         loss = lm_loss(wrapped, batch)
         loss.backward()
+        grads = [p.grad for p in wrapped.parameters() if p.grad is not None]
+        if kind == "ddp":  # views of DDP's gradient buckets, which outlive zero_grad(set_to_none=True)
+            buckets[:] = grads
         for meter in ff._memory._active:
-            meter.tag([p.grad for p in wrapped.parameters() if p.grad is not None], "grads")
+            meter.tag(grads, "grads")
+        _sync(cfg)
+        t0 = time.perf_counter()
+        norm = grad_norm()
+        _sync(cfg)
+        spent = time.perf_counter() - t0
         opt.step()
         out = loss.detach().clone()
-        if system != "single":
+        if kind != "single":
             dist.all_reduce(out, group=group)
             out /= world
-        return out
+        return out, norm, spent
 
     def tag(meter: ff.MemoryMeter) -> None:
         meter.tag(list(wrapped.parameters()), "params")
@@ -185,14 +305,35 @@ def _build(system: str, cfg: Config, group: Any) -> tuple[Any, Any, Any]:
             "optimizer",
         )
         meter.tag(list(wrapped.buffers()), "buffers")
-        if system == "fsdp1":
+        meter.tag(buckets, "grads")
+        if kind == "fsdp1":
             from torch.distributed.fsdp import _traversal_utils
 
             for handle in _traversal_utils._get_fsdp_handles(wrapped):
                 if hasattr(handle.flat_param, "_full_param_padded"):  # absent with NO_SHARD (W=1)
                     meter.tag(handle.flat_param._full_param_padded, "gathered")
 
-    return run, tag, wrapped
+    def tracker(batch: torch.Tensor) -> MemTracker:
+        if kind == "fsdp2":
+            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+            t: MemTracker = FSDPMemTracker(wrapped, opt)
+            t.track_inputs((batch,))
+            return t
+        t = MemTracker()
+        t.track_external(wrapped, opt, batch)
+        return t
+
+    return Built(step, tag, tracker, wrapped)
+
+
+BUILDERS: dict[str, Callable[..., Built]] = {
+    "fsdp_fn": _build_fsdp_fn,
+    "fsdp2": lambda cfg, group, **o: _build_torch("fsdp2", cfg, group, **o),
+    "fsdp1": lambda cfg, group, **o: _build_torch("fsdp1", cfg, group, **o),
+    "ddp": lambda cfg, group, **o: _build_torch("ddp", cfg, group, **o),
+    "single": lambda cfg, group, **o: _build_torch("single", cfg, group, **o),
+}
 
 
 def activation_floor(model: torch.nn.Module, batch: torch.Tensor) -> int:
@@ -214,39 +355,52 @@ def _sync(cfg: Config) -> None:
         torch.cuda.synchronize()
 
 
-def run_system(group: Any, system: str, cfg: Config, world: int, measure: bool) -> dict[str, Any]:
+def run_system(group: Any, name: str, system: System, cfg: Config, world: int, measure: bool) -> dict[str, Any]:
     rank = group.rank()
     text = stdlib_text()
-    run, tag, module = _build(system, cfg, group)
-    whole = system == "single"
-    times, losses = [], []
+    # fsdp_fn/_collectives.py reads this at every collective: rows can differ within one rank pool.
+    os.environ["FSDP_FN_COLLECTIVES"] = cfg.collectives
+    built = BUILDERS[system.kind](cfg, group, **system.options)
+    whole = system.kind == "single"
+    times, losses, norms = [], [], []
     for k in range(cfg.warmup + cfg.steps):
         batch = _batches(text, cfg, k, rank, world, whole).to(cfg.device)
         if group.size() > 1:
             dist.barrier(group=group)
         _sync(cfg)
         t0 = time.perf_counter()
-        loss = run(batch)
+        loss, norm, spent = built.step(batch)
         _sync(cfg)
-        times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0 - spent)
         losses.append(loss.item())
-    result: dict[str, Any] = {"times": times[cfg.warmup :], "losses": losses}
+        norms.append(norm.item())
+    result: dict[str, Any] = {"times": times[cfg.warmup :], "losses": losses, "grad_norms": norms}
     if measure:
         k = cfg.warmup + cfg.steps
         batch = _batches(text, cfg, k, rank, world, whole=False).to(cfg.device)  # memory at the per-rank batch
-        rule = fsdp2_rule if system == "fsdp2" else None
-        with CommMeter(world) as comm, ff.MemoryMeter(rule=rule) as meter:
-            tag(meter)
-            run(batch)
-        if system == "single":
-            result["activation_floor"] = activation_floor(module, batch)
+        with CommMeter(world) as comm:
+            built.step(batch)
+        result["comm_bytes"] = comm.bytes
+        if system.kind == "ddp":  # its all-reduces are issued from C++, out of the dispatch mode's sight
+            params = sum(p.numel() * p.element_size() for p in built.module.parameters())
+            result["comm_bytes"] = 2 * (world - 1) / world * params
+        if cfg.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        # One step seen by both instruments at once: ours and torch's must agree.
+        tracker = built.tracker(batch)
+        with tracker, ff.MemoryMeter(rule=fsdp2_rule if system.kind == "fsdp2" else None) as meter:
+            built.tag(meter)
+            built.step(batch)
+        if cfg.device == "cuda":
+            result["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+            result["cuda_allocated_before"] = before
+        if system.kind == "single":
+            result["activation_floor"] = activation_floor(built.module, batch)
         result["peak"] = meter.peak()
         result["category_peaks"] = meter.category_peaks()
-        result["comm_bytes"] = comm.bytes
-        if system == "ddp":  # its all-reduces are issued from C++, out of the dispatch mode's sight
-            result["comm_bytes"] = (
-                2 * (world - 1) / world * sum(p.numel() * p.element_size() for p in module.parameters())
-            )
+        device = _device(cfg)
+        result["torch_tracker_peak"] = tracker.get_tracker_snapshot("peak")[device]["Total"]
     return result
 
 
@@ -257,67 +411,92 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0, help="seeds the order of systems in each repetition")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"rows of SYSTEMS, from {list(SYSTEMS)}")
     p.add_argument("--json", type=pathlib.Path)
-    p.add_argument("--peak-tflops", type=float, default=0.0, help="the device's peak (fp32) TFLOP/s, to report MFU")
-    for field, default in asdict(Config()).items():
-        p.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="the device's peak TFLOP/s, to report MFU")
+    for name, default in asdict(Config()).items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     args = p.parse_args()
     cfg = Config(**{f: getattr(args, f) for f in asdict(Config())})
+    if cfg.collectives not in ("pairwise", "native"):
+        p.error("--collectives is pairwise or native")
+    if cfg.warmup < 1 or cfg.steps < 1:
+        p.error("at least one warm-up and one timed step")
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
-        p.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+        p.error(f"unknown systems {sorted(unknown)}; choose from {list(SYSTEMS)}")
     world = args.world
     params = sum(p.numel() for p in GPT(cfg.gpt()).parameters())
+    backend = "nccl" if cfg.device == "cuda" else "gloo"
+    platform = f"{cfg.device.upper()}, {backend}"
     print(
-        f"GPT {params / 1e6:.1f}M params, W={world}, {cfg.batch}x{cfg.seq} tokens per rank, "
-        f"{args.threads} thread(s) per rank, {args.reps} reps x {cfg.steps} steps",
+        f"[{platform}] GPT {params / 1e6:.1f}M params, W={world}, {cfg.batch}x{cfg.seq} tokens per rank, "
+        f"{args.threads} thread(s) per rank, {args.reps} reps x ({cfg.warmup} warm-up + {cfg.steps} timed) steps, "
+        f"fsdp_fn collectives: {cfg.collectives if backend == 'gloo' else 'nccl'}",
         flush=True,
     )
 
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    order_rng = random.Random(args.seed)
     started = time.perf_counter()
-    backend = "nccl" if cfg.device == "cuda" else "gloo"
-    with RankPool(world, threads=args.threads, timeout=1800, warnings_as_errors=False, backend=backend) as pool:
+    with RankPool(world, threads=args.threads, timeout=3600, warnings_as_errors=False, backend=backend) as pool:
         for rep in range(args.reps):
-            for system in systems:
-                w = 1 if system == "single" else world
-                per_rank = pool.run(run_system, system, cfg, world, rep == 0, world=w, timeout=1800)
+            order = list(systems)
+            order_rng.shuffle(order)
+            for name in order:
+                system = SYSTEMS[name]
+                w = 1 if system.kind == "single" else world
+                per_rank = pool.run(run_system, name, system, cfg, world, rep == 0, world=w, timeout=3600)
                 step_max = [max(ts) for ts in zip(*(r["times"] for r in per_rank), strict=True)]
-                keep = ("peak", "category_peaks", "comm_bytes", "activation_floor")
-                runs[system].append(
-                    {
-                        "step_s": step_max,
-                        "losses": per_rank[0]["losses"],
-                        **{k: per_rank[0][k] for k in keep if k in per_rank[0]},
-                    }
-                )
-                print(f"  rep {rep + 1} {system:>8}: median step {statistics.median(step_max):.3f} s", flush=True)
+                entry: dict[str, Any] = {"step_s": step_max, "losses": per_rank[0]["losses"]}
+                entry["grad_norms"] = per_rank[0]["grad_norms"]
+                if "peak" in per_rank[0]:
+                    for key in ("comm_bytes", "activation_floor", "cuda_max_allocated", "cuda_allocated_before"):
+                        if key in per_rank[0]:
+                            entry[key] = per_rank[0][key]
+                    # Memory: the rank with the highest peak (ranks differ only by their data).
+                    top = max(per_rank, key=lambda r: r["peak"]["total"])
+                    entry.update({k: top[k] for k in ("peak", "category_peaks", "torch_tracker_peak")})
+                    entry["meter_vs_tracker_max_abs"] = max(
+                        abs(r["peak"]["total"] - r["torch_tracker_peak"]) for r in per_rank
+                    )
+                runs[name].append(entry)
+                print(f"  rep {rep + 1} {name:>18}: median step {statistics.median(step_max):.3f} s", flush=True)
 
     tokens = cfg.batch * cfg.seq * world
     report: dict[str, Any] = {
+        "platform": platform,
         "world": world,
         "params": params,
-        "config": {**asdict(cfg), "threads": args.threads, "reps": args.reps},
+        "config": {**asdict(cfg), "threads": args.threads, "reps": args.reps, "seed": args.seed},
         "systems": {},
     }
-    for system, reps in runs.items():
+    # Model FLOPs per step: 6 per parameter per token, plus attention (12 * layers * d_model * seq per token).
+    flops = (6 * params + 12 * cfg.layers * cfg.d_model * cfg.seq) * tokens
+    for name, reps in runs.items():
+        first = reps[0]
         all_steps = [t for r in reps for t in r["step_s"]]
-        medians = [statistics.median(r["step_s"]) for r in reps]
         med = statistics.median(all_steps)
-        report["systems"][system] = {
+        report["systems"][name] = {
+            "about": SYSTEMS[name].about,
             "step_s_median": med,
-            # Model FLOPs: 6 per parameter per token, plus attention (12 * layers * d_model * seq per token).
-            "model_tflops_per_s": (6 * params + 12 * cfg.layers * cfg.d_model * cfg.seq) * tokens / med / 1e12,
-            "step_s_rep_medians": medians,
+            "step_s_rep_medians": [statistics.median(r["step_s"]) for r in reps],
             "tokens_per_s": tokens / med,
-            "peak_bytes": reps[0].get("peak"),
-            "category_peaks": reps[0].get("category_peaks"),
-            "comm_bytes_per_step": reps[0].get("comm_bytes"),
-            "losses": reps[0]["losses"],
+            "model_tflops_per_s": flops / med / 1e12,
+            "peak_bytes": first.get("peak"),
+            "category_peaks": first.get("category_peaks"),
+            "torch_tracker_peak_bytes": first.get("torch_tracker_peak"),
+            "meter_vs_tracker_max_abs_bytes": first.get("meter_vs_tracker_max_abs"),
+            "comm_bytes_per_step": first.get("comm_bytes"),
+            "losses": first["losses"],
+            "grad_norms": first["grad_norms"],
+            **{k: first[k] for k in ("cuda_max_allocated", "cuda_allocated_before") if k in first},
         }
+        if args.peak_tflops:
+            report["systems"][name]["mfu"] = flops / med / 1e12 / args.peak_tflops
     floor_state = 16 * params / world
     with torch.device("meta"):
         meta = GPT(cfg.gpt())
@@ -326,36 +505,39 @@ def main() -> None:
     if "single" in runs and "activation_floor" in runs["single"][0]:
         report["floor"]["activations"] = runs["single"][0]["activation_floor"]
     report["elapsed_s"] = time.perf_counter() - started
-    if args.peak_tflops:
-        for entry in report["systems"].values():
-            entry["mfu"] = entry["model_tflops_per_s"] / args.peak_tflops
     print_report(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
 
 
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
 def print_report(report: dict[str, Any]) -> None:
     mib = 2**20
     systems = report["systems"]
     cats = ff.CATEGORIES
+    cfg = report["config"]
     print(
-        f"\nW={report['world']}, {report['params'] / 1e6:.1f}M params; peak live tensor bytes per rank (MiB) at the step's peak"
+        f"\n[{report['platform']}] W={report['world']}, {report['params'] / 1e6:.1f}M params, "
+        f"{cfg['batch']}x{cfg['seq']} tokens per rank; peak live tensor MiB per rank at the step's peak"
     )
     print(
-        f"{'system':>8} {'step s':>8} {'min-max':>13} {'tok/s':>8} {'comm MB':>8} "
+        f"{'system':>18} {'step s':>7} {'rep min-max':>13} {'tok/s':>7} {'comm MB':>8} "
         + " ".join(f"{c[:9]:>9}" for c in cats)
-        + f" {'total':>8}  loss[-1]"
+        + f" {'total':>7} {'torch':>7}  loss[-1]"
     )
     for name, s in systems.items():
         peak = s["peak_bytes"] or {}
         lo, hi = min(s["step_s_rep_medians"]), max(s["step_s_rep_medians"])
-        comm = s["comm_bytes_per_step"]
         print(
-            f"{name:>8} {s['step_s_median']:>8.3f} {lo:>6.3f}-{hi:<6.3f} {s['tokens_per_s']:>8.0f} "
-            f"{(comm or 0) / 1e6:>8.1f} "
+            f"{name:>18} {s['step_s_median']:>7.3f} {lo:>6.3f}-{hi:<6.3f} {s['tokens_per_s']:>7.0f} "
+            f"{(s['comm_bytes_per_step'] or 0) / 1e6:>8.1f} "
             + " ".join(f"{peak.get(c, 0) / mib:>9.1f}" for c in cats)
-            + f" {peak.get('total', 0) / mib:>8.1f}  {s['losses'][-1]:.4f}"
+            + f" {peak.get('total', 0) / mib:>7.1f} {(s['torch_tracker_peak_bytes'] or 0) / mib:>7.1f}"
+            + f"  {s['losses'][-1]:.4f}"
         )
     floor = report["floor"]
     total = floor["state_16psi_over_w"] + floor.get("activations", 0) + floor["gathered_unit"]
@@ -364,26 +546,32 @@ def print_report(report: dict[str, Any]) -> None:
         f"floor: 16*psi/W {floor['state_16psi_over_w'] / mib:.1f} + one unit gathered {floor['gathered_unit'] / mib:.1f} "
         f"+ activations {floor.get('activations', 0) / mib:.1f} = {total / mib:.1f} MiB"
     )
-    ours = systems.get("fsdp_fn", {}).get("peak_bytes")
-    if ours:
-        print(f"fsdp_fn peak = {ours['total'] / total:.2f} x floor", end="")
-        if systems.get("fsdp2", {}).get("peak_bytes"):
-            theirs = systems["fsdp2"]
+    worst = max((s["meter_vs_tracker_max_abs_bytes"] or 0) for s in systems.values())
+    print(f"meter vs torch's FSDPMemTracker/MemTracker, same step, every rank: max |difference| {worst / mib:.3f} MiB")
+
+    def peak(name: str) -> float | None:
+        entry = systems.get(name, {}).get("peak_bytes")
+        return entry["total"] if entry else None
+
+    def step(name: str) -> float | None:
+        return systems[name]["step_s_median"] if name in systems else None
+
+    for ours, theirs in PAIRS:
+        if ours in systems and theirs in systems:
             print(
-                f", {ours['total'] / theirs['peak_bytes']['total']:.2f} x FSDP2; categories above FSDP2's (own maxima): "
-                f"{[c for c in cats if systems['fsdp_fn']['category_peaks'][c] > theirs['category_peaks'][c] + 4096] or 'none'} (4 KiB tolerance)",
-                end="",
+                f"[{report['platform']}] {ours} vs {theirs}: peak {_ratio(peak(ours), peak(theirs))}, "
+                f"step {_ratio(step(ours), step(theirs))}; vs DDP step {_ratio(step(ours), step('ddp'))}"
             )
-            print(f"; step time {systems['fsdp_fn']['step_s_median'] / theirs['step_s_median']:.2f} x FSDP2", end="")
-        if "ddp" in systems:
-            print(f", {systems['fsdp_fn']['step_s_median'] / systems['ddp']['step_s_median']:.2f} x DDP", end="")
-        print()
     if "single" in systems:
-        ref = systems["single"]["losses"]
+        ref_losses, ref_norms = systems["single"]["losses"], systems["single"]["grad_norms"]
         for name, s in systems.items():
             if name != "single":
-                worst = max(abs(a - b) / abs(b) for a, b in zip(s["losses"], ref))
-                print(f"  {name}: max relative loss difference to one process {worst:.2e}")
+                loss = max(abs(a - b) / abs(b) for a, b in zip(s["losses"], ref_losses))
+                norm = max(abs(a - b) / abs(b) for a, b in zip(s["grad_norms"], ref_norms))
+                s["max_rel_diff_to_single"] = {"loss": loss, "grad_norm": norm}
+                print(
+                    f"  {name:>18}: max relative difference to one process, every step: loss {loss:.1e}, grad norm {norm:.1e}"
+                )
 
 
 if __name__ == "__main__":

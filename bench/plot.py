@@ -27,13 +27,15 @@ def main() -> None:
     reports = [json.loads(path.read_text()) for path in args.reports]
     fig, axes = plt.subplots(len(reports), 2, figsize=(12, 3.6 * len(reports)), squeeze=False)
     for (time_ax, mem_ax), report in zip(axes, reports, strict=True):
-        systems = [s for s in ("fsdp_fn", "fsdp2", "fsdp1", "ddp", "single") if s in report["systems"]]
+        systems = list(report["systems"])
         entries = [report["systems"][s] for s in systems]
         medians = [e["step_s_median"] for e in entries]
         lows = [m - min(e["step_s_rep_medians"]) for m, e in zip(medians, entries, strict=True)]
         highs = [max(e["step_s_rep_medians"]) - m for m, e in zip(medians, entries, strict=True)]
-        colors = ["tab:green" if s == "fsdp_fn" else "tab:gray" for s in systems]
+        colors = ["tab:green" if s.startswith("fsdp_fn") else "tab:gray" for s in systems]
         time_ax.bar(systems, medians, yerr=[lows, highs], color=colors, capsize=4)
+        time_ax.tick_params(axis="x", labelsize=7, rotation=20)
+        mem_ax.tick_params(axis="x", labelsize=7, rotation=20)
         time_ax.set_ylabel("median step (s), max over ranks")
         time_ax.set_title(f"W={report['world']}: step time (min-max over {report['config']['reps']} reps)", fontsize=10)
         bottom = [0.0] * len(systems)
@@ -50,7 +52,8 @@ def main() -> None:
         mem_ax.legend(fontsize=7, ncol=2)
     params = reports[0]["params"] / 1e6
     fig.suptitle(
-        f"GPT {params:.1f}M parameters on CPU/gloo, {reports[0]['config']['batch']}x{reports[0]['config']['seq']} tokens per rank"
+        f"[{reports[0].get('platform', 'CPU, gloo')}] GPT {params:.1f}M parameters, "
+        f"{reports[0]['config']['batch']}x{reports[0]['config']['seq']} tokens per rank"
     )
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ would refuse).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
 from fsdp_fn import _guard
-from fsdp_fn._memory import label
+from fsdp_fn._labels import label
 
 
 @dataclass(frozen=True)
@@ -107,9 +108,11 @@ def pairwise(group: dist.ProcessGroup) -> bool:
     W=2 / W=4, ms): all_gather 18.1 / 24.8, as isend/irecv 6.4 / 13.2; reduce_scatter
     21.8 / 30.8 (gloo copies the buffer and runs a full all-reduce), as isend/irecv and
     a sum 10.7 / 16.6. Each rank still sends exactly ``(W-1)/W`` of the buffer. NCCL and
-    other backends use their own all-gather and reduce-scatter.
+    other backends use their own all-gather and reduce-scatter; so does gloo with the
+    environment variable ``FSDP_FN_COLLECTIVES=native`` (``bench/compare.py --collectives native``).
     """
-    return group.size() > 1 and dist.get_backend(group) == "gloo"
+    native = os.environ.get("FSDP_FN_COLLECTIVES") == "native"
+    return group.size() > 1 and dist.get_backend(group) == "gloo" and not native
 
 
 class Pending:

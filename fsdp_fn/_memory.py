@@ -6,6 +6,12 @@ storage once with a category, and after every op sums the bytes of the storages 
 alive. Storage sizes are re-read at every sample, so memory released by
 ``untyped_storage().resize_(0)`` (how fsdp_fn and FSDP2 free gathered parameters) is seen.
 
+Only storages that hold data count. A tensor subclass that wraps others (a ``DTensor``:
+torch FSDP2's parameters, gradients and optimizer state) is unwrapped to the tensors it
+holds, and an op on one is left to the subclass, so the meter sees the local ops it runs
+(as torch's ``MemTracker`` does); a storage that reports bytes but owns no data (a
+wrapper's own) is skipped, or the whole model would be counted again.
+
 Categories: a storage's category comes from, in order of precedence, ``meter.tag(...)``
 (e.g. the train state's shards and optimizer moments), the innermost ``label(...)`` block
 active when it was allocated (fsdp_fn labels gathered buffers, gradients and
@@ -15,7 +21,6 @@ otherwise ``"activations"`` (activations and temporaries).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,31 +28,17 @@ from typing import Any
 import optree
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
 
+from fsdp_fn import _labels
 from fsdp_fn._plan import ROOT, Plan
+from fsdp_fn._tree import NAMESPACE
 
 CATEGORIES = ("params", "gathered", "grads", "optimizer", "buffers", "comm", "activations")
-
-_labels: list[str] = []
-_active: list[MemoryMeter] = []
-
-
-@contextlib.contextmanager
-def label(category: str) -> Iterator[None]:
-    """Storages allocated inside the block count as ``category`` (cheap when no meter runs)."""
-    _labels.append(category)
-    try:
-        yield
-    finally:
-        _labels.pop()
-
-
-def retag(t: torch.Tensor, category: str) -> None:
-    """Count ``t``'s storage as ``category`` in every running meter (no-op when none runs)."""
-    for meter in _active:
-        meter._register(t, category, override=True)
-
 
 Rule = Callable[[Any, tuple[Any, ...], dict[str, Any], Any], list[tuple[torch.Tensor, str]]]
 
@@ -55,8 +46,7 @@ Rule = Callable[[Any, tuple[Any, ...], dict[str, Any], Any], list[tuple[torch.Te
 class _Entry:
     __slots__ = ("category", "nbytes", "ref")
 
-    def __init__(self, t: torch.Tensor, category: str) -> None:
-        st = t.untyped_storage()
+    def __init__(self, st: torch.UntypedStorage, category: str) -> None:
         self.ref = StorageWeakRef(st)  # does not keep the storage alive
         self.nbytes = st.nbytes()
         self.category = category
@@ -67,14 +57,27 @@ class _Entry:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    from fsdp_fn._shard import NAMESPACE
+    return [leaf for leaf in optree.tree_leaves(tree, namespace=NAMESPACE) if isinstance(leaf, torch.Tensor)]
 
-    out = []
-    for leaf in optree.tree_leaves(tree, namespace=NAMESPACE):
-        if isinstance(leaf, torch.Tensor):
-            local = getattr(leaf, "_local_tensor", None)  # a DTensor's shard
-            out.append(local if isinstance(local, torch.Tensor) else leaf)
-    return out
+
+def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The storages that hold ``t``'s data: a wrapper subclass's inner tensors', recursively."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from _storages(inner)
+        return
+    if t.device.type == "meta":
+        return
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a wrapper tensor without a storage
+        return
+    if st.nbytes() > 0 and st.data_ptr() == 0:  # reports a size but owns no data
+        return
+    yield st
 
 
 class MemoryMeter(TorchDispatchMode):
@@ -100,27 +103,23 @@ class MemoryMeter(TorchDispatchMode):
 
     def __enter__(self) -> MemoryMeter:
         super().__enter__()
-        _active.append(self)
+        _labels.active.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _active.remove(self)
+        _labels.active.remove(self)
         super().__exit__(*exc)
 
     # --- registering storages -------------------------------------------------------------
 
     def _register(self, t: torch.Tensor, category: str, override: bool) -> None:
-        if t.device.type == "meta" or (type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)):
-            return
-        try:
-            key = t.untyped_storage()._cdata
-        except (RuntimeError, NotImplementedError):  # wrapper tensors without storage
-            return
-        entry = self.entries.get(key)
-        if entry is None or entry.ref.expired():
-            self.entries[key] = _Entry(t, category)
-        elif override:
-            entry.category = category
+        for st in _storages(t):
+            key = st._cdata
+            entry = self.entries.get(key)
+            if entry is None or entry.ref.expired():
+                self.entries[key] = _Entry(st, category)
+            elif override:
+                entry.category = category
 
     def tag(self, tree: Any, category: str) -> None:
         """Count the tensors in ``tree`` (any pytree, ``Sharded`` included) as ``category``.
@@ -166,9 +165,11 @@ class MemoryMeter(TorchDispatchMode):
             self.timeline.append((what, current))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # the subclass runs the op as ops on plain tensors, which come back here
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        category = _labels[-1] if _labels else "activations"
+        category = _labels.current()
         for t in optree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._register(t, category, override=False)

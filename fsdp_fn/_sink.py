@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from fsdp_fn._collectives import all_reduce_, reduce_scatter_start
-from fsdp_fn._memory import label
+from fsdp_fn._labels import label
 from fsdp_fn._plan import Unit
 from fsdp_fn._policy import Schedule
 from fsdp_fn._shard import Sharded

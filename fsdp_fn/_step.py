@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, NamedTuple, cast
+from typing import Any, Literal, NamedTuple
 
 import optree
 import torch
@@ -17,7 +17,8 @@ from fsdp_fn._collectives import all_gather_into, all_reduce_, broadcast_
 from fsdp_fn._functional import Functional
 from fsdp_fn._grad import LossFn, lean_pass
 from fsdp_fn._guard import Guard, guarded
-from fsdp_fn._memory import label
+from fsdp_fn._labels import label
+from fsdp_fn._norms import square_norm
 from fsdp_fn._optim import Optimizer
 from fsdp_fn._plan import Plan, Policy, unit_label
 from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedule
@@ -26,8 +27,8 @@ from fsdp_fn._remat import Remat
 from fsdp_fn._runtime import Runtime
 from fsdp_fn._shard import Layout, Sharded, ensure_live
 from fsdp_fn._sink import GradSink
-from fsdp_fn._transforms import AccumulateState, ApplyIfFiniteState, ChainState, clip_by_global_norm
-from fsdp_fn._tree import NAMESPACE, tree_leaves, tree_map
+from fsdp_fn._transforms import AccumulateState, ApplyIfFiniteState, ChainState, clip_by_global_norm, global_norm
+from fsdp_fn._tree import NAMESPACE, tree_map
 
 BufferSync = Literal["broadcast", "mean"] | None
 Accumulate = Literal["sharded", "full"]
@@ -277,7 +278,7 @@ class TrainStep:
 
         def step_unit(unit: str, grad: torch.Tensor, received: tuple[bool, ...]) -> None:
             nonlocal opt_state
-            square_norms[unit] = _square_norm(grad)
+            square_norms[unit] = square_norm(grad)
             only = params.replace({u: grad if u == unit else params[u] for u in plan.unit_names})
             _, opt_state = self.optimizer.update(only.with_received({unit: received}), opt_state, params)
             stepped.append(unit)
@@ -310,7 +311,7 @@ class TrainStep:
                 if len(micro) > 1:
                     for g in totals.values():
                         g.div_(len(micro))
-                norms = (_square_norm(totals[u]) for u in plan.unit_names if u in totals)
+                norms = (square_norm(totals[u]) for u in plan.unit_names if u in totals)
                 stats, merged, _ = self._global(loss, norms, masks, layout, guard, "the step was not applied")
                 grads = params.replace(
                     {u: totals[u] if u in totals else torch.zeros_like(params[u]) for u in plan.unit_names}
@@ -460,33 +461,16 @@ def _check_not_empty(batch: Any, rank: int) -> None:
             )
 
 
-def _square_norm(t: torch.Tensor) -> torch.Tensor:
-    # One fast fp32 pass (as clip_grad_norm_ does), squared in float64 for the sum over units.
-    return cast(torch.Tensor, torch.linalg.vector_norm(t).double().square())
-
-
-def _scale(grads: Sharded, max_norm: float, norm: torch.Tensor) -> None:
-    # torch.nn.utils.clip_grad_norm_'s rule, to the digit.
-    coef = torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0)
-    for g in tree_leaves(grads):
-        g.mul_(coef.to(g.device))
-
-
 def clip_grad_norm_(grads: Sharded, max_norm: float) -> torch.Tensor:
     """Scale sharded gradients in place so their global norm is at most ``max_norm``; return the norm.
 
-    Exactly ``torch.nn.utils.clip_grad_norm_`` on the unsharded gradients (padding is
-    zero and adds nothing). Communication: one all-reduce of one number (two with replicas).
+    ``torch.nn.utils.clip_grad_norm_``'s rule on the unsharded gradients (padding is zero
+    and adds nothing), with the exact global norm of ``global_norm``. Communication: one
+    all-reduce of one number (two with replicas).
     """
-    layout = grads.layout
-    square = sum((_square_norm(g) for g in tree_leaves(grads)), torch.zeros((), dtype=torch.float64))
-    stats = torch.stack([torch.zeros((), dtype=torch.float64), square])
-    all_reduce_(stats, layout.group)
-    if layout.replicate is not None:
-        all_reduce_(stats, layout.replicate).div_(layout.replicas)
-    norm = stats[1].sqrt().float()
-    _scale(grads, max_norm, norm)
-    return norm
+    norm = global_norm(grads)
+    clip_by_global_norm(max_norm).update(grads, (), grads)
+    return norm.float()
 
 
 def sync_buffers(buffers: Mapping[str, torch.Tensor], group: dist.ProcessGroup, mode: BufferSync) -> None:

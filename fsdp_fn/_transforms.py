@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fsdp_fn._collectives import all_reduce_
+from fsdp_fn._norms import square_norm
 from fsdp_fn._optim import Optimizer
 from fsdp_fn._shard import Sharded
 
@@ -57,7 +58,7 @@ def global_norm(grads: Sharded) -> torch.Tensor:
     """The L2 norm of the whole (unsharded) gradient, as a 0-d float64 tensor, on every rank.
 
     ``grads.norm`` when the step computed it; otherwise the squared norms of this rank's
-    shards (padding is zero) summed in float64 and all-reduced over the group (and averaged
+    shards (``square_norm``: exact at any size; padding is zero) all-reduced over the group (and averaged
     over replicas, which hold the same shards). Communication: none, or one all-reduce of
     one number (two with replicas).
     """
@@ -66,7 +67,7 @@ def global_norm(grads: Sharded) -> torch.Tensor:
     layout = grads.layout
     square = torch.zeros((), dtype=torch.float64)
     for u in _received_units(grads):
-        square += grads[u].double().square().sum().cpu()
+        square += square_norm(grads[u]).cpu()
     all_reduce_(square, layout.group)
     if layout.replicate is not None:
         all_reduce_(square, layout.replicate).div_(layout.replicas)

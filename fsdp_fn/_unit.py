@@ -19,7 +19,7 @@ import torch
 from torch.autograd.function import FunctionCtx
 
 from fsdp_fn._collectives import all_gather_into
-from fsdp_fn._memory import label, retag
+from fsdp_fn._labels import label, retag
 from fsdp_fn._plan import ROOT, Unit
 from fsdp_fn._shard import unit_views
 
