@@ -7,7 +7,7 @@ RANKS  ?= 2
 STEPS  ?= 150
 ARGS   ?=
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean mutate
 
 $(READY): requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,3 +32,9 @@ bench: $(READY)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+
+# Mutation testing of the core (cosmic-ray; slow: hours on 2 cores, not part of `make test`).
+# MODULES: any of collectives shard plan gather step optim (mutation/<name>.toml).
+MODULES ?= collectives shard plan gather step optim
+mutate: $(READY)
+	mutation/run.sh $(MODULES)
