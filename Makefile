@@ -36,5 +36,6 @@ clean:
 # Mutation testing of the core (cosmic-ray; slow: hours on 2 cores, not part of `make test`).
 # MODULES: any of collectives shard plan gather step optim (mutation/<name>.toml).
 MODULES ?= collectives shard plan gather step optim
+SAMPLE  ?=
 mutate: $(READY)
-	mutation/run.sh $(MODULES)
+	SAMPLE=$(SAMPLE) mutation/run.sh $(MODULES)

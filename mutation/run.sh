@@ -5,7 +5,8 @@
 # rank processes run (a coverage-tracing tool would see only the pytest process). It
 # mutates files in place: this script works on a copy of the tree (tracked files, as they
 # are in the working tree), so the checkout is never touched. One module at a time, one
-# mutant at a time; results in mutation/results/<module>.txt.
+# mutant at a time; results in mutation/results/<module>.txt. SAMPLE=N: N random mutants
+# per module (mutation/sample.py), for a run that fits in an hour.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 work=${MUTATE_DIR:-${TMPDIR:-/tmp}/fsdp_fn-mutate}
@@ -22,9 +23,9 @@ for m in "${modules[@]}"; do
     db="$work/$m.sqlite"
     "$bin/cosmic-ray" init "$cfg" "$db"
     "$bin/cr-filter-operators" "$db" "$cfg"
+    if [ -n "${SAMPLE:-}" ]; then "$bin/python" "$root/mutation/sample.py" "$db" "$SAMPLE"; fi
     "$bin/cosmic-ray" baseline "$cfg"   # the unmutated tests must pass, or every mutant looks killed
     "$bin/cosmic-ray" exec "$cfg" "$db"
     "$bin/cr-report" --show-diff --surviving-only "$db" > "$root/mutation/results/$m.txt" || true
-    "$bin/cr-rate" "$db" >> "$root/mutation/results/$m.txt" || true
-    tail -n 5 "$root/mutation/results/$m.txt"
+    "$bin/python" "$root/mutation/score.py" "$db" | tee -a "$root/mutation/results/$m.txt"
 done

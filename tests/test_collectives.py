@@ -52,7 +52,7 @@ def _against_torch(group, examples, native):
     world, rank = group.size(), group.rank()
 
     @settings(max_examples=examples)
-    @given(n=st.integers(0, 17), seed=st.integers(0, 2**16), scale=st.sampled_from([1.0, 0.25]))
+    @given(n=st.integers(0, 17), seed=st.integers(0, 2**16), scale=st.sampled_from([1.0, 0.25, 2.0]))
     def prop(n, seed, scale):
         g = torch.Generator().manual_seed(seed * 31 + rank)  # different data on every rank
         x = torch.randn(n, generator=g, dtype=torch.float64)
@@ -81,6 +81,17 @@ def _against_torch(group, examples, native):
 def test_all_gather_and_reduce_scatter_match_torch(pool, native):
     for world in (1, 2, 3, 4):
         assert all(pool.run(_against_torch, 8, native, world=world))
+
+
+def test_collective_records_count_ring_bytes():
+    # Catches: a wrong byte count in the log (the all-reduce's ring sends twice (W-1)/W of the buffer).
+    gather = C.Collective("all_gather", "u", 12, torch.float32, 4)
+    reduce = C.Collective("all_reduce", None, 12, torch.float64, 4)
+    assert (gather.bytes, gather.ring_bytes) == (48, 36.0)
+    assert (reduce.bytes, reduce.ring_bytes) == (96, 144.0)
+    log = C.CommLog([gather, reduce, gather])
+    assert log.of("all_gather") == [gather, gather] and log.of("broadcast") == []
+    assert (log.bytes(), log.bytes("all_reduce"), log.ring_bytes()) == (192, 96, 216.0)
 
 
 def _rank_order(group):

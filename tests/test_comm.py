@@ -68,5 +68,6 @@ def test_step_issues_exactly_the_predicted_collectives(pool, world, split_root, 
             kept = sum(u.padded_numel(world) * 4 for u in plan.units if u.name in kept_units)
             sent = sum(c.ring_bytes for c in records if c.unit is not None)  # the units, not the metrics
             assert sent == pytest.approx((3 * param_bytes - kept) * (world - 1) / world)
-            backward_gathers = {c.unit for c in records[len(plan.units) :] if c.op == "all_gather" and c.unit is not None}
+            backward = records[len(plan.units) :]
+            backward_gathers = {c.unit for c in backward if c.op == "all_gather" and c.unit is not None}
             assert backward_gathers == set(plan.unit_names) - kept_units
