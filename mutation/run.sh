@@ -15,7 +15,7 @@ modules=("$@")
 [ ${#modules[@]} -gt 0 ] || modules=(collectives shard plan gather step optim)
 mkdir -p "$root/mutation/results"
 rm -rf "$work" && mkdir -p "$work"
-(cd "$root" && git ls-files -z | xargs -0 cp --parents -t "$work")
+(cd "$root" && git ls-files -z | xargs -0 cp -P --parents -t "$work")
 ln -s "$root/.venv" "$work/.venv"
 cd "$work"
 for m in "${modules[@]}"; do
