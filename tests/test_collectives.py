@@ -65,6 +65,8 @@ def _against_torch(group, examples, native):
         torch.testing.assert_close(vjp_ag(y)[0], _torch_reduce_scatter(y, group, scale))
         _, vjp_rs = torch.func.vjp(lambda f: ff.reduce_scatter_sum(f, group, scale=scale), y)
         torch.testing.assert_close(vjp_rs(x)[0], scale * _torch_all_gather(x, group))
+        if world == 1 and n:  # Catches: a copy where one rank has nothing to reduce (the docstring says none).
+            assert ff.reduce_scatter_sum(y, group).data_ptr() == y.data_ptr()
         # The design's property, with both sides summed by torch: <AG(x), y> == <x, RS(y)>.
         lhs = torch.dot(ff.all_gather(x, group), y).reshape(1)
         rhs = torch.dot(x, ff.reduce_scatter_sum(y, group)).reshape(1)
