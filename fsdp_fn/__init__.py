@@ -6,12 +6,14 @@ params = shard(fn.params, plan, group)         # this rank's 1/W of every unit
 full   = gather_for(unit)(params)              # all-gather; its backward is reduce-scatter
 grads  = reduce_grads(full_grads, params)      # reduce-scatter: the transpose of gather_for
 step   = train_step(fn, loss_fn, adamw())      # torch.func composes them into one step
+loss, grads = value_and_grad(fn, loss_fn)(params, buffers, batch)   # gradients as sharded values
 """
 
 from fsdp_fn._agree import DivergenceError
 from fsdp_fn._collectives import Collective, CommLog, all_gather, comm_log, reduce_scatter_sum
 from fsdp_fn._functional import Functional, functionalize
 from fsdp_fn._gather import UnitState, apply_sharded, gather_for, predict_collectives
+from fsdp_fn._grad import value_and_grad
 from fsdp_fn._guard import RankFailure
 from fsdp_fn._init import init_shards
 from fsdp_fn._memory import CATEGORIES, MemoryEstimate, MemoryMeter, estimate_memory
@@ -70,4 +72,5 @@ __all__ = [
     "tree_leaves",
     "tree_map",
     "unshard",
+    "value_and_grad",
 ]

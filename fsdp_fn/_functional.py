@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +29,27 @@ class Functional:
     def __call__(
         self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any
     ) -> Any:
-        return functional_call(self.module, {**params, **buffers}, args, kwargs, tie_weights=True, strict=False)
+        with parameters_restored(self.module):
+            return functional_call(self.module, {**params, **buffers}, args, kwargs, tie_weights=True, strict=False)
 
     apply = __call__
+
+
+@contextlib.contextmanager
+def parameters_restored(module: nn.Module) -> Iterator[None]:
+    """Put every parameter and buffer of ``module`` back as it was when the block ends.
+
+    ``functional_call`` restores them itself, except when one module is reachable by two
+    paths (a module shared by two blocks): it swaps the same attribute twice and restores
+    the second swap's value, leaving the module changed.
+    """
+    saved = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+    try:
+        yield
+    finally:
+        for m, params, buffers in saved:
+            m._parameters.update(params)
+            m._buffers.update(buffers)
 
 
 def functionalize(module: nn.Module) -> Functional:

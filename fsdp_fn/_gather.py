@@ -1,19 +1,24 @@
 """Gathering units just before they run, and the lifecycle of a gathered unit.
 
-A unit moves through three states in one step (``UnitState``): SHARDED (only this
-rank's shard exists) -> GATHERED (its flat buffer holds the full parameters; the unit's
-parameters are views into it) -> FREED (forward done, the buffer's storage released)
--> GATHERED again just before its backward -> SHARDED once its gradient is
-reduce-scattered. This runs inside ``torch.func`` transforms: saved-tensor hooks are
-refused there, so instead the buffer's storage is resized to zero after forward, and an
-identity ``autograd.Function`` on the unit's outputs refills it before the unit's
-backward runs. Autograd's saved tensors alias that storage, so gradients stay exact.
+Two ways to run a module over shards:
+
+* **composable** (``apply_sharded``, ``gather_for``, and ``value_and_grad`` inside another
+  ``torch.func`` transform): each unit is a differentiable all-gather whose backward is the
+  reduce-scatter and whose tangent and batching rules are the collective's own, so every
+  transform composes (grad of grad, jvp, vmap). Gathered units stay alive as long as
+  autograd holds them.
+* **lean** (the train step's own pass): a unit moves through ``UnitState``: SHARDED ->
+  GATHERED (its flat buffer holds the full parameters; the unit's parameters are views
+  into it) -> FREED (forward done, the buffer's storage released) -> GATHERED again just
+  before its backward -> SHARDED once its gradient is handed to the ``GradSink``. Inside
+  ``torch.func`` saved-tensor hooks are refused, so the buffer's storage is resized to
+  zero after forward, and an identity ``autograd.Function`` on the unit's outputs refills
+  it before the unit's backward runs; autograd's saved tensors alias that storage.
 
 Overlap (``Schedule``): all-gathers are issued asynchronously ahead of use, along the
 order the previous step ran the units in (forward) and the reverse of this step's order
-(backward); a unit waits only for its own gather; with ``update_in_backward`` the
-reduce-scatters run behind the next unit's backward too. At most ``max_inflight``
-non-root units are gathered at once.
+(backward); a unit waits only for its own gather; reduce-scatters run behind the next
+unit's backward. At most ``max_inflight`` non-root units are gathered at once.
 """
 
 from __future__ import annotations
@@ -30,11 +35,11 @@ from torch.autograd.function import FunctionCtx
 from torch.func import functional_call
 
 from fsdp_fn._collectives import Collective, all_gather, all_gather_into, all_reduce_, reduce_scatter_start
-from fsdp_fn._functional import Functional
+from fsdp_fn._functional import Functional, parameters_restored
 from fsdp_fn._memory import label, retag
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
 from fsdp_fn._policy import BackwardPrefetch, Schedule
-from fsdp_fn._shard import Sharded, check_shard, shards_of, unit_views
+from fsdp_fn._shard import Sharded, check_shard, ensure_live, shards_of, unit_views
 
 
 def gather_for(unit: str | Unit) -> Callable[[Sharded], dict[str, torch.Tensor]]:
@@ -48,6 +53,7 @@ def gather_for(unit: str | Unit) -> Callable[[Sharded], dict[str, torch.Tensor]]
     name = unit.name if isinstance(unit, Unit) else unit
 
     def gather(params: Sharded) -> dict[str, torch.Tensor]:
+        ensure_live(params, "gather_for")
         u = params.plan.unit(name)
         full = all_gather(check_shard(params, u), params.group, unit=u.name, grad_scale=1.0 / params.layout.world)
         return unit_views(u, full)
@@ -64,6 +70,13 @@ class UnitState(enum.Enum):
     """Forward is done and the buffer's storage is released; backward will refill it."""
 
 
+def metrics_words(plan: Plan) -> int:
+    """Float64 numbers each rank contributes to a step's one metrics all-gather: loss, squared
+    gradient norm, two for the collective fingerprint, then which parameters got a gradient
+    (48 bits per number)."""
+    return 4 + -(-sum(len(u.params) for u in plan.units) // 48)
+
+
 def predict_collectives(
     plan: Plan, world: int, schedule: Schedule | None = None, *, first_step: bool = True, replicas: int = 1
 ) -> list[Collective]:
@@ -75,8 +88,9 @@ def predict_collectives(
     step on, not the unit that ran last, which is needed again first). Per use, one
     reduce-scatter of the trainable part in the reduce dtype and, with ``replicas``
     (hybrid sharding), one all-reduce of the gradient shard across them. Then one
-    all-gather of four float64 numbers per rank (the step's loss, gradient norm and the
-    fingerprint of the collectives it issued), and with replicas an all-reduce of two.
+    all-gather of ``metrics_words(plan)`` float64 numbers per rank (the step's loss,
+    gradient norm, the fingerprint of the collectives it issued and which parameters got
+    a gradient), and with replicas an all-reduce of two.
     """
     schedule = schedule or Schedule()
     last = [u.name for u in plan.units if u.name != ROOT][-1:]
@@ -93,7 +107,7 @@ def predict_collectives(
                 out.append(Collective("reduce_scatter", u.name, u.padded_numel(world), reduce, world))
                 if replicas > 1:
                     out.append(Collective("all_reduce", u.name, u.shard_numel(world), reduce, replicas))
-    out.append(Collective("all_gather", None, 4 * world, torch.float64, world))
+    out.append(Collective("all_gather", None, metrics_words(plan) * world, torch.float64, world))
     if replicas > 1:
         out.append(Collective("all_reduce", None, 2, torch.float64, replicas))
     return [c for c in out if c.world > 1]
@@ -114,6 +128,109 @@ def _lift(buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if level is None:
         return dict(buffers)
     return {k: torch._C._functorch._wrap_for_grad(v, level) for k, v in buffers.items()}
+
+
+# --- the gradient sink: reduce, defer, deliver, drain ------------------------------------------------
+
+
+class GradSink:
+    """Where a unit's full gradient goes when its backward has run (lean path).
+
+    ``push`` issues the unit's reduce-scatter without waiting (one stays in flight behind
+    the next unit's backward) and the shards of every use of a unit are summed; with
+    ``defer`` (accumulating micro-batches without reducing) the full gradients are summed
+    instead and reduced once by ``reduce_deferred``. ``on_unit(unit, grad, received)`` is
+    called the moment a unit's last reachable use is reduced (``expect`` says how many
+    uses the loss reaches); otherwise ``drain()`` then ``grads()`` hand them over at the end.
+    Memory: one gradient shard per unit (or one full gradient per unit with ``defer``),
+    plus the full gradients of the reductions in flight.
+    """
+
+    def __init__(
+        self,
+        params: Sharded,
+        schedule: Schedule,
+        *,
+        defer: dict[str, torch.Tensor] | None = None,
+        on_unit: Callable[[str, torch.Tensor, tuple[bool, ...]], None] | None = None,
+    ) -> None:
+        self.params, self.schedule = params, schedule
+        self.deferred = defer
+        self.on_unit = on_unit
+        self.totals: dict[str, torch.Tensor] = {}
+        self.received: dict[str, list[bool]] = {}
+        self.expected: dict[str, int] = {}
+        self.arrived: collections.Counter[str] = collections.Counter()
+        self.pending: collections.deque[tuple[str, Callable[[], torch.Tensor]]] = collections.deque()
+        self.delivered: list[str] = []  # units handed to on_unit, in order
+
+    def expect(self, uses: Mapping[str, int]) -> None:
+        """How many gathered uses of each unit the loss reaches (the others never get a backward)."""
+        self.expected = dict(uses)
+
+    def push(self, unit: Unit, full: torch.Tensor, received: Sequence[bool]) -> None:
+        mask = self.received.setdefault(unit.name, [False] * len(unit.params))
+        for i, got in enumerate(received):
+            mask[i] = mask[i] or got
+        with torch._C._DisableFuncTorch(), torch.no_grad():
+            if self.deferred is not None:
+                total = self.deferred.get(unit.name)
+                if total is None:
+                    self.deferred[unit.name] = full  # a fresh buffer from the split's backward: ours to keep
+                else:
+                    total.add_(full)
+                return
+            with label("grads"):
+                self.pending.append((unit.name, reduce_unit(self.params, unit, full, self.schedule)))
+        self.drain(keep=1)
+
+    def drain(self, keep: int = 0) -> None:
+        """Wait for reduce-scatters (oldest first) until ``keep`` are left in flight."""
+        while len(self.pending) > keep:
+            unit, finish = self.pending.popleft()
+            with torch._C._DisableFuncTorch(), torch.no_grad():
+                self._deliver(unit, finish())
+
+    def _deliver(self, unit: str, grad: torch.Tensor) -> None:
+        total = self.totals.get(unit)
+        self.totals[unit] = grad if total is None else total.add_(grad)
+        self.arrived[unit] += 1
+        if self.on_unit is not None and self.arrived[unit] == self.expected.get(unit, 0):
+            self.delivered.append(unit)
+            self.on_unit(unit, self.totals.pop(unit), tuple(self.received[unit]))
+
+    def reduce_deferred(self) -> None:
+        """``defer``: reduce-scatter every unit's summed full gradient once, now."""
+        assert self.deferred is not None
+        plan = self.params.plan
+        for name in list(self.deferred):
+            with torch._C._DisableFuncTorch(), torch.no_grad():
+                finish = reduce_unit(self.params, plan.unit(name), self.deferred.pop(name), self.schedule)
+                self._deliver(name, finish())
+
+    def received_masks(self) -> dict[str, tuple[bool, ...]]:
+        return {u: tuple(m) for u, m in self.received.items()}
+
+
+def reduce_unit(params: Sharded, unit: Unit, full: torch.Tensor, schedule: Schedule) -> Callable[[], torch.Tensor]:
+    """Issue the reduce-scatter of a unit's full gradient (in the schedule's reduce dtype);
+    the result waits and returns the rank-mean gradient shard, averaged across replicas
+    too with hybrid sharding, in the shard's dtype and on its device."""
+    layout = params.layout
+    source = full.to(schedule.reduce_dtype(full.dtype))
+    finish = reduce_scatter_start(source, layout.group, unit.name, 1.0 / layout.world)
+    shard = params[unit.name]
+
+    def result() -> torch.Tensor:
+        out = finish()
+        if layout.replicate is not None:
+            all_reduce_(out, layout.replicate, unit.name).div_(layout.replicas)
+        return out.to(dtype=shard.dtype, device=shard.device)
+
+    return result
+
+
+# --- a gathered unit (lean path) -------------------------------------------------------------------
 
 
 class _Flat:
@@ -157,7 +274,8 @@ class _Flat:
 
 
 class _Gathered:
-    """One gathered instance of a unit inside one call: its flat parts, pending work and state."""
+    """One gathered use of a unit inside one call: its flat parts, pending work, state, and
+    which of its parameters the backward reached."""
 
     def __init__(self, unit: Unit, runtime: Runtime) -> None:
         self.unit = unit
@@ -169,6 +287,7 @@ class _Gathered:
             for part, shard in shards_of(runtime.params, unit)
         ]
         self.state = UnitState.SHARDED
+        self.received = [False] * len(unit.params)
         # Only non-root units whose gather allocates take a buffer that counts against the limit.
         self.counted = unit.name != ROOT and not all(p.in_place for p in self.parts)
 
@@ -201,7 +320,7 @@ class _Gathered:
         self.state = UnitState.FREED
 
     def release(self) -> None:
-        """After backward: autograd holds no views any more; drop everything."""
+        """After backward (or when no backward will come): drop everything."""
         if self.state is UnitState.GATHERED:
             for part in self.parts:
                 part.drop()
@@ -211,8 +330,12 @@ class _Gathered:
         self.state = UnitState.SHARDED
 
     def views(self, trainable: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The unit's parameters: views into ``trainable`` (autograd's output) and the frozen buffer."""
+        """The unit's parameters: views into ``trainable`` (autograd's output), each marked so
+        the backward records whether it reached that parameter; frozen ones from their buffer."""
         out = unit_views(self.unit, trainable)
+        if torch.is_grad_enabled():
+            for i, spec in enumerate(self.unit.params):
+                out[spec.name] = _MarkReached.apply(out[spec.name], self, i)
         for part in self.parts[1:]:
             assert part.buffer is not None
             out.update(unit_views(part.part, part.buffer))
@@ -220,7 +343,7 @@ class _Gathered:
 
 
 class _GatherUnit(torch.autograd.Function):
-    """shard -> full flat buffer; backward: mean reduce-scatter, then the buffer is dropped."""
+    """shard -> full flat buffer; backward: the full gradient goes to the runtime's ``GradSink``."""
 
     @staticmethod
     def forward(shard: torch.Tensor, rec: _Gathered) -> torch.Tensor:
@@ -233,29 +356,43 @@ class _GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        ctx.rec = inputs[1]  # type: ignore[attr-defined]
+        ctx.fsdp_fn_use = inputs[1]  # type: ignore[attr-defined]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        rec: _Gathered = ctx.rec
-        rt = rec.runtime
+        rec: _Gathered = ctx.fsdp_fn_use
+        runtime = rec.runtime
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "fsdp_fn: a second derivative (or a backward with create_graph=True) through the train step's "
+                "lean gathering is not supported: its reduce-scatter is not differentiable; use apply_sharded or "
+                "value_and_grad inside your transform (their gathers compose with every torch.func transform)"
+            )
         full = _plain(grad)
         retag(full, "grads")
         rec.release()
-        rt.after_backward(rec)
+        runtime.after_backward(rec)
+        runtime.sink.push(rec.unit, full, rec.received)
         shard = rec.shard
-        if rt.deferred is not None:  # accumulating micro-batches: keep the full gradient, reduce later
-            with torch._C._DisableFuncTorch(), torch.no_grad():
-                rt.defer(rec.unit, full)
-        else:
-            with torch._C._DisableFuncTorch(), label("grads"):
-                finish = rt.reduce(rec.unit, full)
-            if rt.on_grad is None:
-                return finish(), None
-            rt.reductions.append((rec.unit, finish))
-            rt.drain(keep=1)  # one reduction in flight behind the next unit's backward
-        # The gradient is consumed elsewhere; autograd gets a zero that owns no memory.
+        # The gradient travels through the sink; autograd gets a zero that owns no memory.
         return torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.shape), None
+
+
+class _MarkReached(torch.autograd.Function):
+    """Identity on one parameter's view; its backward records that the loss reached the parameter."""
+
+    @staticmethod
+    def forward(view: torch.Tensor, rec: _Gathered, index: int) -> torch.Tensor:
+        return view.view_as(view)
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.rec, ctx.index = inputs[1], inputs[2]  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.rec.received[ctx.index] = True
+        return grad, None, None
 
 
 class _RefillBeforeBackward(torch.autograd.Function):
@@ -267,11 +404,11 @@ class _RefillBeforeBackward(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.rec = inputs[0]  # type: ignore[attr-defined]
+        ctx.fsdp_fn_refill = inputs[0]  # type: ignore[attr-defined]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        rec: _Gathered = ctx.rec
+        rec: _Gathered = ctx.fsdp_fn_refill
         if rec.state is UnitState.FREED:  # not prefetched
             rec.start()
         rec.wait()
@@ -309,13 +446,18 @@ class _NotGathered(torch.Tensor):
         raise RuntimeError(f"parameter used outside its unit's forward ({func})")
 
 
+Swapped = list[tuple[nn.Module, str, Any]]  # (owner, attribute, original parameter) put back after the call
+
 _HARMLESS = {"__get__", "size", "dim", "__repr__", "__format__", "numel", "ndimension"}
 
 
 class Runtime:
     """Runs a module's forward over sharded parameters, gathering each unit just before it runs.
 
-    Hooks are installed on the units' modules for the duration of ``run`` only.
+    ``composable=True``: each unit is a differentiable all-gather (any transform composes).
+    Otherwise the lean path: gathered buffers are freed after forward and refilled before
+    backward, gradients go to ``sink``. Hooks are installed on the units' modules for the
+    duration of ``run`` only.
     """
 
     def __init__(
@@ -325,88 +467,49 @@ class Runtime:
         *,
         schedule: Schedule | None = None,
         order_hint: Sequence[str] = (),
-        on_grad: Callable[[str, torch.Tensor], None] | None = None,
-        deferred: dict[str, torch.Tensor] | None = None,
+        sink: GradSink | None = None,
+        composable: bool = False,
     ) -> None:
+        ensure_live(params, "apply_sharded")
         self.fn, self.params = fn, params
         _check_plan_fits(params.plan, fn)
         self.schedule = schedule or Schedule()
+        self.composable = composable
+        self.sink = sink if sink is not None else GradSink(params, self.schedule)
         offload = self.schedule.cpu_offload
         self.device = offload.compute_device() if offload is not None else None
         self.plan = params.plan
         # The order units ran in last time: forward prefetch follows it.
         self.order_hint = list(order_hint)
         self._hint_at = -1
-        # Called with (unit, gradient shard) once per unit in backward, as soon as the
-        # unit's last gathered instance is reduce-scattered (all its uses summed).
-        self.on_grad = on_grad
-        # Accumulation without reduce-scatter: full gradients per unit, summed over micro-batches.
-        self.deferred = deferred
-        self.gathers: dict[str, int] = {}  # gathered instances per unit in this forward
-        self._sums: dict[str, tuple[int, torch.Tensor]] = {}
-        self.reductions: collections.deque[tuple[Unit, Callable[[], torch.Tensor]]] = collections.deque()
-        self.records: list[_Gathered] = []  # every gathered instance, in forward order
+        self.uses: dict[str, int] = {}  # gathered uses per unit in this forward
+        self.records: list[_Gathered] = []  # every gathered use that may get a backward, in forward order
         self.prefetched: dict[str, _Gathered] = {}
         self.inflight = 0  # non-root unit buffers allocated now
         self.running: list[str] = []  # units whose forward is in progress, innermost last
         self.order: list[str] = []  # units in the order their forward ran
-        self.live: dict[tuple[str, str], list[_Gathered]] = {}  # gathered instances whose forward is running
+        self.live: dict[tuple[str, int], list[_Gathered | None]] = {}  # uses whose forward is running
         module = fn.module
-        # where each (unit, module) gather puts parameters: (owning module, attribute, canonical name)
-        self.slots: dict[tuple[str, str], list[tuple[nn.Module, str, str]]] = {}
+        # Each unit's modules, one entry per module object (a module shared under several
+        # paths is hooked once), and where a gather puts its parameters in it.
+        self.targets: dict[str, list[nn.Module]] = {}
+        self.slots: dict[tuple[str, int], list[tuple[nn.Module, str, str]]] = {}
         for unit in self.plan.units:
+            seen: dict[int, nn.Module] = {}
             for path in unit.modules:
-                slots = []
+                target = module.get_submodule(path)
+                seen.setdefault(id(target), target)
+                slots = self.slots.setdefault((unit.name, id(target)), [])
                 for spec in unit.all_params:
                     for full_name in (spec.name, *spec.aliases):
                         owner, _, attr = full_name.rpartition(".")
                         if not unit.hooks or owner == path:
-                            slots.append((module.get_submodule(owner), attr, spec.name))
-                self.slots[(unit.name, path)] = slots
+                            slot = (module.get_submodule(owner), attr, spec.name)
+                            if not any(s[0] is slot[0] and s[1] == attr for s in slots):
+                                slots.append(slot)
+            self.targets[unit.name] = list(seen.values())
 
-    # --- gradients ------------------------------------------------------------------------------
-
-    def reduce(self, unit: Unit, full: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Issue the reduce-scatter of a unit's full gradient; the result waits and returns
-        the mean gradient shard in the shard's dtype and on its device."""
-        layout = self.params.layout
-        source = full.to(self.schedule.reduce_dtype(full.dtype))
-        finish = reduce_scatter_start(source, layout.group, unit.name, 1.0 / layout.world)
-        shard = self.params[unit.name]
-
-        def result() -> torch.Tensor:
-            out = finish()
-            if layout.replicate is not None:  # hybrid sharding: then average across the replicas
-                all_reduce_(out, layout.replicate, unit.name).div_(layout.replicas)
-            return out.to(dtype=shard.dtype, device=shard.device)
-
-        return result
-
-    def defer(self, unit: Unit, full: torch.Tensor) -> None:
-        assert self.deferred is not None
-        total = self.deferred.get(unit.name)
-        if total is None:
-            self.deferred[unit.name] = full  # a fresh buffer from the split's backward: ours to keep
-        else:
-            total.add_(full)
-
-    def deliver(self, unit: Unit, grad: torch.Tensor) -> None:
-        seen, total = self._sums.pop(unit.name, (0, None))
-        total = grad if total is None else total + grad
-        if seen + 1 < self.gathers[unit.name]:
-            self._sums[unit.name] = (seen + 1, total)
-            return
-        assert self.on_grad is not None
-        with torch._C._DisableFuncTorch(), torch.no_grad():
-            self.on_grad(unit.name, total)
-
-    def drain(self, keep: int = 0) -> None:
-        """Wait for reduce-scatters issued in backward (oldest first) until ``keep`` are left."""
-        while len(self.reductions) > keep:
-            unit, finish = self.reductions.popleft()
-            self.deliver(unit, finish())
-
-    # --- gathering --------------------------------------------------------------------------------
+    # --- gathering ---------------------------------------------------------------------------------
 
     def _new_record(self, unit: Unit) -> _Gathered:
         check_shard(self.params, unit)
@@ -414,11 +517,26 @@ class Runtime:
         self.records.append(rec)
         return rec
 
-    def _gather(self, unit: Unit) -> tuple[_Gathered, dict[str, torch.Tensor]]:
-        self.gathers[unit.name] = self.gathers.get(unit.name, 0) + 1
+    def _gather(self, unit: Unit) -> tuple[_Gathered | None, dict[str, torch.Tensor]]:
+        self.uses[unit.name] = self.uses.get(unit.name, 0) + 1
+        if self.composable:
+            return None, self._gather_composable(unit)
         rec = self.prefetched.pop(unit.name, None) or self._new_record(unit)
         full = _GatherUnit.apply(check_shard(self.params, unit), rec)
         return rec, rec.views(full)
+
+    def _gather_composable(self, unit: Unit) -> dict[str, torch.Tensor]:
+        layout = self.params.layout
+        out: dict[str, torch.Tensor] = {}
+        for part, shard in shards_of(self.params, unit):
+            source = shard.to(dtype=self.schedule.gather_dtype(part.dtype), device=self.device or shard.device)
+            if part is unit:
+                full = all_gather(source, layout.group, unit=unit.name, grad_scale=1.0 / layout.world)
+            else:  # frozen: a constant
+                with torch.no_grad():
+                    full = all_gather(source.detach(), layout.group, unit=unit.name)
+            out.update(unit_views(part, full))
+        return out
 
     def _next_in_hint(self, name: str) -> str | None:
         hint = self.order_hint
@@ -430,7 +548,7 @@ class Runtime:
 
     def _prefetch(self, name: str | None) -> None:
         """Start gathering ``name`` (the unit expected to run next) if the limit allows."""
-        if name is None or name in self.prefetched or self.inflight >= self.schedule.max_inflight:
+        if self.composable or name is None or name in self.prefetched or self.inflight >= self.schedule.max_inflight:
             return
         rec = self._new_record(self.plan.unit(name))
         rec.start()
@@ -438,7 +556,7 @@ class Runtime:
 
     def prefetch_backward(self, rec: _Gathered) -> None:
         """Start refilling the unit whose backward comes next (the previous one in forward order)."""
-        if self.inflight >= self.schedule.max_inflight:
+        if self.inflight >= self.schedule.max_inflight or rec not in self.records:
             return
         at = self.records.index(rec)
         for earlier in reversed(self.records[:at]):
@@ -449,9 +567,11 @@ class Runtime:
     def after_backward(self, rec: _Gathered) -> None:
         if self.schedule.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self.prefetch_backward(rec)
+        if rec in self.records:
+            self.records.remove(rec)  # done: backward prefetch looks only at uses still to come
 
-    def _after_forward(self, rec: _Gathered, output: Any, reshard: bool) -> Any:
-        if not reshard:
+    def _after_forward(self, rec: _Gathered | None, output: Any, reshard: bool) -> Any:
+        if rec is None or not reshard:
             return output
         leaves, spec = torch_pytree.tree_flatten(output)
         idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -468,6 +588,43 @@ class Runtime:
         # The unit that ran last is needed again first: freeing it would only gather it twice.
         return not (self.order_hint and self._hint_at == len(self.order_hint) - 1 and self.order_hint[-1] == unit.name)
 
+    def finish_forward(self, loss: torch.Tensor) -> None:
+        """The loss is known: find the gathered uses its backward will reach (walking autograd's
+        graph), tell the sink how many per unit, and release the others now (a no-grad call,
+        an output thrown away): they will never get a backward, so backward must not refill them."""
+        gathers: set[int] = set()  # uses whose gradient the backward computes
+        needed: set[int] = set()  # uses whose gathered parameters the backward reads
+        seen: set[Any] = set()
+        stack = [loss.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            use = getattr(node, "fsdp_fn_use", None)
+            if use is not None:
+                gathers.add(id(use))
+            refill = getattr(node, "fsdp_fn_refill", None)
+            if refill is not None:
+                needed.add(id(refill))
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        uses: collections.Counter[str] = collections.Counter()
+        for rec in list(self.records):
+            if id(rec) in gathers:
+                uses[rec.unit.name] += 1
+            elif id(rec) not in needed and (rec.state is UnitState.FREED or not rec.unit.frozen):
+                # (a gathered frozen part may be read by the backward through its own views)
+                rec.release()
+                self.records.remove(rec)
+        self.sink.expect(uses)
+
+    def release_all(self) -> None:
+        """After backward: drop what is left (units with only frozen parameters get no gradient,
+        so nothing released them when their backward was done)."""
+        for rec in self.records:
+            rec.release()
+        self.records.clear()
+
     # --- running ------------------------------------------------------------------------------------
 
     def run(self, buffers: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:
@@ -480,6 +637,7 @@ class Runtime:
         precision = self.schedule.mixed_precision
         if precision.param_dtype is not None and precision.cast_forward_inputs:
             args, kwargs = _cast_floating((args, kwargs), precision.param_dtype)
+        first_record = len(self.records)
         tensors: dict[str, torch.Tensor] = {}
         for unit in self.plan.units:
             if unit.name == ROOT:
@@ -495,12 +653,12 @@ class Runtime:
         for unit in self.plan.units:
             if unit.name == ROOT:
                 continue
-            for path in unit.modules:
-                target = module.get_submodule(path)
-                handles.append(target.register_forward_pre_hook(self._pre_hook(unit, path, swapped)))
-                handles.append(target.register_forward_hook(self._post_hook(unit, path, swapped)))
+            for target in self.targets[unit.name]:
+                handles.append(target.register_forward_pre_hook(self._pre_hook(unit, target, swapped)))
+                handles.append(target.register_forward_hook(self._post_hook(unit, target, swapped)))
         try:
-            out = functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
+            with parameters_restored(module):
+                out = functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
         except Exception as e:
             where = f"unit {unit_label(self.running[-1])}" if self.running else "the root unit"
             e.add_note(f"fsdp_fn: raised in the forward of {where}")
@@ -515,33 +673,46 @@ class Runtime:
             self.running.clear()
         for rec in self.prefetched.values():  # prefetched along the hint, but not run this time
             rec.release()
+            self.records.remove(rec)
         self.prefetched.clear()
+        if not torch.is_grad_enabled():  # an evaluation call: nothing of it will get a backward
+            for rec in self.records[first_record:]:
+                rec.release()
+            del self.records[first_record:]
         if precision.output_dtype is not None:
             out = _cast_floating(out, precision.output_dtype)
         return out
 
-    def _pre_hook(self, unit: Unit, path: str, swapped: list[tuple[nn.Module, str, Any]]) -> Callable[..., None]:
+    def _pre_hook(
+        self, unit: Unit, target: nn.Module, swapped: list[tuple[nn.Module, str, Any]]
+    ) -> Callable[..., None]:
+        key = (unit.name, id(target))
+
         def hook(module: nn.Module, args: Any) -> None:
             self.running.append(unit.name)
             rec, views = self._gather(unit)
             upcoming = self._next_in_hint(unit.name)
             if self.schedule.forward_prefetch:
                 self._prefetch(upcoming)
-            for owner, attr, name in self.slots[(unit.name, path)]:
+            for owner, attr, name in self.slots[key]:
                 swapped.append((owner, attr, owner._parameters[attr]))
                 owner._parameters[attr] = views[name]  # type: ignore[assignment]
             self.order.append(unit.name)
-            self.live.setdefault((unit.name, path), []).append(rec)
+            self.live.setdefault(key, []).append(rec)
 
         return hook
 
-    def _post_hook(self, unit: Unit, path: str, swapped: list[tuple[nn.Module, str, Any]]) -> Callable[..., Any]:
+    def _post_hook(
+        self, unit: Unit, target: nn.Module, swapped: list[tuple[nn.Module, str, Any]]
+    ) -> Callable[..., Any]:
+        key = (unit.name, id(target))
+
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            for _ in self.slots[(unit.name, path)]:
+            for _ in self.slots[key]:
                 owner, attr, original = swapped.pop()
                 owner._parameters[attr] = original
             self.running.pop()
-            return self._after_forward(self.live[(unit.name, path)].pop(), output, self._reshard(unit))
+            return self._after_forward(self.live[key].pop(), output, self._reshard(unit))
 
         return hook
 
@@ -569,11 +740,12 @@ def apply_sharded(
 ) -> Any:
     """``fn(full_params, buffers, *args, **kwargs)`` computed from sharded ``params``.
 
-    Each unit is all-gathered just before its module runs and, after its forward, its
-    gathered buffer is freed until its backward gathers it again; the root unit stays
-    gathered for the whole call. Differentiable with ``torch.func``: the gradient with
-    respect to ``params`` is the reduce-scattered (rank-averaged) gradient. Memory: shards
-    plus the units in flight; communication: one all-gather per unit in forward, one more
-    per (non-root) unit in backward, one reduce-scatter per unit in backward.
+    Each unit is all-gathered just before its module runs, by the differentiable
+    all-gather of ``gather_for``: the gradient with respect to ``params`` is the
+    reduce-scattered (rank-averaged) gradient, and every ``torch.func`` transform composes
+    (``grad``, ``vjp``, ``jvp``, ``vmap``, grad of grad) as does plain ``.backward()`` when
+    the shards require grad. Memory: shards plus every unit gathered so far (autograd keeps
+    them for the backward; the train step's own pass frees them instead); communication:
+    one all-gather per unit use in forward, one reduce-scatter per use in backward.
     """
-    return Runtime(fn, params).run(buffers, *args, **kwargs)
+    return Runtime(fn, params, composable=True).run(buffers, *args, **kwargs)

@@ -232,7 +232,7 @@ def estimate_memory(
     others = sorted((u.gather_bytes(world) for u in plan.units if u.name != ROOT), reverse=True)
     root = next((u.gather_bytes(world) for u in plan.units if u.name == ROOT), 0)
     largest_shard = max(shard_bytes.values())
-    counters = 4 * len(plan.units) if optimizer_slots else 0  # one 0-d float32 step count per unit
+    counters = 4 * sum(len(u.params) for u in plan.units)  # one float32 step count per trainable parameter
     return MemoryEstimate(
         params=params,
         grads=largest_shard if update_in_backward else params,

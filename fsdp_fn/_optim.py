@@ -5,6 +5,11 @@
 ``torch.optim.AdamW``/``SGD`` element for element. It updates the shard tensors in
 place and returns them (the buffers are donated, as with JAX's ``donate_argnums``):
 optimizer memory is exactly the sharded moments, never a second copy of the parameters.
+
+torch.optim skips a parameter whose ``.grad`` is ``None``; so do these, per parameter:
+``grads.received`` (set by ``value_and_grad``) says which parameters of each unit got a
+gradient, and the others keep their values, moments and step counts. Step counts are
+kept per parameter, as torch.optim keeps them.
 """
 
 from __future__ import annotations
@@ -12,40 +17,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import optree
 import torch
 from torch.optim.adamw import adamw as _adamw_kernel
 from torch.optim.sgd import sgd as _sgd_kernel
 
-from fsdp_fn._shard import NAMESPACE, Sharded
+from fsdp_fn._plan import Unit, unit_label
+from fsdp_fn._shard import Sharded
+from fsdp_fn._tree import tree_leaves, tree_map
 
-
-def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
-    """``optree.tree_map`` that sees through ``Sharded`` (its namespace is ``"fsdp_fn"``)."""
-    return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
-
-
-def tree_leaves(tree: Any) -> list[Any]:
-    return optree.tree_leaves(tree, namespace=NAMESPACE)  # type: ignore[no-any-return]
-
-
-def select_units(tree: Any, units: list[str]) -> Any:
-    """``tree`` with every ``Sharded`` in it cut down to ``units`` (a dict of their shards)."""
-    return optree.tree_map(
-        lambda x: {u: x[u] for u in units} if isinstance(x, Sharded) else x,
-        tree,
-        is_leaf=lambda x: isinstance(x, Sharded),
-        none_is_leaf=True,
-        namespace=NAMESPACE,
-    )
+__all__ = ["AdamWState", "Optimizer", "SGDState", "adamw", "from_torch", "sgd", "tree_leaves", "tree_map"]
 
 
 class Optimizer(NamedTuple):
     """A pair of functions, as in optax: ``init(params) -> state``, ``update(grads, state, params)``.
 
-    ``update`` works elementwise on any selection of units (``select_units`` of all three
-    trees) and writes the shards and its state in place, so fsdp_fn can step a unit the
-    moment its gradient is ready, or skip units the forward never used.
+    ``update`` steps, in place, exactly the parameters ``grads.received`` marks (all of
+    them when it is ``None``), so fsdp_fn can step one unit the moment its gradient is
+    ready, and skip parameters the forward never used, as torch.optim does.
     """
 
     init: Callable[[Sharded], Any]
@@ -53,18 +41,82 @@ class Optimizer(NamedTuple):
 
 
 class AdamWState(NamedTuple):
-    steps: Sharded  # a 0-d step counter per unit (torch's kernels keep one per tensor)
+    steps: Sharded  # per unit: one float32 step count per trainable parameter, shape (len(unit.params),)
     exp_avg: Sharded
     exp_avg_sq: Sharded
 
 
 class SGDState(NamedTuple):
-    steps: Sharded  # a 0-d step counter per unit
+    steps: Sharded  # per unit: one float32 step count per trainable parameter
     momentum: Sharded | None  # None without momentum
 
 
 def _zeros_like(t: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(t, memory_format=torch.contiguous_format)
+
+
+def _step_counts(params: Sharded) -> Sharded:
+    return params.replace({u.name: torch.zeros(len(u.params), dtype=torch.float32) for u in params.plan.units})
+
+
+class _Slices(NamedTuple):
+    """What one kernel call steps: parallel lists of tensors (whole shards or per-parameter views)."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    states: list[list[torch.Tensor]]  # one list per state tensor kind (moments)
+    steps: list[torch.Tensor]  # 0-d views into the per-parameter step counts
+
+
+def _select(grads: Sharded, params: Sharded, states: list[Sharded], steps: Sharded) -> _Slices:
+    """The tensors to step, unit by unit: a unit whose parameters all got a gradient and share
+    one step count is stepped as one flat shard (its padding is zero and stays zero);
+    otherwise each received parameter's slice of this rank's shard is stepped on its own.
+    Step counts of received parameters this rank holds no element of still advance."""
+    out = _Slices([], [], [[] for _ in states], [])
+    layout = params.layout
+    for unit in params.plan.units:
+        if not unit.params:
+            continue
+        mask = _mask(grads, unit)
+        if not any(mask):
+            continue
+        counts = steps[unit.name]
+        whole = all(mask) and bool((counts == counts[0]).all())
+        if whole:
+            out.params.append(params[unit.name])
+            out.grads.append(grads[unit.name])
+            for kind, state in zip(out.states, states, strict=True):
+                kind.append(state[unit.name])
+            out.steps.append(counts[0])
+            continue
+        for i, lo, hi in unit.local_ranges(layout.world, layout.rank):
+            if not mask[i]:
+                continue
+            if lo == hi:
+                counts[i] += 1  # no element here, but torch counts the step for the parameter
+                continue
+            out.params.append(params[unit.name][lo:hi])
+            out.grads.append(grads[unit.name][lo:hi])
+            for kind, state in zip(out.states, states, strict=True):
+                kind.append(state[unit.name][lo:hi])
+            out.steps.append(counts[i])
+    return out
+
+
+def _sync_counts(grads: Sharded, steps: Sharded) -> None:
+    """After a whole-unit step only the first count moved: copy it to the others."""
+    for unit in steps.plan.units:
+        counts = steps[unit.name]
+        if len(counts) > 1 and all(_mask(grads, unit)):
+            counts[1:] = counts[0]
+
+
+def _mask(grads: Sharded, unit: Unit) -> tuple[bool, ...]:
+    received = grads.received
+    if received is None:
+        return (True,) * len(unit.params)
+    return tuple(received.get(unit.name, (False,) * len(unit.params)))
 
 
 def adamw(
@@ -88,29 +140,28 @@ def adamw(
         )
 
     def init(params: Sharded) -> AdamWState:
-        return AdamWState(
-            tree_map(lambda t: torch.zeros((), dtype=torch.float32), params),
-            tree_map(_zeros_like, params),
-            tree_map(_zeros_like, params),
-        )
+        return AdamWState(_step_counts(params), tree_map(_zeros_like, params), tree_map(_zeros_like, params))
 
     def update(grads: Sharded, state: AdamWState, params: Sharded) -> tuple[Sharded, AdamWState]:
-        _adamw_kernel(
-            tree_leaves(params),
-            tree_leaves(grads),
-            tree_leaves(state.exp_avg),
-            tree_leaves(state.exp_avg_sq),
-            [],
-            tree_leaves(state.steps),
-            foreach=foreach,
-            amsgrad=False,
-            beta1=betas[0],
-            beta2=betas[1],
-            lr=lr,
-            weight_decay=weight_decay,
-            eps=eps,
-            maximize=maximize,
-        )
+        todo = _select(grads, params, [state.exp_avg, state.exp_avg_sq], state.steps)
+        if todo.params:
+            _adamw_kernel(
+                todo.params,
+                todo.grads,
+                todo.states[0],
+                todo.states[1],
+                [],
+                todo.steps,
+                foreach=foreach,
+                amsgrad=False,
+                beta1=betas[0],
+                beta2=betas[1],
+                lr=lr,
+                weight_decay=weight_decay,
+                eps=eps,
+                maximize=maximize,
+            )
+        _sync_counts(grads, state.steps)
         return params, state
 
     return Optimizer(init, update)
@@ -133,36 +184,36 @@ def sgd(
         raise ValueError("nesterov momentum needs momentum > 0 and dampening = 0")
 
     def init(params: Sharded) -> SGDState:
-        steps = tree_map(lambda t: torch.zeros((), dtype=torch.float32), params)
-        return SGDState(steps, tree_map(_zeros_like, params) if momentum else None)
+        return SGDState(_step_counts(params), tree_map(_zeros_like, params) if momentum else None)
 
     def update(grads: Sharded, state: SGDState, params: Sharded) -> tuple[Sharded, SGDState]:
-        buffers: list[torch.Tensor | None] = [None] * len(tree_leaves(params))
-        if state.momentum is not None:
-            buffers = list(tree_leaves(state.momentum))
-            # torch starts a buffer as a copy of the first gradient; zeros + gradient is the
-            # same thing unless dampening scales the gradient.
-            if dampening:
-                first = [int(s.item()) == 0 for s in tree_leaves(state.steps)]
-                buffers = [None if f else b for f, b in zip(first, buffers, strict=True)]
-        _sgd_kernel(
-            tree_leaves(params),
-            tree_leaves(grads),
-            buffers,
-            foreach=foreach,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            lr=lr,
-            dampening=dampening,
-            nesterov=nesterov,
-            maximize=maximize,
-        )
-        if state.momentum is not None:
-            for mine, used in zip(tree_leaves(state.momentum), buffers, strict=True):
-                if used is not None and used is not mine:
-                    mine.copy_(used)
-        for s in tree_leaves(state.steps):
-            s.add_(1)
+        states = [state.momentum] if state.momentum is not None else []
+        todo = _select(grads, params, states, state.steps)
+        if todo.params:
+            mine = todo.states[0] if states else []
+            # torch starts a momentum buffer as a copy of the first gradient: a parameter
+            # seen for the first time gets None, and the kernel's new buffer is copied back.
+            buffers: list[torch.Tensor | None] = [None] * len(todo.params)
+            for k, (count, buffer) in enumerate(zip(todo.steps, mine, strict=False)):
+                buffers[k] = None if int(count.item()) == 0 else buffer
+            _sgd_kernel(
+                todo.params,
+                todo.grads,
+                buffers,
+                foreach=foreach,
+                weight_decay=weight_decay,
+                momentum=momentum,
+                lr=lr,
+                dampening=dampening,
+                nesterov=nesterov,
+                maximize=maximize,
+            )
+            for target, used in zip(mine, buffers, strict=False):
+                if used is not None and used is not target:
+                    target.copy_(used)
+            for s in todo.steps:
+                s.add_(1)
+        _sync_counts(grads, state.steps)
         return params, state
 
     return Optimizer(init, update)
@@ -171,7 +222,10 @@ def sgd(
 def from_torch(optimizer: torch.optim.Optimizer) -> Optimizer:
     """Use any ``torch.optim`` optimizer built on the shard tensors (``list(params.values())``).
 
-    Its state lives in the optimizer object, sharded because its tensors are shards.
+    Its state lives in the optimizer object, sharded because its tensors are shards. It
+    sees one tensor per unit, so it skips whole units: a unit none of whose parameters got
+    a gradient is skipped (its ``.grad`` is ``None``); a unit where only some did raises,
+    naming them (``adamw``/``sgd`` skip per parameter).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"from_torch wants a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -195,13 +249,25 @@ def from_torch(optimizer: torch.optim.Optimizer) -> Optimizer:
         return optimizer
 
     def update(grads: Sharded, state: torch.optim.Optimizer, params: Sharded) -> tuple[Sharded, torch.optim.Optimizer]:
-        shards = _check(params, whole=False)  # any selection of units may step
-        for p, g in zip(shards, tree_leaves(grads), strict=True):
-            p.grad = g
+        _check(params, whole=False)
+        stepped = []
+        for unit in params.plan.units:
+            mask = _mask(grads, unit)
+            if any(mask) and not all(mask):
+                unused = [spec.name for spec, got in zip(unit.params, mask, strict=True) if not got]
+                raise ValueError(
+                    f"parameters {unused} of unit {unit_label(unit.name)} got no gradient while the rest of the "
+                    "unit did; a torch.optim optimizer on flat shards can only skip whole units: use ff.adamw or "
+                    "ff.sgd (they skip per parameter, as torch.optim does)"
+                )
+            if unit.params and all(mask):
+                params[unit.name].grad = grads[unit.name]
+                stepped.append(params[unit.name])
         try:
-            state.step()
+            if stepped:
+                state.step()
         finally:
-            for p in shards:
+            for p in stepped:
                 p.grad = None
         return params, state
 

@@ -109,6 +109,16 @@ class Unit:
     def padded_numel(self, world: int) -> int:
         return self.shard_numel(world) * world
 
+    def local_ranges(self, world: int, rank: int) -> tuple[tuple[int, int, int], ...]:
+        """``(i, lo, hi)`` for every parameter ``i`` of ``params``: the elements ``[lo, hi)`` of
+        rank ``rank``'s shard that hold part of it (``lo == hi`` when the rank holds none)."""
+        n = self.shard_numel(world)
+        start, out = rank * n, []
+        for i, (spec, at) in enumerate(zip(self.params, self.offsets, strict=True)):
+            lo, hi = max(at, start), min(at + spec.numel, start + n)
+            out.append((i, lo - start, max(lo, hi) - start))
+        return tuple(out)
+
     def gather_bytes(self, world: int = 1, dtype: torch.dtype | None = None) -> int:
         """Bytes of the gathered flat buffers (padding included, frozen part too) on one rank."""
         total = self.padded_numel(world) * (dtype or self.dtype).itemsize
@@ -375,8 +385,9 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
         elif ROOT in owners or ROOT in holders:
             home = ROOT  # the root stays gathered for the whole forward: every use sees it
         else:
-            # Used in several units: a unit of its own, gathered by each module that uses it.
-            home = spec.name
+            # Used in several units: a unit of its own, gathered by each module that uses it
+            # (one unit for every parameter of a module shared whole by several units).
+            home = next((u for u, h in shared.items() if h == holders), spec.name)
             shared[home] = holders
         members.setdefault(home, []).append(spec)
 
@@ -389,10 +400,12 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
                 members.setdefault(holders[0], []).append(spec)
                 unit_set.add(holders[0])
             else:
-                members[spec.name] = [spec]
-                shared[spec.name] = holders
+                home = next((u for u, h in shared.items() if h == holders), spec.name)
+                members.setdefault(home, []).append(spec)
+                shared[home] = holders
 
-    position = {n: i for i, (n, _) in enumerate(module.named_modules())}
+    # Every path a module is reachable by (a module shared by two units appears under each).
+    position = {n: i for i, (n, _) in enumerate(module.named_modules(remove_duplicate=False))}
 
     def first_use(name: str) -> int:
         return min(position[h] for h in shared[name]) if name in shared else position[name]

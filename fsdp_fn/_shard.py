@@ -15,8 +15,9 @@ from fsdp_fn._agree import agree
 from fsdp_fn._collectives import _ReduceScatter, all_gather, all_reduce_
 from fsdp_fn._group import Group, resolve_groups
 from fsdp_fn._plan import Plan, Unit, unit_label
+from fsdp_fn._tree import NAMESPACE
 
-NAMESPACE = "fsdp_fn"  # optree namespace under which ``Sharded`` is a pytree node
+__all__ = ["NAMESPACE", "Layout", "Sharded", "reduce_grads", "shard", "unshard"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,16 +66,26 @@ class Sharded:
     A pytree node for optree (namespace ``"fsdp_fn"``) and for ``torch.utils._pytree``
     (so ``torch.func`` transforms see the shard tensors as leaves). Gradients and
     optimizer moments share this type, so they are sharded by construction.
+
+    ``received`` (gradients only): for each unit, which of its trainable parameters got a
+    gradient (``value_and_grad`` sets it; ``None`` means all of them). Optimizers skip the
+    others, as torch.optim skips a parameter whose ``.grad`` is ``None``. It is not part of
+    the pytree structure: ``tree_map`` returns a tree without it. ``consumed`` says why the
+    shards may no longer be used (donated to a step, left half-updated by a failed one).
     """
 
-    __slots__ = ("layout", "shards")
+    __slots__ = ("consumed", "layout", "received", "shards")
 
-    def __init__(self, shards: Mapping[str, Any], layout: Layout) -> None:
+    def __init__(
+        self, shards: Mapping[str, Any], layout: Layout, received: Mapping[str, tuple[bool, ...]] | None = None
+    ) -> None:
         names = layout.plan.unit_names
         if tuple(shards) != names:
             raise ValueError(f"shards are keyed {tuple(shards)}, the plan's units are {names}")
         self.shards = dict(shards)
         self.layout = layout
+        self.received = dict(received) if received is not None else None
+        self.consumed: str | None = None
 
     @property
     def plan(self) -> Plan:
@@ -102,6 +113,10 @@ class Sharded:
     def replace_one(self, unit: str, shard: Any) -> Sharded:
         return Sharded({**self.shards, unit: shard}, self.layout)
 
+    def with_received(self, received: Mapping[str, tuple[bool, ...]] | None) -> Sharded:
+        """The same shards, marking which parameters of each unit got a gradient."""
+        return Sharded(self.shards, self.layout, received)
+
     def __repr__(self) -> str:
         inner = ", ".join(
             f"{unit_label(k)}: {tuple(v.shape) if isinstance(v, torch.Tensor) else v!r}" for k, v in self.shards.items()
@@ -123,6 +138,14 @@ torch_pytree.register_pytree_node(
     lambda s: (list(s.shards.values()), s.layout),
     lambda children, layout: _unflatten(layout, children),
 )
+
+
+def ensure_live(tree: Any, what: str) -> None:
+    """Raise if a ``Sharded`` in ``tree`` was donated to a step (its tensors now hold the
+    step's result) or left half-updated by a failed step."""
+    for node in optree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Sharded), namespace=NAMESPACE):
+        if isinstance(node, Sharded) and node.consumed is not None:
+            raise RuntimeError(f"{what}: {node.consumed}")
 
 
 # --- shard / unshard / reduce_grads -----------------------------------------------------
@@ -265,6 +288,7 @@ def unshard(sharded: Sharded) -> dict[str, torch.Tensor]:
 
     Memory: the whole model on every rank. For checkpoints, evaluation and tests.
     """
+    ensure_live(sharded, "unshard")
     out: dict[str, torch.Tensor] = {}
     world = sharded.layout.world
     for unit in sharded.plan.units:

@@ -4,24 +4,27 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple, cast
 
+import optree
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
-from torch.func import vjp
 
+from fsdp_fn._agree import DivergenceError
 from fsdp_fn._collectives import all_gather_into, all_reduce_, broadcast_
 from fsdp_fn._functional import Functional
-from fsdp_fn._gather import Runtime
+from fsdp_fn._gather import GradSink, Runtime, metrics_words
+from fsdp_fn._grad import LossFn, lean_pass
 from fsdp_fn._guard import Guard
 from fsdp_fn._memory import label
-from fsdp_fn._optim import Optimizer, select_units, tree_leaves, tree_map
+from fsdp_fn._optim import Optimizer
+from fsdp_fn._plan import Plan, unit_label
 from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedule
-from fsdp_fn._shard import Layout, Sharded
+from fsdp_fn._shard import Layout, Sharded, ensure_live
+from fsdp_fn._tree import NAMESPACE, tree_leaves, tree_map
 
-LossFn = Callable[[Callable[..., Any], Any], torch.Tensor]
 BufferSync = Literal["broadcast", "mean"] | None
 Accumulate = Literal["sharded", "full"]
 CheckSchedule = Literal["first", "always", "never"]
@@ -161,6 +164,7 @@ class TrainStep:
         """
         if not isinstance(params, Sharded):
             raise TypeError(f"init wants Sharded params (from shard()), got {type(params).__name__}")
+        ensure_live(params, "init")
         source = self.fn.buffers if buffers is None else buffers
         device = self.schedule.cpu_offload.compute_device() if self.schedule.cpu_offload else None
         dtype = self.schedule.mixed_precision.buffer_dtype
@@ -193,21 +197,37 @@ class TrainStep:
         ``accumulate="full"`` every unit's full gradient lives across the micro-batches).
         Communication: per unit, an all-gather in forward and in backward and one
         reduce-scatter (per micro-batch, except with ``accumulate="full"``: once); one
-        all-gather of four numbers per rank (the metrics and the schedule check); with
-        buffers, one broadcast (or all-reduce) of them per dtype. If the forward or the loss
-        raises, ``state`` is untouched. Units the forward never ran are not stepped (as torch.optim skips
-        parameters without a gradient).
+        all-gather of a few numbers per rank (the metrics, the schedule check, which
+        parameters got a gradient); with buffers, one broadcast (or all-reduce) of them per
+        dtype. If the forward, the loss or the backward raises, ``state`` is untouched
+        (with ``update_in_backward``, units already stepped make it unusable, and saying so
+        is the next use's error). Parameters the loss never reached are not stepped, as
+        torch.optim skips parameters whose ``.grad`` is ``None``.
         """
+        ensure_live((state.params, state.opt_state), f"step {self.calls + 1}")
+        if not self.donate and isinstance(state.opt_state, torch.optim.Optimizer):
+            raise ValueError(
+                "donate=False keeps the input state intact, but a from_torch optimizer keeps its state inside "
+                "the torch optimizer object, which every step changes; use donate=True with from_torch, or "
+                "ff.adamw / ff.sgd"
+            )
         self.calls += 1
         check = self._check_next
         self._check_next = self.check_schedule == "always"
         guard = Guard(state.params.group, self.calls, timeout=self.timeout, check=check)
         with guard.active():
-            return self._step(state, batch, guard)
+            new, metrics = self._step(state, batch, guard)
+        if self.donate:
+            _consume(
+                (state.params, state.opt_state),
+                f"these shards were donated to step {self.calls} (donate=True updates in place, so they hold "
+                "that step's result now); use the state the step returned, or build the step with donate=False",
+            )
+        return new, metrics
 
     def _step(self, state: TrainState, batch: Any, guard: Guard) -> tuple[TrainState, dict[str, torch.Tensor]]:
         params, opt_state, buffers = state.params, state.opt_state, state.buffers
-        layout = params.layout
+        layout, plan = params.layout, params.plan
         micro = self._micro_batches(batch)
         for mb in micro:
             _check_not_empty(mb, guard.rank)
@@ -216,77 +236,74 @@ class TrainStep:
         if not self.donate:  # the forward moves buffers in place too: copy them with the rest
             params, opt_state, buffers = tree_map(torch.clone, (params, opt_state, buffers))
         square_norms: dict[str, torch.Tensor] = {}
+        stepped: list[str] = []  # update_in_backward: units already updated
 
-        def step_unit(unit: str, grad: torch.Tensor) -> None:
+        def step_unit(unit: str, grad: torch.Tensor, received: tuple[bool, ...]) -> None:
             square_norms[unit] = _square_norm(grad)
-            one = [unit]
-            self.optimizer.update(
-                select_units(params.replace_one(unit, grad), one),
-                select_units(opt_state, one),
-                select_units(params, one),
-            )
-
-        # Gradient shards arrive through on_grad as each unit's reduce-scatter completes (in the
-        # background of the rest of backward); vjp's own result is all zeros and unused.
-        total: dict[str, torch.Tensor] = {}
-
-        def collect(unit: str, grad: torch.Tensor) -> None:
-            total[unit] = total[unit].add_(grad) if unit in total else grad
+            only = params.replace({u: grad if u == unit else params[u] for u in plan.unit_names})
+            self.optimizer.update(only.with_received({unit: received}), opt_state, params)
+            stepped.append(unit)
 
         deferred: dict[str, torch.Tensor] | None = {} if self.accumulation > 1 and self.accumulate == "full" else None
+        sink = GradSink(params, self.schedule, defer=deferred, on_unit=step_unit if self.update_in_backward else None)
         losses = []
-        used: dict[str, None] = {}
-        runtime = None
-        for mb in micro:
-            runtime = Runtime(
-                self.fn,
-                params,
-                schedule=self.schedule,
-                order_hint=self.unit_order,
-                on_grad=step_unit if self.update_in_backward else collect,
-                deferred=deferred,
-            )
-            losses.append(self._forward_backward(runtime, params, buffers, mb))
-            used.update(dict.fromkeys(runtime.gathers))
-            self.unit_order = runtime.order
-        assert runtime is not None
-        if deferred is not None:  # accumulate="full": one reduce-scatter per unit, now
-            total = {u.name: runtime.reduce(u, deferred.pop(u.name))() for u in params.plan.units if u.name in deferred}
-        loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
-        order = [u for u in params.plan.unit_names if u in used]
-        skipped = torch.zeros((), dtype=torch.bool)
-
-        if self.update_in_backward:
-            stats = self._global(loss, square_norms.values(), layout, guard, "the units' updates were already applied")
-        else:
-            if len(micro) > 1:
-                for g in total.values():
-                    g.div_(len(micro))
-            grads = params.replace({u: total.get(u, torch.zeros_like(params[u])) for u in params.plan.unit_names})
-            stats = self._global(
-                loss, (_square_norm(grads[u]) for u in order), layout, guard, "the step was not applied"
-            )
-            norm = stats[1].sqrt()
-            # Reading the verdict on the host is a sync: only when the guard is asked for.
-            if self.skip_nonfinite and not bool(torch.isfinite(stats).all()):
-                skipped = torch.ones((), dtype=torch.bool)
-                assert saved_buffers is not None
-                for k, b in buffers.items():
-                    b.copy_(saved_buffers[k])
+        try:
+            for mb in micro:
+                runtime = Runtime(self.fn, params, schedule=self.schedule, order_hint=self.unit_order, sink=sink)
+                losses.append(lean_pass(runtime, params, buffers, mb, self.loss_fn))
+                self.unit_order = runtime.order
+            if deferred is not None:  # accumulate="full": one reduce-scatter per unit, now
+                sink.reduce_deferred()
+            loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
+            masks = sink.received_masks()
+            skipped = torch.zeros((), dtype=torch.bool)
+            if self.update_in_backward:
+                stats, merged, same = self._global(loss, square_norms.values(), masks, layout, guard, "")
+                if not same:
+                    raise DivergenceError(
+                        "with update_in_backward each rank steps a unit as soon as its gradient is ready, so every "
+                        "rank must reach the same parameters; they differ at "
+                        f"{_first_difference(masks, merged, plan)}: the units' updates were already applied"
+                    )
             else:
-                if self.clip_grad_norm is not None:
-                    _scale(grads, self.clip_grad_norm, norm)
-                update = (grads, opt_state, params)
-                if len(order) < len(params):
-                    update = tuple(select_units(tree, order) for tree in update)  # type: ignore[assignment]
-                self.optimizer.update(*update)
-            del grads, total
+                totals = sink.totals
+                if len(micro) > 1:
+                    for g in totals.values():
+                        g.div_(len(micro))
+                norms = (_square_norm(totals[u]) for u in plan.unit_names if u in totals)
+                stats, merged, _ = self._global(loss, norms, masks, layout, guard, "the step was not applied")
+                grads = params.replace(
+                    {u: totals[u] if u in totals else torch.zeros_like(params[u]) for u in plan.unit_names}
+                ).with_received(merged)
+                norm = stats[1].sqrt()
+                # Reading the verdict on the host is a sync: only when the guard is asked for.
+                if self.skip_nonfinite and not bool(torch.isfinite(stats).all()):
+                    skipped = torch.ones((), dtype=torch.bool)
+                    assert saved_buffers is not None
+                    for k, b in buffers.items():
+                        b.copy_(saved_buffers[k])
+                else:
+                    if self.clip_grad_norm is not None:
+                        _scale(grads, self.clip_grad_norm, norm)
+                    self.optimizer.update(grads, opt_state, params)
+                del grads, totals
+        except BaseException as e:
+            if stepped:
+                note = (
+                    f"step {self.calls} failed after update_in_backward had already stepped units "
+                    f"{', '.join(unit_label(u) for u in stepped)}: these shards and optimizer state are "
+                    "half-updated and a retry would apply those updates twice; restore the last checkpoint"
+                )
+                _consume((state.params, state.opt_state), note)
+                e.add_note(f"fsdp_fn: {note}")
+            raise
 
         metrics = {"loss": stats[0].float(), "grad_norm": stats[1].sqrt().float(), "skipped": skipped}
         sync_buffers(buffers, layout.group, self.buffer_sync)
         if layout.replicate is not None:
             sync_buffers(buffers, layout.replicate, self.buffer_sync)
-        return TrainState(params, opt_state, buffers, state.step + int(not skipped)), metrics
+        new = TrainState(params.replace(params.shards), _fresh(opt_state), buffers, state.step + int(not skipped))
+        return new, metrics
 
     def _micro_batches(self, batch: Any) -> Sequence[Any]:
         if self.accumulation == 1:
@@ -299,46 +316,83 @@ class TrainStep:
             )
         return batch
 
-    def _forward_backward(
-        self, runtime: Runtime, params: Sharded, buffers: dict[str, torch.Tensor], batch: Any
-    ) -> torch.Tensor:
-        """This rank's loss; the gradient shards go to the runtime's ``on_grad`` as they are ready."""
-
-        def objective(shards: dict[str, torch.Tensor]) -> torch.Tensor:
-            model = functools.partial(runtime.run_on, params.replace(shards), buffers)
-            loss = self.loss_fn(model, batch)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-                got = (
-                    f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-                )
-                raise TypeError(f"loss_fn must return a floating scalar tensor, got {got}")
-            return loss.reshape(())
-
-        # vjp rather than grad: grad always differentiates with create_graph=True, which keeps
-        # every backward intermediate alive for a second derivative nobody asked for.
-        loss, vjp_fn = vjp(objective, params.shards)  # type: ignore[misc]
-        vjp_fn(torch.ones_like(loss), retain_graph=False, create_graph=False)
-        runtime.drain()  # the reduce-scatters still in flight, before anything reads a gradient
-        return cast(torch.Tensor, loss.detach())
-
     @staticmethod
-    def _global(loss: torch.Tensor, square_norms: Any, layout: Layout, guard: Guard, consequence: str) -> torch.Tensor:
-        """[mean loss over all ranks, squared global gradient norm], and a check that every rank
-        issued the same collectives: one all-gather of four numbers (and an all-reduce with replicas)."""
+    def _global(
+        loss: torch.Tensor,
+        square_norms: Any,
+        masks: Mapping[str, tuple[bool, ...]],
+        layout: Layout,
+        guard: Guard,
+        consequence: str,
+    ) -> tuple[torch.Tensor, dict[str, tuple[bool, ...]], bool]:
+        """One all-gather of a few numbers per rank: [mean loss over all ranks, squared global
+        gradient norm], which parameters got a gradient on any rank (and whether every rank
+        agrees), and a check that every rank issued the same collectives (an all-reduce
+        more with replicas)."""
+        plan = layout.plan
         zero = torch.zeros((), dtype=torch.float64, device=loss.device)
         square = sum((n.to(loss.device) for n in square_norms), zero)
         lo, hi = guard.fingerprint()
-        mine = torch.stack([loss.double(), square, zero + lo, zero + hi])
-        everyone = torch.empty(layout.world * 4, dtype=torch.float64, device=loss.device)
+        words = _pack_masks(masks, plan)
+        mine = torch.cat([torch.stack([loss.double(), square, zero + lo, zero + hi]), words.to(loss.device)])
+        width = metrics_words(plan)
+        everyone = torch.empty(layout.world * width, dtype=torch.float64, device=loss.device)
         all_gather_into(everyone, mine, layout.group, None)
-        everyone = everyone.view(layout.world, 4)
-        guard.compare(everyone[:, 2:].cpu(), consequence)
+        everyone = everyone.view(layout.world, width)
+        guard.compare(everyone[:, 2:4].cpu(), consequence or "the units' updates were already applied")
+        bits = everyone[:, 4:].cpu().to(torch.int64)
+        same = bool((bits == bits[0]).all())
+        merged = _unpack_masks(functools.reduce(torch.bitwise_or, bits.unbind(0)), plan)
         stats = everyone[:, :2].sum(0)
         if layout.replicate is not None:  # replicas hold the same gradient shards: count them once
             all_reduce_(stats, layout.replicate)
             stats[1] /= layout.replicas
         stats[0] /= layout.world * layout.replicas
-        return stats
+        return stats, merged, same
+
+
+_BITS = 48  # per float64 number: exact as an integer
+
+
+def _pack_masks(masks: Mapping[str, tuple[bool, ...]], plan: Plan) -> torch.Tensor:
+    bits = [b for u in plan.units for b in masks.get(u.name, (False,) * len(u.params))]
+    words = [sum(1 << k for k, b in enumerate(bits[at : at + _BITS]) if b) for at in range(0, len(bits), _BITS)]
+    return torch.tensor(words, dtype=torch.float64)
+
+
+def _unpack_masks(words: torch.Tensor, plan: Plan) -> dict[str, tuple[bool, ...]]:
+    values = [int(w) for w in words]
+    out, at = {}, 0
+    for u in plan.units:
+        out[u.name] = tuple(bool(values[(at + i) // _BITS] >> ((at + i) % _BITS) & 1) for i in range(len(u.params)))
+        at += len(u.params)
+    return out
+
+
+def _first_difference(mine: Mapping[str, tuple[bool, ...]], merged: Mapping[str, tuple[bool, ...]], plan: Plan) -> str:
+    for u in plan.units:
+        ours = mine.get(u.name, (False,) * len(u.params))
+        for spec, a, b in zip(u.params, ours, merged[u.name], strict=True):
+            if a != b:
+                return f"parameter {spec.name!r} (unit {unit_label(u.name)})"
+    return "a parameter another rank reached"
+
+
+def _consume(tree: Any, why: str) -> None:
+    for node in optree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Sharded), namespace=NAMESPACE):
+        if isinstance(node, Sharded):
+            node.consumed = why
+
+
+def _fresh(tree: Any) -> Any:
+    """The same tensors in new ``Sharded`` nodes (the old ones are marked consumed)."""
+    return optree.tree_map(
+        lambda x: x.replace(x.shards) if isinstance(x, Sharded) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, Sharded),
+        none_is_leaf=True,
+        namespace=NAMESPACE,
+    )
 
 
 def _check_not_empty(batch: Any, rank: int) -> None:

@@ -74,7 +74,9 @@ def _train_with(
     out = {
         "plan": plan,
         "logs": logs if log_comm else None,
-        "state_bytes": sum(t.numel() * t.element_size() for t in ff.tree_leaves(state.opt_state) if t.dim()),
+        "state_bytes": sum(
+            t.numel() * t.element_size() for t in ff.tree_leaves((state.opt_state.exp_avg, state.opt_state.exp_avg_sq))
+        ),
         "shard_bytes": sum(t.numel() * t.element_size() for t in state.params.values()),
     }
     if rank != 0:

@@ -176,8 +176,8 @@ def test_estimate_from_the_plan_alone():
     plan = ff.make_plan(model, ff.layer_policy([Block]))
     est = ff.estimate_memory(plan, 4)
     assert est.params == sum(u.shard_numel(4) for u in plan.units) * 4
-    assert est.optimizer == 2 * est.params + 4 * len(plan.units)
+    assert est.optimizer == 2 * est.params + 4 * sum(len(u.params) for u in plan.units)
     assert est.gathered == plan.unit("").gather_bytes(4) + plan.unit("blocks.0").gather_bytes(4)
     lean = ff.estimate_memory(plan, 4, update_in_backward=True, optimizer_slots=1)
     assert lean.grads == max(u.shard_numel(4) for u in plan.units) * 4
-    assert lean.optimizer == est.params + 4 * len(plan.units)
+    assert lean.optimizer == est.params + 4 * sum(len(u.params) for u in plan.units)
