@@ -74,8 +74,11 @@ def _train_with(
     out = {
         "plan": plan,
         "logs": logs if log_comm else None,
-        "state_bytes": sum(
-            t.numel() * t.element_size() for t in ff.tree_leaves((state.opt_state.exp_avg, state.opt_state.exp_avg_sq))
+        "state_bytes": sum(  # the sharded moments (AdamW) or momentum (SGD), not the step counts
+            t.numel() * t.element_size()
+            for name, f in state.opt_state._asdict().items()
+            if name != "steps" and isinstance(f, ff.Sharded)
+            for t in f.values()
         ),
         "shard_bytes": sum(t.numel() * t.element_size() for t in state.params.values()),
     }
