@@ -52,7 +52,7 @@ def _against_torch(group, examples, native):
     world, rank = group.size(), group.rank()
 
     @settings(max_examples=examples)
-    @given(n=st.integers(0, 17), seed=st.integers(0, 2**16), scale=st.sampled_from([1.0, 0.25, 2.0]))
+    @given(n=st.integers(0, 17), seed=st.integers(0, 2**16), scale=st.sampled_from([1.0, 0.25, 2.0, 0.0]))
     def prop(n, seed, scale):
         g = torch.Generator().manual_seed(seed * 31 + rank)  # different data on every rank
         x = torch.randn(n, generator=g, dtype=torch.float64)
