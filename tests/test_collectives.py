@@ -85,6 +85,25 @@ def test_all_gather_and_reduce_scatter_match_torch(pool, native):
         assert all(pool.run(_against_torch, 8, native, world=world))
 
 
+def _all_reduce_and_broadcast(group):
+    world, rank = group.size(), group.rank()
+    mine = torch.arange(5.0) * (rank + 1)
+    summed = C.all_reduce_(mine.clone(), group)
+    from_last = C.broadcast_(mine.clone(), group, src=world - 1)
+    from_first = C.broadcast_(mine.clone(), group)
+    return (
+        torch.equal(summed, torch.arange(5.0) * sum(range(1, world + 1))),
+        torch.equal(from_last, torch.arange(5.0) * world),
+        torch.equal(from_first, torch.arange(5.0)),
+    )
+
+
+def test_all_reduce_and_broadcast(pool):
+    # Catches: a collective skipped at some group size, a broadcast from the wrong rank (default: rank 0).
+    for world in (1, 2, 3, 4):
+        assert all(all(r) for r in pool.run(_all_reduce_and_broadcast, world=world))
+
+
 def test_collective_records_count_ring_bytes():
     # Catches: a wrong byte count in the log (the all-reduce's ring sends twice (W-1)/W of the buffer).
     gather = C.Collective("all_gather", "u", 12, torch.float32, 4)
