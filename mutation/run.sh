@@ -14,7 +14,8 @@ bin="$root/.venv/bin"
 modules=("$@")
 [ ${#modules[@]} -gt 0 ] || modules=(collectives shard plan gather step optim)
 mkdir -p "$root/mutation/results"
-rm -rf "$work" && mkdir -p "$work"
+# The sessions (<module>.sqlite) stay in $work across runs; the tree is copied afresh.
+mkdir -p "$work" && find "$work" -mindepth 1 -maxdepth 1 ! -name '*.sqlite' -exec rm -rf {} +
 (cd "$root" && git ls-files -z | xargs -0 cp -P --parents -t "$work")
 ln -s "$root/.venv" "$work/.venv"
 cd "$work"
