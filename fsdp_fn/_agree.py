@@ -2,29 +2,52 @@
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from fsdp_fn import _guard
+from fsdp_fn._errors import DivergenceError
 
-class DivergenceError(RuntimeError):
-    """Ranks of one group disagree about something every rank must share (plan, schedule, ...)."""
-
+__all__ = ["DivergenceError", "agree", "gather_objects"]
 
 _MISSING = "<absent>"
+
+
+def gather_objects(obj: Any, group: dist.ProcessGroup, what: str) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order.
+
+    Two all-gathers (the sizes, then the padded bytes) whose waits go through the active
+    guard, so a rank that never joins is an error, not a hang (``all_gather_object``
+    blocks without a deadline).
+    """
+    world = group.size()
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = torch.empty(world, dtype=torch.int64)
+    work = dist.all_gather_single(sizes, torch.tensor([data.numel()]), group=group, async_op=True)
+    _guard.wait([work], what)
+    longest = int(sizes.max())
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    everyone = torch.empty(world * longest, dtype=torch.uint8)
+    work = dist.all_gather_single(everyone, padded, group=group, async_op=True)
+    _guard.wait([work], what)
+    rows = everyone.view(world, longest)
+    return [pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(world)]
 
 
 def agree(group: dist.ProcessGroup, what: str, facts: Mapping[str, Any], hint: str = "") -> None:
     """Raise ``DivergenceError`` on every rank unless all ranks hold the same ``facts``.
 
-    Communication: one ``all_gather_object`` of ``facts`` (keep them small). The error
-    names the first differing key and which ranks hold which value.
+    Communication: two small all-gathers of ``facts`` (keep them small). The error names
+    the first differing key and which ranks hold which value.
     """
     if group.size() == 1:
         return
-    gathered: list[Any] = [None] * group.size()
-    dist.all_gather_object(gathered, dict(facts), group=group)
+    gathered = gather_objects(dict(facts), group, f"comparison of the {what}")
     keys = list(dict.fromkeys(k for g in gathered for k in g))
     for key in keys:
         by_value: dict[str, list[int]] = {}

@@ -1,11 +1,17 @@
 """No silent hangs: waits that notice failures elsewhere, and a check of the collective schedule.
 
-While a train step runs, a ``Guard`` is active on each rank. Every wait on a collective
-polls it instead of blocking, and every so often looks in the process group's store for
-what other ranks reported:
+While a train step, or any other call that communicates (``shard``, ``unshard``,
+``init_shards``, ``step.init``, ``value_and_grad``, ...), runs, a ``Guard`` is active on
+each rank. Each guarded call first says in the process group's store which call it is;
+a call outside a step waits until every rank of the group has said the same (a rank that
+calls alone learns which ranks did not join, or what they called instead, before
+anything is sent). Every wait on a collective polls instead of blocking, and every so
+often looks in the store for what other ranks reported:
 
-* a rank whose step raised (its forward or loss, say) writes the error there first, so
-  the others raise it too, naming that rank, instead of waiting for it forever;
+* a rank whose call raised (its forward or loss, say, or it gave up waiting) writes the
+  error there first, so the others raise it too, naming that rank, instead of waiting
+  for it forever;
+* a rank that entered another call than this one is named with that call;
 * a rank that is gone (killed: its connections break) or silent past ``timeout`` is
   found by asking every rank to sign in: the ranks that do not are named;
 * in check mode, before each collective the ranks compare what they are about to issue
@@ -26,16 +32,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_fn._agree import DivergenceError
+from fsdp_fn._errors import DivergenceError, RankFailure
 from fsdp_fn._plan import unit_label
 
-
-class RankFailure(RuntimeError):
-    """Another rank failed (raised, died or went silent) while this rank waited on it."""
-
+__all__ = ["DivergenceError", "Guard", "RankFailure", "current", "guarded", "wait"]
 
 _local = threading.local()
-_steps: dict[str, int] = {}  # guarded steps run so far, per group name
+_steps: dict[str, int] = {}  # guarded calls run so far, per group name
 
 
 def current() -> Guard | None:
@@ -54,19 +57,69 @@ def describe(op: str, unit: str | None) -> str:
 
 
 class Guard:
-    """What one rank knows while a step runs: its group, its step number, its deadline."""
+    """What one rank knows while a guarded call runs: its group, the call, its deadline."""
 
-    def __init__(self, group: dist.ProcessGroup, step: int, *, timeout: float, check: bool) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, step: int, *, timeout: float, check: bool, call: str | None = None
+    ) -> None:
         self.group, self.step, self.timeout, self.check = group, step, timeout, check
+        self.call = call or f"step {step}"
         self.rank, self.world = group.rank(), group.size()
         self.global_rank = dist.get_rank()
         self.store = _store()
-        # Keys are unique per guarded step of this group in this process's life, whichever
-        # TrainStep runs it (all ranks count the same), so no stale report from an earlier
-        # failure is ever read as a new one.
+        # Keys are unique per guarded call of this group in this process's life, whichever
+        # TrainStep or function runs it (all ranks count the same), so no stale report from
+        # an earlier failure is ever read as a new one.
         _steps[group.group_name] = serial = _steps.get(group.group_name, 0) + 1
         self.prefix = f"fsdp_fn/{group.group_name}/guarded{serial}"
-        self.issued: list[tuple[str, str | None, int, str]] = []  # (op, unit, numel, dtype) this step, in order
+        self.issued: list[tuple[str, str | None, int, str]] = []  # (op, unit, numel, dtype) this call, in order
+        self._agreed: set[int] = set()  # ranks seen to have entered the same call
+
+    def enter(self, *, rendezvous: bool) -> None:
+        """Say which call this rank runs; with ``rendezvous``, wait until every rank of the group
+        said the same (a ``DivergenceError`` names a rank in another call, a ``RankFailure``
+        the ranks that did not join within the timeout)."""
+        if self.store is None or self.world == 1:
+            return
+        self.store.set(f"{self.prefix}/enter/{self.rank}", self.call)
+        if not rendezvous:
+            return
+        started = time.monotonic()
+        while len(self._agreed) < self.world - 1:
+            self._check_calls()
+            remote = self._remote_error()
+            if remote is not None:
+                raise RankFailure(f"{remote}; rank {self.rank} was waiting for every rank to join {self.call}")
+            waited = time.monotonic() - started
+            if waited >= self.timeout:
+                missing = [r for r in range(self.world) if r != self.rank and r not in self._agreed]
+                error = RankFailure(
+                    f"{self.call} was called on rank {self.rank} of group {self.group.group_name!r}, but "
+                    f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not join within "
+                    f"{waited:.1f} s (timeout {self.timeout:g} s): every rank of the group must make the same call"
+                )
+                self.publish(error)
+                raise error
+            time.sleep(0.01)
+
+    def _check_calls(self) -> None:
+        """Raise if another rank entered a different call at this point of the program."""
+        if self.store is None:
+            return
+        for r in range(self.world):
+            if r == self.rank or r in self._agreed:
+                continue
+            key = f"{self.prefix}/enter/{r}"
+            if not self.store.check([key]):
+                continue
+            theirs = self.store.get(key).decode()
+            if theirs != self.call:
+                raise DivergenceError(
+                    f"ranks diverge: rank {self.rank} of group {self.group.group_name!r} is in {self.call} while "
+                    f"rank {r} is in {theirs}; every rank must make the same calls that communicate, in the same "
+                    "order"
+                )
+            self._agreed.add(r)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Guard]:
@@ -75,7 +128,7 @@ class Guard:
         try:
             yield self
         except BaseException as e:
-            if not isinstance(e, RankFailure | DivergenceError):
+            if not isinstance(e, DivergenceError):  # a divergence is found by every rank itself
                 self.publish(e)
             raise
         finally:
@@ -97,7 +150,7 @@ class Guard:
         for r in range(self.world):
             key = f"{self.prefix}/error/{r}"
             if r != self.rank and self.store.check([key]):
-                return f"rank {r}: {self.store.get(key).decode()}"
+                return f"rank {r}: {self.store.get(key).decode()} ({self.call})"
         return None
 
     def _missing(self, grace: float) -> list[int]:
@@ -112,22 +165,23 @@ class Guard:
             time.sleep(0.02)
         return missing
 
-    def _fail(self, what: str, cause: BaseException | None) -> RankFailure:
+    def _fail(self, what: str, cause: BaseException | None, started: float) -> RankFailure:
         remote = self._remote_error()
         if remote is not None:
-            return RankFailure(f"{remote} (step {self.step}); rank {self.rank} stopped waiting for the {what}")
+            return RankFailure(f"{remote}; rank {self.rank} stopped waiting for the {what}")
         missing = self._missing(grace=min(5.0, self.timeout))
         remote = self._remote_error()
         if remote is not None:
-            return RankFailure(f"{remote} (step {self.step}); rank {self.rank} stopped waiting for the {what}")
+            return RankFailure(f"{remote}; rank {self.rank} stopped waiting for the {what}")
         who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}" if missing else "a rank"
+        waited = time.monotonic() - started
         how = (
             f"broke off ({str(cause).splitlines()[0][:200]})"
             if cause is not None
-            else f"went silent for {self.timeout:g} s"
+            else f"went silent: no answer for {waited:.1f} s (timeout {self.timeout:g} s)"
         )
         return RankFailure(
-            f"{who} of group {self.group.group_name!r} stopped answering (step {self.step}): the connection {how} "
+            f"{who} of group {self.group.group_name!r} stopped answering ({self.call}): the connection {how} "
             f"while rank {self.rank} waited for the {what}"
         )
 
@@ -140,21 +194,25 @@ class Guard:
         polled); this thread watches it, the store and the clock. A wait abandoned on a
         failure stays blocked on its helper, which is a daemon: the group is unusable then.
         """
-        deadline = time.monotonic() + self.timeout
+        started = time.monotonic()
+        deadline = started + self.timeout
         done = _Waiting(works)
         try:
             # Wakes the moment the works finish; every 50 ms looks for other ranks' errors.
             while not done.finished.wait(timeout=max(0.0, min(0.05, deadline - time.monotonic()))):
                 remote = self._remote_error()
-                if remote is not None:
-                    raise RankFailure(f"{remote} (step {self.step}); rank {self.rank} stopped waiting for the {what}")
+                # A rank that failed just after its part of this collective: let it complete,
+                # so this rank goes on to meet the failure itself (the same error on every rank).
+                if remote is not None and not done.finished.wait(timeout=0.25):
+                    raise RankFailure(f"{remote}; rank {self.rank} stopped waiting for the {what}")
+                self._check_calls()
                 if time.monotonic() >= deadline:
-                    raise self._fail(what, None)
+                    raise self._fail(what, None, started)
             done.result()
-        except RankFailure:
+        except (RankFailure, DivergenceError):
             raise
         except RuntimeError as e:  # gloo: a peer's connection closed (the rank died)
-            raise self._fail(what, e) from e
+            raise self._fail(what, e, started) from e
 
     # --- check mode ----------------------------------------------------------------------------------
 
@@ -247,6 +305,20 @@ def _queue() -> queue.SimpleQueue[_Waiting]:
 def _serve(jobs: queue.SimpleQueue[_Waiting]) -> None:
     while True:
         jobs.get().run()
+
+
+@contextlib.contextmanager
+def guarded(group: dist.ProcessGroup, call: str, timeout: float) -> Iterator[Guard | None]:
+    """Run a call that communicates outside a step under a guard: every rank of ``group``
+    must enter the same call (within ``timeout``), and every wait in it is guarded.
+    Inside an already guarded call (a step, say) that guard goes on."""
+    if current() is not None or group.size() == 1:
+        yield current()
+        return
+    guard = Guard(group, 0, timeout=timeout, check=False, call=call)
+    with guard.active():
+        guard.enter(rendezvous=True)
+        yield guard
 
 
 def wait(works: Sequence[Any], what: str) -> None:

@@ -11,6 +11,7 @@ from torch import nn
 
 from fsdp_fn._agree import agree
 from fsdp_fn._group import Group, resolve_groups
+from fsdp_fn._guard import guarded
 from fsdp_fn._plan import Plan, Unit, unit_label
 from fsdp_fn._shard import Layout, Sharded, local_slice
 
@@ -62,6 +63,7 @@ def init_shards(
     init: Init | None = None,
     seed: int = 0,
     device: torch.device | str = "cpu",
+    timeout: float = 300.0,
 ) -> tuple[Sharded, dict[str, torch.Tensor]]:
     """Initialise a model built under ``torch.device("meta")`` directly into this rank's shards.
 
@@ -81,12 +83,13 @@ def init_shards(
         _check_initialisable(module)
     for g in (pg, replicate):
         if g is not None:
-            agree(
-                g,
-                "plan",
-                {"plan": plan.fingerprint()},
-                hint="build the plan from the same model and policy on every rank",
-            )
+            with guarded(g, "init_shards", timeout):
+                agree(
+                    g,
+                    "plan",
+                    {"plan": plan.fingerprint()},
+                    hint="build the plan from the same model and policy on every rank",
+                )
     world, rank = pg.size(), pg.rank()
 
     param_slots: dict[str, list[tuple[nn.Module, str, str]]] = {}

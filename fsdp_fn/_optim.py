@@ -38,6 +38,8 @@ class Optimizer(NamedTuple):
 
     init: Callable[[Sharded], Any]
     update: Callable[[Sharded, Any, Sharded], tuple[Sharded, Any]]
+    elementwise: bool = True  # each unit's update needs that unit's gradient alone (update_in_backward)
+    links: tuple[str, ...] = ()  # what it is made of, for messages
 
 
 class AdamWState(NamedTuple):
@@ -164,7 +166,7 @@ def adamw(
         _sync_counts(grads, state.steps)
         return params, state
 
-    return Optimizer(init, update)
+    return Optimizer(init, update, links=("adamw",))
 
 
 def sgd(
@@ -216,7 +218,7 @@ def sgd(
         _sync_counts(grads, state.steps)
         return params, state
 
-    return Optimizer(init, update)
+    return Optimizer(init, update, links=("sgd",))
 
 
 def from_torch(optimizer: torch.optim.Optimizer) -> Optimizer:
@@ -271,4 +273,4 @@ def from_torch(optimizer: torch.optim.Optimizer) -> Optimizer:
                 p.grad = None
         return params, state
 
-    return Optimizer(init, update)
+    return Optimizer(init, update, links=(f"from_torch({type(optimizer).__name__})",))

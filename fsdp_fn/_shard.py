@@ -14,6 +14,7 @@ import torch.utils._pytree as torch_pytree
 from fsdp_fn._agree import agree
 from fsdp_fn._collectives import _ReduceScatter, all_gather, all_reduce_
 from fsdp_fn._group import Group, resolve_groups
+from fsdp_fn._guard import guarded
 from fsdp_fn._plan import Plan, Unit, unit_label
 from fsdp_fn._tree import NAMESPACE
 
@@ -70,11 +71,12 @@ class Sharded:
     ``received`` (gradients only): for each unit, which of its trainable parameters got a
     gradient (``value_and_grad`` sets it; ``None`` means all of them). Optimizers skip the
     others, as torch.optim skips a parameter whose ``.grad`` is ``None``. It is not part of
-    the pytree structure: ``tree_map`` returns a tree without it. ``consumed`` says why the
+    the pytree structure: ``tree_map`` returns a tree without it (nor ``norm``, the global
+    norm of a gradient when the step computed it already). ``consumed`` says why the
     shards may no longer be used (donated to a step, left half-updated by a failed one).
     """
 
-    __slots__ = ("consumed", "layout", "received", "shards")
+    __slots__ = ("consumed", "layout", "norm", "received", "shards")
 
     def __init__(
         self, shards: Mapping[str, Any], layout: Layout, received: Mapping[str, tuple[bool, ...]] | None = None
@@ -85,6 +87,7 @@ class Sharded:
         self.shards = dict(shards)
         self.layout = layout
         self.received = dict(received) if received is not None else None
+        self.norm: torch.Tensor | None = None  # gradients only: their global norm, when the step knows it
         self.consumed: str | None = None
 
     @property
@@ -116,6 +119,12 @@ class Sharded:
     def with_received(self, received: Mapping[str, tuple[bool, ...]] | None) -> Sharded:
         """The same shards, marking which parameters of each unit got a gradient."""
         return Sharded(self.shards, self.layout, received)
+
+    def like(self, shards: Mapping[str, Any]) -> Sharded:
+        """New shards with this tree's layout, ``received`` and ``norm`` (a transformed gradient)."""
+        out = Sharded(shards, self.layout, self.received)
+        out.norm = self.norm
+        return out
 
     def __repr__(self) -> str:
         inner = ", ".join(
@@ -230,7 +239,7 @@ def shards_of(sharded: Sharded, unit: Unit) -> list[tuple[Unit, torch.Tensor]]:
     return parts
 
 
-def shard(params: Mapping[str, torch.Tensor], plan: Plan, group: Group = None) -> Sharded:
+def shard(params: Mapping[str, torch.Tensor], plan: Plan, group: Group = None, *, timeout: float = 300.0) -> Sharded:
     """Keep this rank's 1/W of every unit: one flat, padded 1-D shard per unit.
 
     Memory: allocates only this rank's shards (``ceil(numel/W)`` per unit); the full
@@ -256,18 +265,22 @@ def shard(params: Mapping[str, torch.Tensor], plan: Plan, group: Group = None) -
     for g in (pg, replicate):
         if g is None:
             continue
-        agree(
-            g,
-            "plans",
-            {"plan": plan.fingerprint(), **{f"unit {unit_label(k)}": v for k, v in plan.unit_fingerprints().items()}},
-            hint="build the plan from the same model and policy on every rank",
-        )
-        agree(
-            g,
-            "initial parameters",
-            {f"unit {unit_label(u.name)}": _checksum(u, params) for u in plan.units},
-            hint="initialise the model with the same seed on every rank",
-        )
+        with guarded(g, "shard", timeout):
+            agree(
+                g,
+                "plans",
+                {
+                    "plan": plan.fingerprint(),
+                    **{f"unit {unit_label(k)}": v for k, v in plan.unit_fingerprints().items()},
+                },
+                hint="build the plan from the same model and policy on every rank",
+            )
+            agree(
+                g,
+                "initial parameters",
+                {f"unit {unit_label(u.name)}": _checksum(u, params) for u in plan.units},
+                hint="initialise the model with the same seed on every rank",
+            )
     frozen = {u.name: local_slice(u.frozen_part, params, world, rank) for u in plan.units if u.frozen}
     layout = Layout(plan, pg, frozen, replicate)
     return Sharded({u.name: local_slice(u, params, world, rank) for u in plan.units}, layout)
@@ -283,18 +296,21 @@ def _checksum(unit: Unit, params: Mapping[str, torch.Tensor]) -> tuple[float, fl
     return s, sq
 
 
-def unshard(sharded: Sharded) -> dict[str, torch.Tensor]:
+def unshard(sharded: Sharded, *, timeout: float = 300.0) -> dict[str, torch.Tensor]:
     """All parameters at full size, keyed by name (frozen ones too): one all-gather per unit part.
 
-    Memory: the whole model on every rank. For checkpoints, evaluation and tests.
+    Memory: the whole model on every rank. For checkpoints, evaluation and tests. Every
+    rank of the group must call it (guarded: a rank that calls alone gets an error naming
+    the ranks that did not join, within ``timeout`` seconds).
     """
     ensure_live(sharded, "unshard")
     out: dict[str, torch.Tensor] = {}
     world = sharded.layout.world
-    for unit in sharded.plan.units:
-        for part, shard in shards_of(sharded, unit):
-            flat = all_gather(shard, sharded.group, unit=unit.name, grad_scale=1.0 / world)
-            out.update(unit_views(part, flat))
+    with guarded(sharded.group, "unshard", timeout):
+        for unit in sharded.plan.units:
+            for part, shard in shards_of(sharded, unit):
+                flat = all_gather(shard, sharded.group, unit=unit.name, grad_scale=1.0 / world)
+                out.update(unit_views(part, flat))
     return out
 
 

@@ -15,14 +15,18 @@ import torch.utils._pytree as torch_pytree
 from fsdp_fn._agree import DivergenceError
 from fsdp_fn._collectives import all_gather_into, all_reduce_, broadcast_
 from fsdp_fn._functional import Functional
-from fsdp_fn._gather import GradSink, Runtime, metrics_words
 from fsdp_fn._grad import LossFn, lean_pass
-from fsdp_fn._guard import Guard
+from fsdp_fn._guard import Guard, guarded
 from fsdp_fn._memory import label
 from fsdp_fn._optim import Optimizer
-from fsdp_fn._plan import Plan, unit_label
+from fsdp_fn._plan import Plan, Policy, unit_label
 from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedule
+from fsdp_fn._predict import metrics_words
+from fsdp_fn._remat import Remat
+from fsdp_fn._runtime import Runtime
 from fsdp_fn._shard import Layout, Sharded, ensure_live
+from fsdp_fn._sink import GradSink
+from fsdp_fn._transforms import AccumulateState, ApplyIfFiniteState, ChainState, chain, clip_by_global_norm
 from fsdp_fn._tree import NAMESPACE, tree_leaves, tree_map
 
 BufferSync = Literal["broadcast", "mean"] | None
@@ -67,6 +71,12 @@ class TrainStep:
     across ranks after each step: ``"broadcast"`` from rank 0 as DDP does, ``"mean"``, or
     ``None``.
 
+    Activations: ``remat`` rematerialises units (``True``: every non-root unit; a unit
+    policy with the auto-wrap signature; or a ``Remat`` with a saving policy and
+    ``every``): their forward keeps only their inputs (and what the saving policy names),
+    and their backward recomputes them inside the unit's one gather, so no collective is
+    added. ``torch.utils.checkpoint.checkpoint`` calls in the model are routed the same way.
+
     Reliability: no step hangs silently. Waits on collectives notice a rank that raised
     (its error is raised here too, naming it), died, or stayed silent past ``timeout``
     seconds (named). Every step checks, inside its metrics all-gather, that all ranks
@@ -97,6 +107,7 @@ class TrainStep:
         skip_nonfinite: bool = False,
         timeout: float = 300.0,
         check_schedule: CheckSchedule = "first",
+        remat: bool | Policy | Remat | None = None,
     ) -> None:
         if not isinstance(fn, Functional):
             raise TypeError(f"train_step wants the Functional from functionalize(module), got {type(fn).__name__}")
@@ -129,12 +140,18 @@ class TrainStep:
                 "accumulation > 1": accumulation > 1,
             }
             named = [k for k, v in conflicts.items() if v]
+            if not optimizer.elementwise:  # a link that needs the whole gradient (its norm, a sum over calls)
+                named += [n for n in optimizer.links if n.startswith(_WHOLE_GRADIENT)]
             if named:
                 raise ValueError(
                     f"update_in_backward steps each unit during backward, before the whole gradient exists; "
                     f"it cannot be combined with {', '.join(named)}"
                 )
+        if clip_grad_norm is not None:  # the option is this chain
+            optimizer = chain(clip_by_global_norm(clip_grad_norm), optimizer)
         self.fn, self.loss_fn, self.optimizer, self.donate = fn, loss_fn, optimizer, donate
+        # A chain with apply_if_finite may skip a step: buffers the forward moved are restored then.
+        self._may_skip = skip_nonfinite or "apply_if_finite" in optimizer.links
         self.schedule = Schedule(
             reshard_after_forward,
             backward_prefetch,
@@ -144,6 +161,7 @@ class TrainStep:
             cpu_offload,
         )
         self.update_in_backward = update_in_backward
+        self.remat = Remat.of(remat)
         self.buffer_sync = buffer_sync
         self.accumulation, self.accumulate = accumulation, accumulate
         self.clip_grad_norm, self.skip_nonfinite = clip_grad_norm, skip_nonfinite
@@ -177,8 +195,9 @@ class TrainStep:
         layout = params.layout
         for g in (layout.group, layout.replicate):
             if g is not None:
-                for b in copies.values():
-                    broadcast_(b, g)
+                with guarded(g, "step.init", self.timeout):
+                    for b in copies.values():
+                        broadcast_(b, g)
         if self.schedule.cpu_offload is not None:
             cpu = {k: v.to("cpu") for k, v in layout.frozen.items()}
             params = Sharded(
@@ -216,6 +235,7 @@ class TrainStep:
         self._check_next = self.check_schedule == "always"
         guard = Guard(state.params.group, self.calls, timeout=self.timeout, check=check)
         with guard.active():
+            guard.enter(rendezvous=check)
             new, metrics = self._step(state, batch, guard)
         if self.donate:
             _consume(
@@ -232,16 +252,17 @@ class TrainStep:
         for mb in micro:
             _check_not_empty(mb, guard.rank)
         # A skipped step must leave everything as it was, buffers the forward moves included.
-        saved_buffers = {k: b.clone() for k, b in buffers.items()} if self.skip_nonfinite else None
+        saved_buffers = {k: b.clone() for k, b in buffers.items()} if self._may_skip else None
         if not self.donate:  # the forward moves buffers in place too: copy them with the rest
             params, opt_state, buffers = tree_map(torch.clone, (params, opt_state, buffers))
         square_norms: dict[str, torch.Tensor] = {}
         stepped: list[str] = []  # update_in_backward: units already updated
 
         def step_unit(unit: str, grad: torch.Tensor, received: tuple[bool, ...]) -> None:
+            nonlocal opt_state
             square_norms[unit] = _square_norm(grad)
             only = params.replace({u: grad if u == unit else params[u] for u in plan.unit_names})
-            self.optimizer.update(only.with_received({unit: received}), opt_state, params)
+            _, opt_state = self.optimizer.update(only.with_received({unit: received}), opt_state, params)
             stepped.append(unit)
 
         deferred: dict[str, torch.Tensor] | None = {} if self.accumulation > 1 and self.accumulate == "full" else None
@@ -249,7 +270,9 @@ class TrainStep:
         losses = []
         try:
             for mb in micro:
-                runtime = Runtime(self.fn, params, schedule=self.schedule, order_hint=self.unit_order, sink=sink)
+                runtime = Runtime(
+                    self.fn, params, schedule=self.schedule, order_hint=self.unit_order, sink=sink, remat=self.remat
+                )
                 losses.append(lean_pass(runtime, params, buffers, mb, self.loss_fn))
                 self.unit_order = runtime.order
             if deferred is not None:  # accumulate="full": one reduce-scatter per unit, now
@@ -275,17 +298,18 @@ class TrainStep:
                 grads = params.replace(
                     {u: totals[u] if u in totals else torch.zeros_like(params[u]) for u in plan.unit_names}
                 ).with_received(merged)
-                norm = stats[1].sqrt()
+                grads.norm = stats[1].sqrt()  # what clip_by_global_norm and apply_if_finite read
                 # Reading the verdict on the host is a sync: only when the guard is asked for.
                 if self.skip_nonfinite and not bool(torch.isfinite(stats).all()):
                     skipped = torch.ones((), dtype=torch.bool)
+                else:
+                    params, opt_state = self.optimizer.update(grads, opt_state, params)
+                    if _skipped_by_chain(opt_state):
+                        skipped = torch.ones((), dtype=torch.bool)
+                if bool(skipped):
                     assert saved_buffers is not None
                     for k, b in buffers.items():
                         b.copy_(saved_buffers[k])
-                else:
-                    if self.clip_grad_norm is not None:
-                        _scale(grads, self.clip_grad_norm, norm)
-                    self.optimizer.update(grads, opt_state, params)
                 del grads, totals
         except BaseException as e:
             if stepped:
@@ -376,6 +400,19 @@ def _first_difference(mine: Mapping[str, tuple[bool, ...]], merged: Mapping[str,
             if a != b:
                 return f"parameter {spec.name!r} (unit {unit_label(u.name)})"
     return "a parameter another rank reached"
+
+
+_WHOLE_GRADIENT = ("clip_by_global_norm", "apply_if_finite", "accumulate")
+
+
+def _skipped_by_chain(opt_state: Any) -> bool:
+    """Whether an ``apply_if_finite`` in the optimizer's state left the last update out."""
+    if isinstance(opt_state, ApplyIfFiniteState):
+        return not opt_state.last_finite or _skipped_by_chain(opt_state.inner)
+    if isinstance(opt_state, ChainState | AccumulateState):
+        inner = opt_state.states if isinstance(opt_state, ChainState) else (opt_state.inner,)
+        return any(_skipped_by_chain(s) for s in inner)
+    return False
 
 
 def _consume(tree: Any, why: str) -> None:

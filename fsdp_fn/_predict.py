@@ -1,0 +1,52 @@
+"""What a step will issue and hold, from the plan alone."""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_fn._collectives import Collective
+from fsdp_fn._plan import ROOT, Plan
+from fsdp_fn._policy import Schedule
+
+
+def metrics_words(plan: Plan) -> int:
+    """Float64 numbers each rank contributes to a step's one metrics all-gather: loss, squared
+    gradient norm, two for the collective fingerprint, then which parameters got a gradient
+    (48 bits per number)."""
+    return 4 + -(-sum(len(u.params) for u in plan.units) // 48)
+
+
+def predict_collectives(
+    plan: Plan, world: int, schedule: Schedule | None = None, *, first_step: bool = True, replicas: int = 1
+) -> list[Collective]:
+    """What one train step issues on each rank, from the plan alone (for units that run in plan order).
+
+    Per use of a unit (a shared tied parameter is used by each of its modules), per flat
+    part (trainable, frozen): one all-gather in forward in the gather dtype; one more in
+    backward when the unit is resharded after forward (never the root; from the second
+    step on, not the unit that ran last, which is needed again first). Per use, one
+    reduce-scatter of the trainable part in the reduce dtype and, with ``replicas``
+    (hybrid sharding), one all-reduce of the gradient shard across them. Then one
+    all-gather of ``metrics_words(plan)`` float64 numbers per rank (the step's loss,
+    gradient norm, the fingerprint of the collectives it issued and which parameters got
+    a gradient), and with replicas an all-reduce of two.
+    """
+    schedule = schedule or Schedule()
+    last = [u.name for u in plan.units if u.name != ROOT][-1:]
+    out: list[Collective] = []
+    for u in plan.units:
+        resharded = schedule.reshard_after_forward and u.name != ROOT and (first_step or [u.name] != last)
+        parts = [p for p in (u, u.frozen_part) if p.params]
+        for _ in u.modules:
+            for part in parts:
+                n, gather = part.padded_numel(world), schedule.gather_dtype(part.dtype)
+                out += [Collective("all_gather", u.name, n, gather, world)] * (1 + resharded)
+            if u.params:
+                reduce = schedule.reduce_dtype(u.dtype)
+                out.append(Collective("reduce_scatter", u.name, u.padded_numel(world), reduce, world))
+                if replicas > 1:
+                    out.append(Collective("all_reduce", u.name, u.shard_numel(world), reduce, replicas))
+    out.append(Collective("all_gather", None, metrics_words(plan) * world, torch.float64, world))
+    if replicas > 1:
+        out.append(Collective("all_reduce", None, 2, torch.float64, replicas))
+    return [c for c in out if c.world > 1]

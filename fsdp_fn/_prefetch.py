@@ -1,0 +1,56 @@
+"""The prefetch policy: which unit to gather next, ahead of use, within the in-flight limit.
+
+Forward: the units run in the order they ran in the previous step (``ForwardOrder``), so
+the unit after this one there is gathered while this one computes. Backward: the uses
+are refilled in reverse forward order (``refill_next``). Either way a gather starts only
+while fewer than ``Schedule.max_inflight`` non-root units hold gathered buffers; the unit
+that ran last in the previous step is kept gathered after its forward (it is the first
+needed in backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fsdp_fn._policy import Schedule
+from fsdp_fn._unit import GatheredUnit, UnitState
+
+
+class ForwardOrder:
+    """The previous step's unit order, and where this forward has got to in it."""
+
+    def __init__(self, previous: Sequence[str]) -> None:
+        self.previous = list(previous)
+        self.at = -1
+
+    @property
+    def first(self) -> str | None:
+        return self.previous[0] if self.previous else None
+
+    def advance(self, name: str) -> str | None:
+        """``name`` runs now: the unit expected after it (``None`` off the previous order)."""
+        try:
+            self.at = self.previous.index(name, self.at + 1)
+        except ValueError:
+            return None
+        return self.previous[self.at + 1] if self.at + 1 < len(self.previous) else None
+
+    def keep_gathered(self, name: str, schedule: Schedule) -> bool:
+        """Whether ``name`` stays gathered after its forward: always without
+        ``reshard_after_forward``; otherwise only the unit that ran last, needed again first."""
+        if not schedule.reshard_after_forward:
+            return True
+        return bool(self.previous) and self.at == len(self.previous) - 1 and self.previous[-1] == name
+
+
+def may_start(inflight: int, schedule: Schedule) -> bool:
+    """Whether one more unit may be gathered now."""
+    return inflight < schedule.max_inflight
+
+
+def refill_next(uses: Sequence[GatheredUnit], current: GatheredUnit) -> GatheredUnit | None:
+    """The use whose backward comes after ``current``'s: the last freed one before it in forward order."""
+    if current not in uses:
+        return None
+    at = list(uses).index(current)
+    return next((u for u in reversed(uses[:at]) if u.state is UnitState.FREED), None)

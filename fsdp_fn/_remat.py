@@ -1,0 +1,661 @@
+"""Rematerialisation (activation checkpointing) that runs inside ``torch.func`` transforms.
+
+``remat(fn)`` is ``jax.checkpoint`` for PyTorch: the forward keeps only ``fn``'s inputs
+(and what the saving policy names); the backward runs ``fn`` again, with the random
+number generators replayed, and differentiates the recomputation with ``torch.func.vjp``.
+It is an ``autograd.Function`` with a separate ``setup_context``, so it needs no
+saved-tensor hooks, which ``torch.func.grad``/``vjp`` refuse (and with them
+``torch.utils.checkpoint``). ``route_torch_checkpoint()`` sends
+``torch.utils.checkpoint.checkpoint`` calls through it. ``Remat`` is the value a train
+step takes: which units to rematerialise and what to save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as torch_pytree
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+from torch.autograd.function import FunctionCtx
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp_fn._plan import ROOT, Plan, Policy, unit_label
+
+aten = torch.ops.aten
+
+
+class RematError(RuntimeError):
+    """A rematerialised region cannot run as asked; the message names the call and the fix."""
+
+
+# --- saving policies -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SavePolicy:
+    """Which intermediate results of a rematerialised region the forward keeps.
+
+    ``ops``: the aten operators (``torch.ops.aten.mm`` or one overload of it) whose
+    outputs are kept; the recomputation takes them instead of running the operator again,
+    so it costs fewer flops and the forward keeps more memory. Empty: keep nothing but the
+    inputs (full rematerialisation).
+    """
+
+    name: str
+    ops: frozenset[Any] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        bad = [op for op in self.ops if not isinstance(op, torch._ops.OpOverloadPacket | torch._ops.OpOverload)]
+        if bad:
+            raise TypeError(
+                f"SavePolicy {self.name!r}: ops must be aten operators such as torch.ops.aten.mm, got {bad!r}"
+            )
+
+    def saves(self, func: Any) -> bool:
+        return func in self.ops or func.overloadpacket in self.ops
+
+
+save_nothing = SavePolicy("save_nothing")
+"""Keep only the region's inputs; recompute everything (``jax.checkpoint``'s default)."""
+
+save_dots = SavePolicy(
+    "save_dots",
+    frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_dot_product_flash_attention_for_cpu}),
+)
+"""Keep the outputs of matrix multiplications (``nn.Linear`` lowers to ``mm``/``addmm``)
+and of CPU fused attention; recompute the cheap element-wise rest (JAX's
+``dots_saveable``, torchtitan's op-level selective activation checkpointing)."""
+
+
+class _Record(TorchDispatchMode):
+    """Forward: keep the outputs of the policy's operators, in the order they ran."""
+
+    def __init__(self, policy: SavePolicy) -> None:
+        super().__init__()
+        self.policy = policy
+        self.kept: list[tuple[Any, Any, tuple[int, ...]]] = []  # (op, output, versions)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        out = func(*args, **(kwargs or {}))
+        if self.policy.saves(func) and not func._schema.is_mutable:
+            self.kept.append((func, out, _versions(out)))
+        return out
+
+
+class _Replay(TorchDispatchMode):
+    """Recomputation: hand back the kept outputs instead of running those operators again.
+
+    The operators still run through autograd above this mode, so the recomputed graph
+    (and its backward) is the forward's exactly. An output modified in place since it was
+    kept (its version moved) is recomputed instead.
+    """
+
+    def __init__(self, policy: SavePolicy, kept: Sequence[Any]) -> None:
+        super().__init__()
+        self.policy = policy
+        self.kept = list(kept)
+        self.at = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        if self.policy.saves(func) and not func._schema.is_mutable and self.at < len(self.kept):
+            op, out, versions = self.kept[self.at]
+            self.at += 1
+            if op != func:
+                raise RematError(
+                    f"remat: the recomputation ran {func} where the forward ran {op} (kept result #{self.at}): "
+                    "the region must run the same operators when it is recomputed (no control flow on "
+                    "values that change between forward and backward)"
+                )
+            if _versions(out) == versions:
+                return out
+        return func(*args, **(kwargs or {}))
+
+
+def _versions(out: Any) -> tuple[int, ...]:
+    return tuple(t._version for t in torch_pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+
+
+# --- the rematerialising function ------------------------------------------------------------------
+
+
+class _CapturedCheck(TorchFunctionMode):
+    """Forward: refuse a tensor that requires grad but is not an input of the region.
+
+    Its gradient would otherwise be silently zero (the Function's backward only returns
+    gradients for its inputs). Intermediate tensors never require grad here: the forward
+    runs without autograd (except views of inputs), and under ``torch.func`` on unwrapped tensors.
+    """
+
+    def __init__(self, inputs: Sequence[torch.Tensor], where: str) -> None:
+        super().__init__()
+        self.inputs = {id(t) for t in inputs}
+        self.where = where
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for t in torch_pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.requires_grad and not self._input(t):
+                raise RematError(
+                    f"remat({self.where}): {getattr(func, '__name__', func)} uses a tensor of shape "
+                    f"{tuple(t.shape)} ({t.dtype}) that requires grad but is not an argument of the region, "
+                    "so its gradient would be lost; pass it as an argument (for a module's parameters: "
+                    "remat the module itself, remat(module)(...))"
+                )
+        return func(*args, **(kwargs or {}))
+
+    def _input(self, t: torch.Tensor) -> bool:
+        # Under plain autograd the inputs themselves require grad, and so do views of them.
+        return id(t) in self.inputs or (t._base is not None and id(t._base) in self.inputs)
+
+
+_TENSOR = object()  # where a kept result has a tensor
+
+
+class _Call:
+    """One call of a rematerialised region: the function, its non-tensor inputs, RNG states, kept results."""
+
+    def __init__(self, fn: Callable[..., Any], policy: SavePolicy, leaves: list[Any], spec: Any, where: str) -> None:
+        self.fn, self.policy, self.where = fn, policy, where
+        self.spec = spec
+        self.slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        self.out_spec: Any = None
+        self.out_constants: list[Any] = []
+        self.out_slots: list[int] = []
+        self.rng: tuple[torch.Tensor, list[int], list[torch.Tensor]] | None = None
+        # The policy's kept results: their tensors (until autograd has saved them) and the rest.
+        self.kept_tensors: list[torch.Tensor] = []
+        self.kept_layout: list[tuple[Any, Any, list[Any], tuple[int, ...]]] = []  # (op, spec, leaves, versions)
+
+    def keep(self, kept: list[tuple[Any, Any, tuple[int, ...]]]) -> None:
+        for op, out, versions in kept:
+            leaves, spec = torch_pytree.tree_flatten(out)
+            self.kept_tensors += [x for x in leaves if isinstance(x, torch.Tensor)]
+            self.kept_layout.append(
+                (op, spec, [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves], versions)
+            )
+
+    def kept(self, tensors: Sequence[torch.Tensor]) -> list[tuple[Any, Any, tuple[int, ...]]]:
+        """The kept results, rebuilt around ``tensors`` (``kept_tensors`` as autograd saved them)."""
+        it = iter(tensors)
+        out = []
+        for op, spec, leaves, versions in self.kept_layout:
+            filled = [next(it) if x is _TENSOR else x for x in leaves]
+            out.append((op, torch_pytree.tree_unflatten(filled, spec), versions))
+        return out
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Run the function on ``tensors`` (the region's tensor inputs); its tensor outputs, flat."""
+        leaves = list(self.constants)
+        for i, t in zip(self.slots, tensors, strict=True):
+            leaves[i] = t
+        args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
+        out_leaves, out_spec = torch_pytree.tree_flatten(self.fn(*args, **kwargs))
+        if self.out_spec is None:
+            self.out_spec, self.out_constants = out_spec, out_leaves
+            self.out_slots = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
+        return [out_leaves[i] for i in self.out_slots]
+
+    def outputs(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The function's result: its constants, and ``tensors`` where it returned tensors."""
+        leaves = list(self.out_constants)
+        for i, t in zip(self.out_slots, tensors, strict=True):
+            leaves[i] = t
+        return torch_pytree.tree_unflatten(leaves, self.out_spec)
+
+    def save_rng(self) -> None:
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        self.rng = (torch.get_rng_state(), devices, [torch.cuda.get_rng_state(d) for d in devices])
+
+    @contextlib.contextmanager
+    def replay_rng(self) -> Iterator[None]:
+        """The generators as they were at the forward, for the block; as they are now, after it."""
+        assert self.rng is not None
+        cpu, devices, states = self.rng
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            torch.set_rng_state(cpu)
+            for d, s in zip(devices, states, strict=True):
+                torch.cuda.set_rng_state(s, d)
+            yield
+
+
+class _Remat(torch.autograd.Function):
+    """Forward: run the region, keep its inputs (and the policy's results). Backward:
+    recompute it under ``torch.func.vjp`` with the forward's RNG state and pull back.
+    Forward mode (``jvp``): ``torch.func.jvp`` of the region. ``vmap``: generated."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        call.save_rng()
+        record = _Record(call.policy)
+        with _CapturedCheck(tensors, call.where), record if call.policy.ops else contextlib.nullcontext():
+            outs = call.run(tensors)
+        call.keep(record.kept)
+        inputs = {id(t) for t in tensors}
+        # An input returned as-is cannot be both returned and saved: return a view of it.
+        return tuple(o.view_as(o) if id(o) in inputs else o for o in outs)
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: Any) -> None:
+        call: _Call = inputs[0]
+        ctx.call = call  # type: ignore[attr-defined]
+        ctx.n_inputs = len(inputs) - 1  # type: ignore[attr-defined]
+        # By reference: autograd frees them after this backward; nothing is copied.
+        ctx.save_for_backward(*inputs[1:], *call.kept_tensors)
+        ctx.set_materialize_grads(False)
+        ctx.primals = inputs[1:]  # type: ignore[attr-defined]  # for jvp; dropped by backward or jvp
+        ctx.mark_non_differentiable(*(o for o in output if not (o.is_floating_point() or o.is_complex())))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        call: _Call = ctx.call
+        ctx.primals = ()  # reverse mode: only the saved tensors, which autograd frees after this
+        saved = ctx.saved_tensors
+        inputs, kept = list(saved[: ctx.n_inputs]), call.kept(saved[ctx.n_inputs :])
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
+        used = [j for j, g in enumerate(grads) if g is not None]
+        result: list[torch.Tensor | None] = [None] * (1 + len(inputs))
+        if not wanted or not used:
+            return tuple(result)
+
+        def region(*diff: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            tensors = list(inputs)
+            for i, t in zip(wanted, diff, strict=True):
+                tensors[i] = t
+            with _Replay(call.policy, kept) if kept else contextlib.nullcontext():
+                outs = call.run(tensors)
+            return tuple(outs[j] for j in used)
+
+        with call.replay_rng():
+            _, pull = torch.func.vjp(region, *(inputs[i] for i in wanted))[:2]
+        for i, g in zip(wanted, pull(tuple(grads[j] for j in used)), strict=True):
+            result[1 + i] = g
+        return tuple(result)
+
+    @staticmethod
+    def jvp(ctx: Any, call: Any, *tangents: torch.Tensor | None) -> Any:
+        # Forward mode keeps nothing for later: push the tangents through the function once more.
+        primals, ctx.primals = ctx.primals, ()
+        live = [i for i, t in enumerate(tangents) if t is not None]
+
+        def region(*diff: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            tensors = list(primals)
+            for i, t in zip(live, diff, strict=True):
+                tensors[i] = t
+            return tuple(ctx.call.run(tensors))
+
+        with ctx.call.replay_rng():
+            pushed = torch.func.jvp(region, tuple(primals[i] for i in live), tuple(tangents[i] for i in live))
+        return pushed[1]
+
+
+def _describe(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def remat(fn: Callable[..., Any], policy: SavePolicy = save_nothing) -> Callable[..., Any]:
+    """``fn`` rematerialised: same signature and result; its backward recomputes it.
+
+    Memory: the forward keeps ``fn``'s tensor inputs by reference (and the outputs of the
+    operators ``policy`` names), not its intermediate activations. Compute: the backward
+    runs ``fn`` once more, with the CPU (and initialised CUDA) generators set to their
+    state at the forward, so dropout masks are the same; gradients equal those without
+    remat bitwise. No communication of its own.
+
+    Arguments are any pytree: tensors are the region's inputs (those that require grad,
+    at any ``torch.func`` level, get gradients), everything else is a constant. When
+    ``fn`` is an ``nn.Module`` or a module's bound method, the module's parameters and
+    buffers (read at each call) are inputs too. A tensor that requires grad and reaches
+    ``fn`` any other way (a closure) is refused with an error, never silently given no
+    gradient. Works under plain autograd (double backward included) and inside every
+    ``torch.func`` transform: ``grad``, ``grad_and_value``, ``vjp``, ``jacrev``, ``vmap``
+    (vmap's rule is generated from the forward), ``jvp`` and ``jacfwd`` (forward mode
+    pushes the tangents through ``fn`` once more: it keeps nothing for later anyway).
+
+    >>> import torch
+    >>> f = remat(lambda x: torch.tanh(x).sum())
+    >>> torch.func.grad(f)(torch.zeros(3))
+    tensor([1., 1., 1.])
+    """
+    if not callable(fn):
+        raise TypeError(f"remat wants a callable, got {type(fn).__name__} {fn!r}")
+    if not isinstance(policy, SavePolicy):
+        raise TypeError(f"remat policy must be a SavePolicy (save_nothing, save_dots, ...), got {policy!r}")
+    owner = fn.__self__ if isinstance(fn, types.MethodType) else fn
+    if isinstance(owner, nn.Module):
+        return _remat_with_state(fn, [owner], policy, _describe(fn))
+    where = _describe(fn)
+
+    @functools.wraps(fn)
+    def rematerialised(*args: Any, **kwargs: Any) -> Any:
+        leaves, spec = torch_pytree.tree_flatten((args, kwargs))
+        call = _Call(fn, policy, leaves, spec, where)
+        outs = _Remat.apply(call, *(leaves[i] for i in call.slots))
+        call.kept_tensors = []  # autograd holds them now (every level's context has been set up)
+        return call.outputs(outs)
+
+    return rematerialised
+
+
+# --- modules: their parameters and buffers as inputs of the region ---------------------------------
+
+
+def _state_slots(modules: Sequence[nn.Module]) -> tuple[list[torch.Tensor], list[list[tuple[nn.Module, str, bool]]]]:
+    """The modules' current parameter and buffer tensors (each once) and where each one sits."""
+    tensors: list[torch.Tensor] = []
+    slots: list[list[tuple[nn.Module, str, bool]]] = []
+    index: dict[int, int] = {}
+    seen: set[tuple[int, str]] = set()
+    for root in modules:
+        for m in root.modules():
+            for table, is_param in ((m._parameters, True), (m._buffers, False)):
+                for attr, t in table.items():
+                    # meta: a stand-in for a parameter that is not there (another unit's, not gathered)
+                    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or (id(m), attr) in seen:
+                        continue
+                    seen.add((id(m), attr))
+                    k = index.setdefault(id(t), len(tensors))
+                    if k == len(tensors):
+                        tensors.append(t)
+                        slots.append([])
+                    slots[k].append((m, attr, is_param))
+    return tensors, slots
+
+
+@contextlib.contextmanager
+def _installed(slots: list[list[tuple[nn.Module, str, bool]]], tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """The modules' parameters and buffers are ``tensors`` for the block (restored after it)."""
+    previous: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for places, t in zip(slots, tensors, strict=True):
+            for m, attr, is_param in places:
+                table: dict[str, Any] = m._parameters if is_param else m._buffers
+                previous.append((table, attr, table[attr]))
+                table[attr] = t
+        yield
+    finally:
+        for table, attr, old in reversed(previous):
+            table[attr] = old
+
+
+def _remat_with_state(
+    fn: Callable[..., Any], modules: Sequence[nn.Module], policy: SavePolicy, where: str
+) -> Callable[..., Any]:
+    """``remat(fn)`` where the parameters and buffers of ``modules`` (read at each call) are inputs too."""
+
+    def region(state: list[torch.Tensor], slots: _Opaque, *args: Any, **kwargs: Any) -> Any:
+        with _installed(slots.value, state):
+            return fn(*args, **kwargs)
+
+    region.__qualname__ = where
+    inner = remat(region, policy)
+
+    @functools.wraps(fn)
+    def rematerialised(*args: Any, **kwargs: Any) -> Any:
+        state, slots = _state_slots(modules)
+        return inner(state, _Opaque(slots), *args, **kwargs)
+
+    return rematerialised
+
+
+class _Opaque:
+    """A value pytrees treat as one constant leaf (the module slots must not be flattened)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+# --- which units a train step rematerialises ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Remat:
+    """Which units a train step rematerialises, and what their forward keeps.
+
+    ``units``: ``True`` for every non-root unit, or a policy with the auto-wrap signature
+    ``(module, recurse, unwrapped_params, **kw) -> bool`` asked once per unit with
+    ``recurse=False`` and the unit's parameter count. ``policy``: the ``SavePolicy``.
+    ``every``: of the selected units, in module order, rematerialise the first and then
+    every ``every``-th (Hugging Face's ``every_n_layers``).
+    """
+
+    units: bool | Policy = True
+    policy: SavePolicy = save_nothing
+    every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.units is not True and (isinstance(self.units, bool) or not callable(self.units)):
+            raise TypeError(
+                f"Remat.units must be True (every non-root unit) or a policy callable as "
+                f"policy(module, recurse, unwrapped_params), got {self.units!r}; for no remat pass remat=None"
+            )
+        if not isinstance(self.policy, SavePolicy):
+            raise TypeError(f"Remat.policy must be a SavePolicy (save_nothing, save_dots, ...), got {self.policy!r}")
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"Remat.every must be a positive int, got {self.every!r}")
+
+    @classmethod
+    def of(cls, value: bool | Policy | Remat | None) -> Remat | None:
+        """What ``train_step(remat=value)`` means: ``None``/``False`` none, ``True`` every
+        non-root unit, a unit policy, or a ``Remat``."""
+        if value is None or value is False:
+            return None
+        if isinstance(value, Remat):
+            return value
+        if value is True or callable(value):
+            return cls(units=value)
+        raise TypeError(
+            f"remat must be None, True, a unit policy callable as policy(module, recurse, unwrapped_params), "
+            f"or a Remat, got {type(value).__name__} {value!r}"
+        )
+
+    def selects(self, plan: Plan, module: nn.Module) -> frozenset[str]:
+        """The names of the units to rematerialise (no communication, no allocation).
+
+        Candidates are the non-root units named after a module (a shared tied parameter's
+        own unit has no forward of its own); a unit inside another selected unit is left
+        out, since recomputing the outer one recomputes it.
+        """
+        chosen = []
+        for unit in plan.units:
+            if unit.name == ROOT or unit.hooks:
+                continue
+            try:
+                sub = module.get_submodule(unit.name)
+            except AttributeError as e:
+                raise ValueError(
+                    f"Remat: unit {unit_label(unit.name)} is not a submodule of {type(module).__name__}: "
+                    "was the plan made for another model?"
+                ) from e
+            if not isinstance(self.units, bool):
+                answer = self.units(sub, False, unit.numel + unit.frozen_part.numel)
+                if not isinstance(answer, bool):
+                    raise TypeError(
+                        f"Remat unit policy {getattr(self.units, '__qualname__', self.units)!r} returned "
+                        f"{type(answer).__name__} {answer!r} for unit {unit_label(unit.name)}; it must return a bool"
+                    )
+                if not answer:
+                    continue
+            chosen.append(unit.name)
+        outer = [n for n in chosen if not any(n.startswith(o + ".") for o in chosen)]
+        return frozenset(outer[:: self.every])
+
+
+# --- torch.utils.checkpoint, routed ------------------------------------------------------------------
+
+_route_lock = threading.Lock()
+_route_depth = 0
+_route_saved: list[tuple[Any, str, Any]] = []
+_MISSING = object()
+
+
+def _modules_in(fn: Any, depth: int = 0) -> list[nn.Module]:
+    """Modules ``fn`` reaches directly: itself, a bound method's owner, a partial's
+    arguments, a closure's cells (a few levels deep)."""
+    if depth > 4:
+        return []
+    if isinstance(fn, nn.Module):
+        return [fn]
+    found: list[nn.Module] = []
+    if isinstance(fn, functools.partial):
+        for x in (fn.func, *fn.args, *fn.keywords.values()):
+            found += _modules_in(x, depth + 1)
+    elif isinstance(fn, types.MethodType):
+        found += _modules_in(fn.__self__, depth + 1) + _modules_in(fn.__func__, depth + 1)
+    elif isinstance(fn, types.FunctionType):
+        for cell in fn.__closure__ or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                found += _modules_in(cell.cell_contents, depth + 1)
+    return list({id(m): m for m in found}.values())
+
+
+def _routed_checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool | None = None,
+    context_fn: Any = None,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """``torch.utils.checkpoint.checkpoint``'s signature; runs ``function`` through ``remat``."""
+    kwargs.pop("preserve_rng_state", None)  # remat always replays the generators
+    name = _describe(function)
+    if use_reentrant is not False and kwargs:
+        raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
+    if (context_fn is not None and context_fn is not torch_checkpoint.noop_context_fn) or debug:
+        raise RematError(
+            f"torch.utils.checkpoint.checkpoint({name}, context_fn=..., debug=...) cannot be routed to "
+            "fsdp_fn.remat (its saved-tensor machinery does not run inside torch.func); "
+            "for selective checkpointing use fsdp_fn.remat(fn, policy=fsdp_fn.save_dots) or "
+            "train_step(remat=fsdp_fn.Remat(policy=fsdp_fn.save_dots))"
+        )
+    # A partial's bound arguments become the region's arguments, so its tensors are inputs too.
+    while isinstance(function, functools.partial):
+        args, kwargs = (*function.args, *args), {**function.keywords, **kwargs}
+        function = function.func
+    modules = _modules_in(function) + [m for x in (*args, *kwargs.values()) for m in _modules_in(x)]
+    modules = list({id(m): m for m in modules}.values())
+    for handler in reversed(_region_handlers):
+        out = handler(function, modules, args, kwargs)
+        if out is not NotImplemented:
+            return out
+    return _remat_with_state(function, modules, save_nothing, name)(*args, **kwargs)
+
+
+RegionHandler = Callable[[Callable[..., Any], list[nn.Module], tuple[Any, ...], dict[str, Any]], Any]
+_region_handlers: list[RegionHandler] = []
+
+
+@contextlib.contextmanager
+def handling_regions(handler: RegionHandler) -> Iterator[None]:
+    """For the block, a routed checkpoint region is first offered to ``handler(function,
+    modules, args, kwargs)``; it returns the region's result, or ``NotImplemented`` to
+    leave the region to ``remat``. (fsdp_fn's runtime takes regions that are units.)"""
+    _region_handlers.append(handler)
+    try:
+        yield
+    finally:
+        _region_handlers.remove(handler)
+
+
+class _RoutedCheckpointFunction:
+    """Stands in for ``torch.utils.checkpoint.CheckpointFunction`` (the reentrant variant)."""
+
+    @staticmethod
+    def apply(function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+        return _routed_checkpoint(function, *args, use_reentrant=True)
+
+
+def _refusing(what: str) -> Callable[..., Iterator[None]]:
+    """Stands in for torch's non-reentrant checkpoint generator where it cannot be routed."""
+
+    def refused(fn: Any, *args: Any, **kwargs: Any) -> Iterator[None]:
+        raise RematError(
+            f"{what} of {_describe(fn)} relies on saved-tensor hooks, which torch.func refuses; "
+            "use fsdp_fn.remat (train_step(remat=...) for units, fsdp_fn.remat(module) for any module) "
+            "or call torch.utils.checkpoint.checkpoint, which is routed to it"
+        )
+        yield  # a generator, like the function it stands in for
+
+    return refused
+
+
+def _patches() -> list[tuple[Any, str, Any]]:
+    public = torch_checkpoint.checkpoint
+    original = getattr(public, "__wrapped__", None)
+    # torch wraps checkpoint in _disable_dynamo, whose wrapper looks the function to call up as
+    # this attribute at call time: setting it reaches every reference to checkpoint, including
+    # functools.partial objects made before (Hugging Face's gradient_checkpointing_enable).
+    if original is None or "__dynamo_disable" not in public.__code__.co_consts:
+        raise RematError(
+            "fsdp_fn cannot route torch.utils.checkpoint.checkpoint in this torch version "
+            f"({torch.__version__}); wrap the region with fsdp_fn.remat instead"
+        )
+    patches = [
+        (original, "__dynamo_disable", _routed_checkpoint),
+        (torch_checkpoint, "CheckpointFunction", _RoutedCheckpointFunction),
+        (
+            torch_checkpoint,
+            "_checkpoint_without_reentrant_generator",
+            _refusing("torch.utils.checkpoint's non-reentrant generator"),
+        ),
+    ]
+    # torch.distributed._composable.checkpoint(module) enters that generator from module hooks,
+    # around a forward it cannot replace: not routable, refused by name (when it is loaded at all).
+    composable = sys.modules.get("torch.distributed._composable.checkpoint_activation")
+    if composable is not None and hasattr(composable, "_checkpoint_without_reentrant_generator"):
+        refused = _refusing("torch.distributed._composable.checkpoint")
+        patches.append((composable, "_checkpoint_without_reentrant_generator", refused))
+    return patches
+
+
+@contextlib.contextmanager
+def route_torch_checkpoint() -> Iterator[None]:
+    """For the block, ``torch.utils.checkpoint.checkpoint`` (reentrant or not) runs its
+    function through ``fsdp_fn.remat``, so models that checkpoint run inside ``torch.func``.
+
+    Gradients equal those without checkpointing. The parameters and buffers of the modules
+    the checkpointed function reaches (a module, a bound method's owner, a partial's
+    arguments, closure cells) become inputs of the region, so they get gradients.
+    ``context_fn`` and ``debug`` are refused with an error, and so is
+    ``torch.distributed._composable.checkpoint`` (its hooks cannot hand the forward
+    over). Restored on exit, also on an
+    exception. Thread safety: the patch is process-wide; nested and concurrent blocks
+    share it (the first entry installs it, the last exit removes it), so a thread that
+    checkpoints outside fsdp_fn meanwhile is routed too, which is still exact.
+    """
+    global _route_depth
+    with _route_lock:
+        if _route_depth == 0:
+            patches = _patches()
+            for owner, attr, value in patches:
+                _route_saved.append((owner, attr, getattr(owner, attr, _MISSING)))
+                setattr(owner, attr, value)
+        _route_depth += 1
+    try:
+        yield
+    finally:
+        with _route_lock:
+            _route_depth -= 1
+            if _route_depth == 0:
+                while _route_saved:
+                    owner, attr, old = _route_saved.pop()
+                    if old is _MISSING:
+                        delattr(owner, attr)
+                    else:
+                        setattr(owner, attr, old)

@@ -1,0 +1,450 @@
+"""Running a module over shards: each unit gathered just before it runs.
+
+Two ways:
+
+* **composable** (``apply_sharded``, and ``value_and_grad`` inside another ``torch.func``
+  transform): each unit is the differentiable all-gather of ``gather_for``, whose backward
+  is the reduce-scatter and whose tangent and batching rules are the collective's own, so
+  every transform composes. Gathered units stay alive as long as autograd holds them.
+* **lean** (the train step's own pass): each use of a unit goes through the lifecycle of
+  ``_unit.py`` (freed after forward, refilled before backward), gathers are prefetched
+  along ``_prefetch.py``'s policy, gradients go to a ``GradSink``.
+
+Hooks (and, for units that may be rematerialised, a forward of ours) are installed on
+the units' modules for the duration of ``run`` only; the module is left as it was.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as torch_pytree
+from torch import nn
+from torch.func import functional_call
+
+from fsdp_fn._collectives import all_gather
+from fsdp_fn._functional import Functional, parameters_restored, requires_grad_tolerated
+from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
+from fsdp_fn._policy import BackwardPrefetch, Schedule
+from fsdp_fn._prefetch import ForwardOrder, may_start, refill_next
+from fsdp_fn._remat import Remat, _remat_with_state, handling_regions, route_torch_checkpoint, save_nothing
+from fsdp_fn._shard import Sharded, check_shard, ensure_live, shards_of, unit_views
+from fsdp_fn._sink import GradSink
+from fsdp_fn._unit import FlatPart, GatheredUnit, GatherUnit, RefillBeforeBackward, UnitState, plain
+
+
+def _lift(buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Buffers as tensors of the current torch.func level, so the forward may update them in
+    place (BatchNorm statistics); a transform refuses in-place writes to captured tensors.
+    The write still lands in the buffer itself."""
+    level = torch._C._functorch.maybe_current_level()
+    if level is None:
+        return dict(buffers)
+    return {k: torch._C._functorch._wrap_for_grad(v, level) for k, v in buffers.items()}
+
+
+class _NotGathered(torch.Tensor):
+    """Stands in for a unit's parameter outside that unit's forward; any use raises."""
+
+    fsdp_fn_where: tuple[str, str]  # (parameter, unit)
+
+    @staticmethod
+    def __new__(cls, spec: ParamSpec, unit: str) -> _NotGathered:
+        t = torch.Tensor._make_wrapper_subclass(cls, spec.shape, dtype=spec.dtype, device=torch.device("meta"))
+        t.fsdp_fn_where = (spec.name, unit)
+        return t  # type: ignore[no-any-return]
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in _HARMLESS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        me = next(a for a in torch_pytree.tree_leaves((args, kwargs)) if isinstance(a, _NotGathered))
+        name, unit = me.fsdp_fn_where
+        raise RuntimeError(
+            f"parameter {name!r} of unit {unit_label(unit)} was used outside that unit's forward "
+            f"({getattr(func, '__name__', func)}); a unit's parameters exist only while its module "
+            "runs: call the module (not .forward directly) or put this use in the same unit"
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        raise RuntimeError(f"parameter used outside its unit's forward ({func})")
+
+
+_MISSING = object()
+
+Swapped = list[tuple[nn.Module, str, Any]]  # (owner, attribute, original parameter) put back after the call
+
+_HARMLESS = {"__get__", "size", "dim", "__repr__", "__format__", "numel", "ndimension"}
+
+
+class Runtime:
+    """Runs a module's forward over sharded parameters, gathering each unit just before it runs.
+
+    ``composable=True``: each unit is a differentiable all-gather (any transform composes).
+    Otherwise the lean path: gathered buffers are freed after forward and refilled before
+    backward, gradients go to ``sink``. Hooks are installed on the units' modules for the
+    duration of ``run`` only.
+    """
+
+    def __init__(
+        self,
+        fn: Functional,
+        params: Sharded,
+        *,
+        schedule: Schedule | None = None,
+        order_hint: Sequence[str] = (),
+        sink: GradSink | None = None,
+        composable: bool = False,
+        remat: Remat | None = None,
+    ) -> None:
+        ensure_live(params, "apply_sharded")
+        self.fn, self.params = fn, params
+        _check_plan_fits(params.plan, fn)
+        self.schedule = schedule or Schedule()
+        self.composable = composable
+        self.sink = sink if sink is not None else GradSink(params, self.schedule)
+        offload = self.schedule.cpu_offload
+        self.device = offload.compute_device() if offload is not None else None
+        self.plan = params.plan
+        self.forward_order = ForwardOrder(order_hint)  # forward prefetch follows the last step's order
+        self.uses: dict[str, int] = {}  # gathered uses per unit in this forward
+        self.records: list[GatheredUnit] = []  # every gathered use that may get a backward, in forward order
+        self.prefetched: dict[str, GatheredUnit] = {}
+        self.inflight = 0  # non-root unit buffers allocated now
+        self.running: list[str] = []  # units whose forward is in progress, innermost last
+        self.order: list[str] = []  # units in the order their forward ran
+        self.live: dict[tuple[str, int], list[GatheredUnit | None]] = {}  # uses whose forward is running
+        module = fn.module
+        # Each unit's modules, one entry per module object (a module shared under several
+        # paths is hooked once), and where a gather puts its parameters in it.
+        self.targets: dict[str, list[nn.Module]] = {}
+        self.slots: dict[tuple[str, int], list[tuple[nn.Module, str, str]]] = {}
+        for unit in self.plan.units:
+            seen: dict[int, nn.Module] = {}
+            for path in unit.modules:
+                target = module.get_submodule(path)
+                seen.setdefault(id(target), target)
+                slots = self.slots.setdefault((unit.name, id(target)), [])
+                for spec in unit.all_params:
+                    for full_name in (spec.name, *spec.aliases):
+                        owner, _, attr = full_name.rpartition(".")
+                        if not unit.hooks or owner == path:
+                            slot = (module.get_submodule(owner), attr, spec.name)
+                            if not any(s[0] is slot[0] and s[1] == attr for s in slots):
+                                slots.append(slot)
+            self.targets[unit.name] = list(seen.values())
+        # Units that can be rematerialised run through a forward of ours for the call: the
+        # ones ``remat`` selects, and the ones a torch.utils.checkpoint region asks for.
+        self.own_unit: dict[int, Unit] = {
+            id(module.get_submodule(u.name)): u for u in self.plan.units if u.name != ROOT and not u.hooks
+        }
+        self.remat = remat
+        self.remat_units = remat.selects(self.plan, module) if remat is not None else frozenset()
+        for name in self.remat_units:
+            self._check_rematerialisable(self.plan.unit(name), "train_step(remat=...)")
+        self.forced: set[str] = set()  # units a routed torch checkpoint region rematerialises now
+
+    # --- rematerialisation -------------------------------------------------------------------------
+
+    def _check_rematerialisable(self, unit: Unit, asked_by: str) -> None:
+        """A rematerialised unit is recomputed in backward, after this call's hooks are gone:
+        every parameter it reads must be its own (another unit's would not be gathered then)."""
+        module = self.fn.module.get_submodule(unit.name)
+        own = {spec.name for spec in unit.all_params} | {a for spec in unit.all_params for a in spec.aliases}
+        prefix = f"{unit.name}."
+        for name, _ in module.named_parameters(remove_duplicate=False):
+            full = prefix + name
+            if full not in own:
+                other = self.plan.unit_of(full).name
+                raise ValueError(
+                    f"{asked_by}: unit {unit_label(unit.name)} cannot be rematerialised: it reads parameter "
+                    f"{full!r} of unit {unit_label(other)}, which is not gathered when the unit is recomputed in "
+                    "backward; rematerialise the units inside it instead (or put that parameter in this unit)"
+                )
+
+    def _forward(self, unit: Unit, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The unit's forward for this call: rematerialised when asked, otherwise the module's own."""
+        if unit.name in self.forced:
+            return _remat_with_state(original, [self.fn.module.get_submodule(unit.name)], save_nothing, unit.name)(
+                *args, **kwargs
+            )
+        if unit.name in self.remat_units:
+            assert self.remat is not None
+            module = self.fn.module.get_submodule(unit.name)
+            return _remat_with_state(original, [module], self.remat.policy, unit.name)(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    def _region(
+        self, function: Callable[..., Any], modules: list[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A torch.utils.checkpoint region inside this call: the units it names are rematerialised
+        by their own forward (with their gathered parameters); other regions go to ``remat``."""
+        units = [self.own_unit[id(m)] for m in modules if id(m) in self.own_unit]
+        if not units:
+            return NotImplemented
+        for unit in units:
+            self._check_rematerialisable(unit, f"torch.utils.checkpoint.checkpoint of unit {unit_label(unit.name)}")
+        added = [u.name for u in units if u.name not in self.forced]
+        self.forced.update(added)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            self.forced.difference_update(added)
+
+    # --- gathering ---------------------------------------------------------------------------------
+
+    def _new_record(self, unit: Unit) -> GatheredUnit:
+        check_shard(self.params, unit)
+        group, gather_dtype = self.params.group, self.schedule.gather_dtype
+        parts = [
+            FlatPart(part, plain(shard), group, gather_dtype(part.dtype), self.device or shard.device)
+            for part, shard in shards_of(self.params, unit)
+        ]
+        rec = GatheredUnit(unit, parts, self)
+        self.records.append(rec)
+        return rec
+
+    def _gather(self, unit: Unit) -> tuple[GatheredUnit | None, dict[str, torch.Tensor]]:
+        self.uses[unit.name] = self.uses.get(unit.name, 0) + 1
+        if self.composable:
+            return None, self._gather_composable(unit)
+        rec = self.prefetched.pop(unit.name, None) or self._new_record(unit)
+        full = GatherUnit.apply(check_shard(self.params, unit), rec)
+        return rec, rec.views(full)
+
+    def _gather_composable(self, unit: Unit) -> dict[str, torch.Tensor]:
+        layout = self.params.layout
+        out: dict[str, torch.Tensor] = {}
+        for part, shard in shards_of(self.params, unit):
+            source = shard.to(dtype=self.schedule.gather_dtype(part.dtype), device=self.device or shard.device)
+            if part is unit:
+                full = all_gather(source, layout.group, unit=unit.name, grad_scale=1.0 / layout.world)
+            else:  # frozen: a constant
+                with torch.no_grad():
+                    full = all_gather(source.detach(), layout.group, unit=unit.name)
+            out.update(unit_views(part, full))
+        return out
+
+    def _prefetch(self, name: str | None) -> None:
+        """Start gathering ``name`` (the unit expected to run next) if the limit allows."""
+        if self.composable or name is None or name in self.prefetched or not may_start(self.inflight, self.schedule):
+            return
+        rec = self._new_record(self.plan.unit(name))
+        rec.start()
+        self.prefetched[name] = rec
+
+    def _prefetch_backward(self, rec: GatheredUnit) -> None:
+        """Start refilling the use whose backward comes next (the previous one in forward order)."""
+        if may_start(self.inflight, self.schedule):
+            upcoming = refill_next(self.records, rec)
+            if upcoming is not None:
+                upcoming.start()
+
+    # --- the Owner of gathered uses (_unit.py) ---------------------------------------------------
+
+    def before_backward(self, use: GatheredUnit) -> None:
+        if self.schedule.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            self._prefetch_backward(use)
+
+    def after_backward(self, use: GatheredUnit, full: torch.Tensor) -> None:
+        if self.schedule.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            self._prefetch_backward(use)
+        if use in self.records:
+            self.records.remove(use)  # done: backward prefetch looks only at uses still to come
+        self.sink.push(use.unit, full, use.received)
+
+    def _after_forward(self, rec: GatheredUnit | None, output: Any, reshard: bool) -> Any:
+        if rec is None or not reshard:
+            return output
+        leaves, spec = torch_pytree.tree_flatten(output)
+        idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+        rec.free()
+        if idx:
+            refilled = RefillBeforeBackward.apply(rec, *(leaves[i] for i in idx))
+            for i, t in zip(idx, refilled, strict=True):
+                leaves[i] = t
+        return torch_pytree.tree_unflatten(leaves, spec)
+
+    def finish_forward(self, loss: torch.Tensor) -> None:
+        """The loss is known: find the gathered uses its backward will reach (walking autograd's
+        graph), tell the sink how many per unit, and release the others now (a no-grad call,
+        an output thrown away): they will never get a backward, so backward must not refill them."""
+        gathers: set[int] = set()  # uses whose gradient the backward computes
+        needed: set[int] = set()  # uses whose gathered parameters the backward reads
+        seen: set[Any] = set()
+        stack = [loss.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            use = getattr(node, "fsdp_fn_use", None)
+            if use is not None:
+                gathers.add(id(use))
+            refill = getattr(node, "fsdp_fn_refill", None)
+            if refill is not None:
+                needed.add(id(refill))
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        uses: collections.Counter[str] = collections.Counter()
+        for rec in list(self.records):
+            if id(rec) in gathers:
+                uses[rec.unit.name] += 1
+            elif id(rec) not in needed and (rec.state is UnitState.FREED or not rec.unit.frozen):
+                # (a gathered frozen part may be read by the backward through its own views)
+                rec.release()
+                self.records.remove(rec)
+        self.sink.expect(uses)
+
+    def release_all(self) -> None:
+        """After backward: drop what is left (units with only frozen parameters get no gradient,
+        so nothing released them when their backward was done)."""
+        for rec in self.records:
+            rec.release()
+        self.records.clear()
+
+    # --- running ------------------------------------------------------------------------------------
+
+    def run(self, buffers: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:
+        return self.run_on(self.params, buffers, *args, **kwargs)
+
+    def run_on(self, params: Sharded, buffers: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:
+        """Run the module with ``params`` (the runtime's shards, possibly inside a transform)."""
+        self.params = params
+        module = self.fn.module
+        precision = self.schedule.mixed_precision
+        if precision.param_dtype is not None and precision.cast_forward_inputs:
+            args, kwargs = _cast_floating((args, kwargs), precision.param_dtype)
+        first_record = len(self.records)
+        tensors: dict[str, torch.Tensor] = {}
+        for unit in self.plan.units:
+            if unit.name == ROOT:
+                tensors.update(self._gather(unit)[1])
+            else:
+                tensors.update({p.name: _NotGathered(p, unit.name) for p in unit.all_params})
+        tensors.update(_lift(buffers))
+        if self.schedule.forward_prefetch:
+            self._prefetch(self.forward_order.first)
+
+        handles = []
+        swapped: list[tuple[nn.Module, str, Any]] = []
+        for unit in self.plan.units:
+            if unit.name == ROOT:
+                continue
+            for target in self.targets[unit.name]:
+                handles.append(target.register_forward_pre_hook(self._pre_hook(unit, target, swapped)))
+                handles.append(target.register_forward_hook(self._post_hook(unit, target, swapped)))
+        forwards: list[tuple[nn.Module, Any]] = []  # (module, its own instance-level forward or _MISSING)
+        for unit in self.own_unit.values():
+            target = module.get_submodule(unit.name)
+            forwards.append((target, target.__dict__.get("forward", _MISSING)))
+            target.forward = functools.partial(self._forward, unit, target.forward)
+        try:
+            with (
+                parameters_restored(module),
+                route_torch_checkpoint(),
+                handling_regions(self._region),
+                requires_grad_tolerated(),
+            ):
+                out = functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
+        except Exception as e:
+            where = f"unit {unit_label(self.running[-1])}" if self.running else "the root unit"
+            e.add_note(f"fsdp_fn: raised in the forward of {where}")
+            for rec in self.prefetched.values():
+                rec.release()
+            raise
+        finally:
+            for h in handles:
+                h.remove()
+            for target, forward in forwards:
+                if forward is _MISSING:
+                    del target.forward
+                else:
+                    target.forward = forward
+            for owner, attr, original in reversed(swapped):
+                owner._parameters[attr] = original
+            self.running.clear()
+        for rec in self.prefetched.values():  # prefetched along the hint, but not run this time
+            rec.release()
+            self.records.remove(rec)
+        self.prefetched.clear()
+        if not torch.is_grad_enabled():  # an evaluation call: nothing of it will get a backward
+            for rec in self.records[first_record:]:
+                rec.release()
+            del self.records[first_record:]
+        if precision.output_dtype is not None:
+            out = _cast_floating(out, precision.output_dtype)
+        return out
+
+    def _pre_hook(
+        self, unit: Unit, target: nn.Module, swapped: list[tuple[nn.Module, str, Any]]
+    ) -> Callable[..., None]:
+        key = (unit.name, id(target))
+
+        def hook(module: nn.Module, args: Any) -> None:
+            self.running.append(unit.name)
+            rec, views = self._gather(unit)
+            upcoming = self.forward_order.advance(unit.name)
+            if self.schedule.forward_prefetch:
+                self._prefetch(upcoming)
+            for owner, attr, name in self.slots[key]:
+                swapped.append((owner, attr, owner._parameters[attr]))
+                owner._parameters[attr] = views[name]  # type: ignore[assignment]
+            self.order.append(unit.name)
+            self.live.setdefault(key, []).append(rec)
+
+        return hook
+
+    def _post_hook(
+        self, unit: Unit, target: nn.Module, swapped: list[tuple[nn.Module, str, Any]]
+    ) -> Callable[..., Any]:
+        key = (unit.name, id(target))
+
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            for _ in self.slots[key]:
+                owner, attr, original = swapped.pop()
+                owner._parameters[attr] = original
+            self.running.pop()
+            reshard = not self.forward_order.keep_gathered(unit.name, self.schedule)
+            return self._after_forward(self.live[key].pop(), output, reshard)
+
+        return hook
+
+
+def _check_plan_fits(plan: Plan, fn: Functional) -> None:
+    """The shards' plan must describe this module: same parameter names and shapes."""
+    for spec in plan.params:
+        have = fn.params.get(spec.name)
+        if have is None or tuple(have.shape) != spec.shape:
+            found = "no such parameter" if have is None else f"shape {tuple(have.shape)}"
+            raise ValueError(
+                f"these shards were made for another plan: their parameter {spec.name!r} is {spec.shape} "
+                f"(unit {unit_label(plan.unit_of(spec.name).name)}) but {type(fn.module).__name__} has {found}"
+            )
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    return torch_pytree.tree_map(
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
+    )
+
+
+def apply_sharded(
+    fn: Functional, params: Sharded, buffers: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any
+) -> Any:
+    """``fn(full_params, buffers, *args, **kwargs)`` computed from sharded ``params``.
+
+    Each unit is all-gathered just before its module runs, by the differentiable
+    all-gather of ``gather_for``: the gradient with respect to ``params`` is the
+    reduce-scattered (rank-averaged) gradient, and every ``torch.func`` transform composes
+    (``grad``, ``vjp``, ``jvp``, ``vmap``, grad of grad) as does plain ``.backward()`` when
+    the shards require grad. Memory: shards plus every unit gathered so far (autograd keeps
+    them for the backward; the train step's own pass frees them instead); communication:
+    one all-gather per unit use in forward, one reduce-scatter per use in backward.
+    """
+    return Runtime(fn, params, composable=True).run(buffers, *args, **kwargs)

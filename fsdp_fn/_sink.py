@@ -1,0 +1,118 @@
+"""The gradient sink: where a unit's full gradient goes once its backward has run.
+
+Reduce (a reduce-scatter issued at once, one left in flight behind the next unit's
+backward), defer (accumulating micro-batches without reducing), deliver (the shards of
+every use of a unit summed; a unit handed on the moment its last use is reduced) and
+drain (wait for what is left at the end of backward). Replicas (hybrid sharding) average
+their shards here, in ``reduce_unit``: the one place gradients cross ranks.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from fsdp_fn._collectives import all_reduce_, reduce_scatter_start
+from fsdp_fn._memory import label
+from fsdp_fn._plan import Unit
+from fsdp_fn._policy import Schedule
+from fsdp_fn._shard import Sharded
+
+
+class GradSink:
+    """Where a unit's full gradient goes when its backward has run (lean path).
+
+    ``push`` issues the unit's reduce-scatter without waiting (one stays in flight behind
+    the next unit's backward) and the shards of every use of a unit are summed; with
+    ``defer`` (accumulating micro-batches without reducing) the full gradients are summed
+    instead and reduced once by ``reduce_deferred``. ``on_unit(unit, grad, received)`` is
+    called the moment a unit's last reachable use is reduced (``expect`` says how many
+    uses the loss reaches); otherwise ``drain()`` then ``grads()`` hand them over at the end.
+    Memory: one gradient shard per unit (or one full gradient per unit with ``defer``),
+    plus the full gradients of the reductions in flight.
+    """
+
+    def __init__(
+        self,
+        params: Sharded,
+        schedule: Schedule,
+        *,
+        defer: dict[str, torch.Tensor] | None = None,
+        on_unit: Callable[[str, torch.Tensor, tuple[bool, ...]], None] | None = None,
+    ) -> None:
+        self.params, self.schedule = params, schedule
+        self.deferred = defer
+        self.on_unit = on_unit
+        self.totals: dict[str, torch.Tensor] = {}
+        self.received: dict[str, list[bool]] = {}
+        self.expected: dict[str, int] = {}
+        self.arrived: collections.Counter[str] = collections.Counter()
+        self.pending: collections.deque[tuple[str, Callable[[], torch.Tensor]]] = collections.deque()
+        self.delivered: list[str] = []  # units handed to on_unit, in order
+
+    def expect(self, uses: Mapping[str, int]) -> None:
+        """How many gathered uses of each unit the loss reaches (the others never get a backward)."""
+        self.expected = dict(uses)
+
+    def push(self, unit: Unit, full: torch.Tensor, received: Sequence[bool]) -> None:
+        mask = self.received.setdefault(unit.name, [False] * len(unit.params))
+        for i, got in enumerate(received):
+            mask[i] = mask[i] or got
+        with torch._C._DisableFuncTorch(), torch.no_grad():
+            if self.deferred is not None:
+                total = self.deferred.get(unit.name)
+                if total is None:
+                    self.deferred[unit.name] = full  # a fresh buffer from the split's backward: ours to keep
+                else:
+                    total.add_(full)
+                return
+            with label("grads"):
+                self.pending.append((unit.name, reduce_unit(self.params, unit, full, self.schedule)))
+        self.drain(keep=1)
+
+    def drain(self, keep: int = 0) -> None:
+        """Wait for reduce-scatters (oldest first) until ``keep`` are left in flight."""
+        while len(self.pending) > keep:
+            unit, finish = self.pending.popleft()
+            with torch._C._DisableFuncTorch(), torch.no_grad():
+                self._deliver(unit, finish())
+
+    def _deliver(self, unit: str, grad: torch.Tensor) -> None:
+        total = self.totals.get(unit)
+        self.totals[unit] = grad if total is None else total.add_(grad)
+        self.arrived[unit] += 1
+        if self.on_unit is not None and self.arrived[unit] == self.expected.get(unit, 0):
+            self.delivered.append(unit)
+            self.on_unit(unit, self.totals.pop(unit), tuple(self.received[unit]))
+
+    def reduce_deferred(self) -> None:
+        """``defer``: reduce-scatter every unit's summed full gradient once, now."""
+        assert self.deferred is not None
+        plan = self.params.plan
+        for name in list(self.deferred):
+            with torch._C._DisableFuncTorch(), torch.no_grad():
+                finish = reduce_unit(self.params, plan.unit(name), self.deferred.pop(name), self.schedule)
+                self._deliver(name, finish())
+
+    def received_masks(self) -> dict[str, tuple[bool, ...]]:
+        return {u: tuple(m) for u, m in self.received.items()}
+
+
+def reduce_unit(params: Sharded, unit: Unit, full: torch.Tensor, schedule: Schedule) -> Callable[[], torch.Tensor]:
+    """Issue the reduce-scatter of a unit's full gradient (in the schedule's reduce dtype);
+    the result waits and returns the rank-mean gradient shard, averaged across replicas
+    too with hybrid sharding, in the shard's dtype and on its device."""
+    layout = params.layout
+    source = full.to(schedule.reduce_dtype(full.dtype))
+    finish = reduce_scatter_start(source, layout.group, unit.name, 1.0 / layout.world)
+    shard = params[unit.name]
+
+    def result() -> torch.Tensor:
+        out = finish()
+        if layout.replicate is not None:
+            all_reduce_(out, layout.replicate, unit.name).div_(layout.replicas)
+        return out.to(dtype=shard.dtype, device=shard.device)
+
+    return result

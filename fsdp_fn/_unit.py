@@ -1,0 +1,229 @@
+"""A unit's lifecycle in the lean pass: SHARDED -> GATHERED -> FREED -> GATHERED -> SHARDED.
+
+SHARDED: only this rank's shard exists. GATHERED (pre-forward): the flat buffer holds the
+full parameters, the unit's parameters are views into it. FREED (post-forward): the
+buffer's storage is released (``untyped_storage().resize_(0)``); autograd's saved tensors
+still alias it. GATHERED again (pre-backward): an identity ``autograd.Function`` on the
+unit's outputs refills it before the unit's backward runs. SHARDED (post-backward): the
+full gradient goes to the owner, the buffer is dropped. Inside ``torch.func`` saved-tensor
+hooks are refused, which is why freeing works on storage. This file knows nothing of the
+runtime: what a use needs from the call that runs it comes in as an ``Owner``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Protocol
+
+import torch
+from torch.autograd.function import FunctionCtx
+
+from fsdp_fn._collectives import all_gather_into
+from fsdp_fn._memory import label, retag
+from fsdp_fn._plan import ROOT, Unit
+from fsdp_fn._shard import unit_views
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    """Only this rank's shard exists; the gathered buffer is not allocated."""
+    GATHERED = "gathered"
+    """The flat buffer holds (or, while its all-gather is in flight, will hold) the full parameters."""
+    FREED = "freed"
+    """Forward is done and the buffer's storage is released; backward will refill it."""
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor under any functorch wrappers (shares storage with ``t``)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
+class FlatPart:
+    """One flat part of a gathered unit: this rank's shard, the gathered buffer, the pending gather."""
+
+    def __init__(self, part: Unit, shard: torch.Tensor, group: Any, dtype: torch.dtype, device: torch.device) -> None:
+        self.part, self.shard, self.group = part, shard, group  # shard: plain, 1-D
+        self.dtype, self.device = dtype, device
+        # One rank, same dtype and device (or nothing to hold): the shard is the whole unit, used in place.
+        self.in_place = part.numel == 0 or (group.size() == 1 and shard.dtype == dtype and shard.device == device)
+        self.buffer: torch.Tensor | None = None
+        self.work: Any = None
+        self._source: torch.Tensor | None = None  # the cast/copied shard, alive while its gather runs
+
+    def start(self) -> None:
+        if self.in_place:
+            self.buffer = self.shard.view_as(self.shard)
+            return
+        world = self.group.size()
+        if self.buffer is None:
+            with label("gathered"):
+                self.buffer = torch.empty(self.shard.numel() * world, dtype=self.dtype, device=self.device)
+        else:
+            self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
+        source = self.shard
+        if world > 1 and (source.dtype != self.dtype or source.device != self.device):
+            with label("comm"):
+                source = source.to(device=self.device, dtype=self.dtype, non_blocking=True)
+        self._source = source
+        self.work = all_gather_into(self.buffer, source, self.group, self.part.name, async_op=True)
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.work = self._source = None
+
+    def drop(self) -> None:
+        self.wait()
+        if not self.in_place and self.buffer is not None:
+            self.buffer.untyped_storage().resize_(0)
+
+
+class Owner(Protocol):
+    """What a gathered use needs from the call that runs it (the runtime), as callbacks.
+
+    ``inflight`` counts the non-root unit buffers allocated now (the prefetch limit).
+    """
+
+    inflight: int
+
+    def before_backward(self, use: GatheredUnit) -> None:
+        """The use's storage is refilled and its backward is about to run."""
+
+    def after_backward(self, use: GatheredUnit, full: torch.Tensor) -> None:
+        """The use's backward has run: ``full`` is its full (trainable) gradient."""
+
+
+class GatheredUnit:
+    """One gathered use of a unit inside one call: its flat parts, pending work, state, and
+    which of its parameters the backward reached."""
+
+    def __init__(self, unit: Unit, parts: list[FlatPart], owner: Owner) -> None:
+        self.unit, self.parts, self.owner = unit, parts, owner
+        self.state = UnitState.SHARDED
+        self.received = [False] * len(unit.params)
+        # Only non-root units whose gather allocates take a buffer that counts against the limit.
+        self.counted = unit.name != ROOT and not all(p.in_place for p in self.parts)
+
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's shard of the trainable part (plain)."""
+        return self.parts[0].shard
+
+    def start(self) -> None:
+        """Allocate (or re-grow) the buffers and issue the all-gathers; do not wait."""
+        # Plain tensors only: a prefetch runs outside any autograd.Function, where a
+        # transform would otherwise wrap the new buffers.
+        with torch._C._DisableFuncTorch():
+            for part in self.parts:
+                part.start()
+        self.state = UnitState.GATHERED
+        self.owner.inflight += self.counted
+
+    def wait(self) -> None:
+        for part in self.parts:
+            part.wait()
+
+    def free(self) -> None:
+        """After forward: release the storage; backward will ``start`` it again."""
+        if all(p.in_place for p in self.parts):
+            return  # nothing was allocated
+        for part in self.parts:
+            part.drop()
+        self.owner.inflight -= self.counted
+        self.state = UnitState.FREED
+
+    def release(self) -> None:
+        """After backward (or when no backward will come): drop everything."""
+        if self.state is UnitState.GATHERED:
+            for part in self.parts:
+                part.drop()
+            self.owner.inflight -= self.counted
+        for part in self.parts:
+            part.buffer = None
+        self.state = UnitState.SHARDED
+
+    def views(self, trainable: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The unit's parameters: views into ``trainable`` (autograd's output), each marked so
+        the backward records whether it reached that parameter; frozen ones from their buffer."""
+        out = unit_views(self.unit, trainable)
+        if torch.is_grad_enabled():
+            for i, spec in enumerate(self.unit.params):
+                out[spec.name] = _MarkReached.apply(out[spec.name], self, i)
+        for part in self.parts[1:]:
+            assert part.buffer is not None
+            out.update(unit_views(part.part, part.buffer))
+        return out
+
+
+class GatherUnit(torch.autograd.Function):
+    """shard -> full flat buffer; backward: the full gradient goes to the owner (into its ``GradSink``)."""
+
+    @staticmethod
+    def forward(shard: torch.Tensor, rec: GatheredUnit) -> torch.Tensor:
+        if rec.state is UnitState.SHARDED:  # not prefetched
+            rec.start()
+        rec.wait()
+        buffer = rec.parts[0].buffer
+        assert buffer is not None
+        return buffer if not rec.parts[0].in_place else buffer.view_as(buffer)
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.fsdp_fn_use = inputs[1]  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        rec: GatheredUnit = ctx.fsdp_fn_use
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "fsdp_fn: a second derivative (or a backward with create_graph=True) through the train step's "
+                "lean gathering is not supported: its reduce-scatter is not differentiable; use apply_sharded or "
+                "value_and_grad inside your transform (their gathers compose with every torch.func transform)"
+            )
+        full = plain(grad)
+        retag(full, "grads")
+        rec.release()
+        rec.owner.after_backward(rec, full)
+        shard = rec.shard
+        # The gradient travels through the sink; autograd gets a zero that owns no memory.
+        return torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.shape), None
+
+
+class _MarkReached(torch.autograd.Function):
+    """Identity on one parameter's view; its backward records that the loss reached the parameter."""
+
+    @staticmethod
+    def forward(view: torch.Tensor, rec: GatheredUnit, index: int) -> torch.Tensor:
+        return view.view_as(view)
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.rec, ctx.index = inputs[1], inputs[2]  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.rec.received[ctx.index] = True
+        return grad, None, None
+
+
+class RefillBeforeBackward(torch.autograd.Function):
+    """Identity on a unit's outputs; its backward runs first in the unit's backward."""
+
+    @staticmethod
+    def forward(rec: GatheredUnit, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(o.view_as(o) for o in outputs)
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.fsdp_fn_refill = inputs[0]  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        rec: GatheredUnit = ctx.fsdp_fn_refill
+        if rec.state is UnitState.FREED:  # not prefetched
+            rec.start()
+        rec.wait()
+        rec.owner.before_backward(rec)
+        return (None, *grads)

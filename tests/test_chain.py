@@ -1,0 +1,139 @@
+"""Gradient transformations that chain: each equals applying its piece by hand, on real ranks."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+
+import fsdp_fn as ff
+from tests.helpers import MLP, batch_for, local_part, mse_loss, reference_run, rel
+
+
+def _setup(group, optimizer, **step_kw):
+    torch.manual_seed(0)
+    model = MLP()
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([nn.Linear]))
+    step = ff.train_step(fn, mse_loss, optimizer, **step_kw)
+    return model, fn, plan, step, step.init(ff.shard(fn.params, plan, group))
+
+
+def _clip_chain(group, max_norm):
+    """chain(clip_by_global_norm, adamw) against torch's clip_grad_norm_ + AdamW, one process."""
+    world, rank = group.size(), group.rank()
+    model, fn, plan, step, state = _setup(group, ff.chain(ff.clip_by_global_norm(max_norm), ff.adamw(lr=1e-2)))
+    norms = []
+    for k in range(3):
+        state, metrics = step(state, local_part(batch_for("mlp", model, k), rank, world))
+        norms.append(metrics["grad_norm"].item())
+    full = ff.unshard(state.params)
+    batches = [batch_for("mlp", model, k) for k in range(3)]
+    ref = reference_run(model, mse_loss, batches, partial(torch.optim.AdamW, lr=1e-2), clip=max_norm)
+    return (
+        max(rel(a, b) for a, b in zip(norms, ref["norms"])),
+        max((full[k] - v).abs().max().item() for k, v in ref["params"].items()),
+        min(ref["norms"]),
+        max(ref["norms"]),
+    )
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 100.0], ids=["clipping", "below_max_norm"])
+def test_clip_by_global_norm_in_a_chain_equals_torch(pool, max_norm):
+    for norm, param, smallest, largest in pool.run(_clip_chain, max_norm, world=3):
+        # both regimes really happen: every norm above 0.05, every norm below 100, so a
+        # clip that scaled small gradients up (no clamp at 1) or never clipped would fail
+        assert (smallest > max_norm) if max_norm < 1 else (largest < max_norm)
+        assert norm < 1e-5
+        assert param < 1e-6
+
+
+def _by_hand(group):
+    """The composite equals its pieces applied by hand to value_and_grad's gradients."""
+    world, rank = group.size(), group.rank()
+    model, fn, plan, _, state = _setup(group, ff.adamw())
+    batch = local_part(batch_for("mlp", model, 0), rank, world)
+    _, grads = ff.value_and_grad(fn, mse_loss)(state.params, fn.buffers, batch)
+    composite = ff.chain(ff.clip_by_global_norm(0.01), ff.sgd(lr=0.1))
+    params_a = ff.tree_map(torch.clone, state.params)
+    params_a, _ = composite.update(
+        ff.tree_map(torch.clone, grads).with_received(grads.received), composite.init(params_a), params_a
+    )
+    # by hand: the global norm, the clip coefficient, then plain SGD
+    square = torch.tensor(sum(g.double().square().sum().item() for g in grads.values()), dtype=torch.float64)
+    torch.distributed.all_reduce(square, group=group)
+    coef = min(1.0, 0.01 / (square.sqrt().item() + 1e-6))
+    params_b = {u: state.params[u] - 0.1 * coef * grads[u] for u in grads}
+    return max((params_a[u] - params_b[u]).abs().max().item() for u in grads)
+
+
+def test_chain_equals_its_pieces_by_hand(pool):
+    assert max(pool.run(_by_hand, world=2)) < 1e-6
+
+
+def _finite(group):
+    rank = group.rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 1))
+    fn = ff.functionalize(model)
+    step = ff.train_step(fn, mse_loss, ff.apply_if_finite(ff.adamw()))
+    state = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group))
+    x, y = torch.randn(4, 4), torch.randn(4, 1)
+    bad = x.clone()
+    if rank == 1:
+        bad[0, 0] = float("nan")  # one rank's data is bad: every rank skips
+    before = ff.unshard(state.params), {k: v.clone() for k, v in state.buffers.items()}
+    state, m1 = step(state, (bad, y))
+    after = ff.unshard(state.params)
+    state, m2 = step(state, (x, y))
+    moved = ff.unshard(state.params)
+    return (
+        bool(m1["skipped"]),
+        all(torch.equal(before[0][k], after[k]) for k in after),
+        all(torch.equal(before[1][k], state.buffers[k]) or k.endswith("num_batches_tracked") for k in before[1]),
+        state.opt_state.total_notfinite,
+        bool(m2["skipped"]),
+        any(not torch.equal(after[k], moved[k]) for k in after),
+    )
+
+
+def test_apply_if_finite_skips_on_every_rank_and_then_applies(pool):
+    for skipped, untouched, _, total, skipped2, moved in pool.run(_finite, world=3):
+        assert skipped and untouched
+        assert total == 1
+        assert not skipped2 and moved
+
+
+def _accumulated(group, every):
+    world, rank = group.size(), group.rank()
+    model, fn, plan, step, state = _setup(group, ff.accumulate(every, ff.adamw(lr=1e-2)))
+    big = batch_for("mlp", model, 0, size=12)
+    mine = local_part(big, rank, world)
+    first = ff.unshard(state.params)
+    for i in range(every):  # the same examples over `every` calls
+        state, _ = step(state, local_part(mine, i, every))
+        if i < every - 1:
+            unchanged = all(torch.equal(first[k], v) for k, v in ff.unshard(state.params).items())
+    ref = reference_run(model, mse_loss, [big], partial(torch.optim.AdamW, lr=1e-2))
+    full = ff.unshard(state.params)
+    return unchanged, max((full[k] - v).abs().max().item() for k, v in ref["params"].items())
+
+
+def test_accumulate_equals_one_big_batch(pool):
+    for unchanged, param in pool.run(_accumulated, 2, world=2):
+        assert unchanged  # the first call only sums
+        assert param < 1e-6
+
+
+def test_update_in_backward_names_the_links_that_need_the_whole_gradient():
+    torch.manual_seed(0)
+    model = MLP()
+    fn = ff.functionalize(model)
+    with pytest.raises(ValueError, match=r"cannot be combined with clip_by_global_norm\(1\)"):
+        ff.train_step(fn, mse_loss, ff.chain(ff.clip_by_global_norm(1.0), ff.adamw()), update_in_backward=True)
+    with pytest.raises(ValueError, match=r"apply_if_finite, accumulate\(2\)"):
+        ff.train_step(fn, mse_loss, ff.apply_if_finite(ff.accumulate(2, ff.adamw())), update_in_backward=True)
+    with pytest.raises(TypeError, match="must end with an optimizer"):
+        ff.chain(ff.clip_by_global_norm(1.0))

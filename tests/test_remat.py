@@ -1,0 +1,497 @@
+"""Rematerialisation: exact gradients inside torch.func, saving policies, the Remat value,
+and torch.utils.checkpoint routed through it. Single process: remat communicates nothing."""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+from torch.func import functional_call, grad, grad_and_value, vjp
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fsdp_fn as ff
+from examples.gpt import GPT, Block, GPTConfig
+
+POLICIES = [ff.save_nothing, ff.save_dots]
+
+
+def detached(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in module.named_parameters()}
+
+
+def equal(a: Any, b: Any) -> bool:
+    """Two pytrees of tensors, bitwise."""
+    la, lb = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
+    return len(la) == len(lb) and all(torch.equal(x, y) for x, y in zip(la, lb, strict=True))
+
+
+class OpCount(TorchDispatchMode):
+    """How many times each aten operator is dispatched (i.e. actually computed) in the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        key = str(func.overloadpacket)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    def dots(self) -> int:
+        return sum(self.counts.get(k, 0) for k in ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"))
+
+
+# --- the primitive: exact gradients -------------------------------------------------------------------
+
+
+def mlp_with_dropout() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 13), nn.GELU(), nn.Dropout(0.3), nn.Linear(13, 5)), torch.randn(6, 7)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
+def test_mlp_gradients_bitwise_under_grad_vjp_and_grad_and_value(policy: ff.SavePolicy) -> None:
+    model, x = mlp_with_dropout()
+    params = detached(model)
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor, policy: ff.SavePolicy | None) -> torch.Tensor:
+        def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            return functional_call(model, p, (x,))
+
+        return (ff.remat(f, policy) if policy else f)(p, x).square().sum()
+
+    def seeded(transform: Any, policy: ff.SavePolicy | None) -> Any:
+        torch.manual_seed(1)  # the same dropout masks in both runs
+        return transform(loss, argnums=(0, 1))(params, x, policy)
+
+    for transform in (grad, grad_and_value):
+        assert equal(seeded(transform, None), seeded(transform, policy))
+
+    def pulled(policy: ff.SavePolicy | None) -> Any:
+        torch.manual_seed(1)
+        out, pull = vjp(lambda p, x: loss(p, x, policy), params, x)
+        return out, pull(torch.ones(()))
+
+    assert equal(pulled(None), pulled(policy))
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
+def test_gpt_block_with_dropout_bitwise_and_rng_replayed(policy: ff.SavePolicy) -> None:
+    torch.manual_seed(0)
+    block = Block(GPTConfig(d_model=32, n_heads=4, seq=16))
+    params, x = detached(block), torch.randn(2, 16, 32)
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(functional_call(block, p, (x,)), 0.2)
+
+    def run(g: Any) -> tuple[Any, torch.Tensor]:
+        torch.manual_seed(1)
+        out, pull = vjp(lambda p, x: g(p, x).square().sum(), params, x)
+        grads = pull(torch.ones(()))
+        return (out, grads), torch.get_rng_state()
+
+    (plain, rng_plain), (rematted, rng_remat) = run(f), run(ff.remat(f, policy))
+    assert equal(plain, rematted)
+    # The recomputation replays the generator and puts it back: what follows draws the same numbers.
+    assert torch.equal(rng_plain, rng_remat)
+
+
+def test_different_masks_would_change_the_gradient() -> None:
+    """The bitwise tests above could fail: without the RNG replay the masks differ."""
+    model, x = mlp_with_dropout()
+    params = detached(model)
+    f = ff.remat(lambda p, x: functional_call(model, p, (x,)))
+    torch.manual_seed(1)
+    a = grad(lambda p: f(p, x).sum())(params)
+    b = grad(lambda p: f(p, x).sum())(params)  # the generator moved on: other masks
+    assert not equal(a, b)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
+def test_module_under_plain_autograd(policy: ff.SavePolicy) -> None:
+    """remat(module): the module's parameters are inputs of the region; .grad is filled as without remat."""
+    model, x = mlp_with_dropout()
+    grads = []
+    for wrap in (lambda m: m, lambda m: ff.remat(m, policy)):
+        model.zero_grad()
+        torch.manual_seed(1)
+        wrap(model)(x).square().sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+    assert equal(grads[0], grads[1])
+
+
+def test_nested_regions() -> None:
+    """A region that rematerialises another inside it (a checkpointed model whose layers checkpoint)."""
+    model, x = mlp_with_dropout()
+    params = detached(model)
+
+    def outer(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        inner = ff.remat(lambda p, x: functional_call(model, p, (x,)), ff.save_dots)
+        return inner(p, x).tanh() + inner(p, x)
+
+    def run(f: Any) -> Any:
+        torch.manual_seed(1)
+        return grad(lambda p: f(p, x).square().sum())(params)
+
+    assert equal(run(outer), run(ff.remat(outer)))
+
+
+def test_pytree_arguments_kwargs_and_outputs() -> None:
+    torch.manual_seed(0)
+    w, b = torch.randn(4, 3), torch.randn(3)
+    idx = torch.tensor([1, 0])
+
+    def f(inp: dict[str, Any], scale: float, *, bias: torch.Tensor, mode: str) -> dict[str, Any]:
+        assert mode == "sum"
+        y = torch.tanh(inp["x"] @ inp["w"] + bias) * scale
+        return {"y": y, "pair": (y[idx], y.sum()), "argmax": y.argmax(), "note": "ok", "none": None}
+
+    def loss(fn: Any, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = fn({"x": torch.ones(2, 4), "w": w}, 0.5, bias=b, mode="sum")
+        return out["y"].sum() + out["pair"][0].square().sum() + out["pair"][1]
+
+    assert equal(*(grad(functools.partial(loss, fn), argnums=(0, 1))(w, b) for fn in (f, ff.remat(f))))
+    out = ff.remat(f)({"x": torch.ones(2, 4), "w": w}, 0.5, bias=b, mode="sum")
+    assert out["note"] == "ok" and out["none"] is None and out["argmax"].dtype == torch.int64
+    assert equal(out["y"], f({"x": torch.ones(2, 4), "w": w}, 0.5, bias=b, mode="sum")["y"])
+
+
+def test_input_returned_as_is() -> None:
+    x = torch.randn(3)
+    g = grad(lambda x: ff.remat(lambda x: (x, x.sin()))(x)[0].sum() + ff.remat(lambda x: x)(x).sum())(x)
+    assert torch.equal(g, torch.full((3,), 2.0))
+
+
+def test_inputs_saved_by_reference() -> None:
+    """The forward keeps the inputs themselves, not copies: a runtime that frees and refills an
+    input's storage in place (fsdp_fn's gathered units) is seen by the recomputation."""
+    flat = torch.randn(12, requires_grad=True)
+    out = ff.remat(lambda f, x: torch.tanh(x @ f.view(4, 3)))(flat, torch.randn(2, 4))
+    saved = out.grad_fn.saved_tensors  # type: ignore[union-attr]
+    assert len(saved) == 2 and saved[0].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
+class _Refill(torch.autograd.Function):
+    """Identity whose backward refills ``buffer``'s storage (freed after forward) from ``copy``."""
+
+    @staticmethod
+    def forward(buffers: types.SimpleNamespace, out: torch.Tensor) -> torch.Tensor:
+        return out.view_as(out)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.buffers = inputs[0]  # plain tensors in an object torch.func does not look into
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        buffer, copy = ctx.buffers.buffer, ctx.buffers.copy
+        with torch._C._DisableFuncTorch():
+            buffer.untyped_storage().resize_(copy.untyped_storage().nbytes())
+            buffer.untyped_storage().copy_(copy.untyped_storage())
+        return None, grad
+
+
+def test_input_storage_freed_after_forward_and_refilled_before_backward() -> None:
+    """How fsdp_fn's unit runtime uses remat: the gathered flat buffer is freed after the
+    region's forward and refilled before its backward; gradients stay exact."""
+    torch.manual_seed(0)
+    shard, x = torch.randn(24), torch.randn(5, 4)
+
+    def runner(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ flat[:12].view(4, 3)) @ flat[12:].view(3, 4)
+
+    def loss(shard: torch.Tensor, free: bool) -> torch.Tensor:
+        flat = shard * 2.0  # the "gathered" buffer: an autograd output
+        out = ff.remat(runner)(flat, x)
+        if free:
+            plain = flat
+            while torch._C._functorch.is_functorch_wrapped_tensor(plain):
+                plain = torch._C._functorch.get_unwrapped(plain)
+            with torch._C._DisableFuncTorch():
+                copy = plain.clone()
+                plain.untyped_storage().resize_(0)
+            out = _Refill.apply(types.SimpleNamespace(buffer=plain, copy=copy), out)
+        return out.square().sum()
+
+    assert equal(grad(loss)(shard, False), grad(loss)(shard, True))
+
+
+# --- the primitive: refusals ------------------------------------------------------------------------------
+
+
+def test_captured_tensor_that_requires_grad_is_refused() -> None:
+    w, x = torch.randn(4, 3), torch.randn(2, 4)
+    with pytest.raises(ff.RematError, match=r"shape \(4, 3\).*requires grad but is not an argument"):
+        grad(lambda w: ff.remat(lambda x: (x @ w).sum())(x))(w)
+    lin = nn.Linear(4, 3)
+    with pytest.raises(ff.RematError, match=r"remat the module itself"):
+        ff.remat(lambda x: lin(x))(x)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func.jvp's import
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
+def test_every_transform_matches_the_plain_function(policy: ff.SavePolicy) -> None:
+    """vmap (per-sample gradients, dropout with randomness='different'), jvp, jacfwd/jacrev
+    Hessians and plain double backward: remat changes no result."""
+    torch.manual_seed(0)
+    w, x = torch.randn(3, 3), torch.randn(4, 3)
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(torch.tanh(x @ w), 0.5).sum()
+
+    def g(w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ w).square().sum()
+
+    def results(f: Any, g: Any) -> list[Any]:
+        torch.manual_seed(1)
+        out = [torch.func.vmap(grad(f), in_dims=(None, 0), randomness="different")(w, x)]
+        out.append(torch.func.jvp(g, (w,), (torch.ones_like(w),)))
+        out.append(torch.func.jacfwd(torch.func.jacrev(g))(w))
+        out.append(torch.func.jacrev(torch.func.jacrev(g))(w))
+        leaf = w.clone().requires_grad_()
+        (first,) = torch.autograd.grad(g(leaf), leaf, create_graph=True)
+        out.append(torch.autograd.grad(first.sum(), leaf))
+        return out
+
+    assert equal(results(f, g), results(ff.remat(f, policy), ff.remat(g, policy)))
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="remat wants a callable"):
+        ff.remat(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="SavePolicy"):
+        ff.remat(torch.sin, policy="dots")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="aten operators"):
+        ff.SavePolicy("mine", frozenset({torch.mm}))
+
+
+def test_recomputation_that_diverges_is_named() -> None:
+    calls = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return (x @ x.T).sum() if len(calls) == 1 else torch.bmm(x[None], x.T[None]).sum()
+
+    with pytest.raises(ff.RematError, match=r"ran aten.bmm.default where the forward ran aten.mm.default"):
+        grad(ff.remat(f, ff.save_dots))(torch.randn(3, 3))
+
+
+# --- saving policies ---------------------------------------------------------------------------------------
+
+
+def test_save_dots_keeps_more_and_recomputes_fewer_dots() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, seq=32, d_model=32, n_heads=4, n_layers=2))
+    params, idx = detached(model), torch.randint(0, 64, (4, 32))
+    blocks = list(model.blocks)
+
+    def step(policy: ff.SavePolicy | None) -> tuple[int, int, Any]:
+        originals = [b.forward for b in blocks]
+        if policy is not None:
+            for b in blocks:  # this instance's forward, rematerialised with its parameters
+                b.forward = ff.remat(b.forward, policy)  # type: ignore[method-assign]
+        try:
+            with ff.MemoryMeter() as meter:
+                logits, pull = vjp(lambda p: functional_call(model, p, (idx,)), params)
+                kept = meter.current["activations"]
+            with OpCount() as ops:
+                grads = pull(torch.ones_like(logits))
+        finally:
+            for b, fwd in zip(blocks, originals, strict=True):
+                b.forward = fwd  # type: ignore[method-assign]
+        return kept, ops.dots(), grads
+
+    none_kept, none_dots, none_grads = step(None)
+    full_kept, full_dots, full_grads = step(ff.save_nothing)
+    dots_kept, dots_dots, dots_grads = step(ff.save_dots)
+    assert full_kept < dots_kept < none_kept
+    assert none_dots == dots_dots < full_dots  # every dot kept: the recomputation runs none
+    assert equal(none_grads, full_grads) and equal(none_grads, dots_grads)
+
+
+def test_result_modified_in_place_is_recomputed_not_reused() -> None:
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = x @ w
+        y.mul_(2.0)  # the kept mm output changes after it was kept
+        return torch.tanh(y).sum()
+
+    w, x = torch.randn(3, 3), torch.randn(2, 3)
+    assert equal(grad(f)(w, x), grad(ff.remat(f, ff.save_dots))(w, x))
+
+
+# --- the Remat value -------------------------------------------------------------------------------------
+
+
+def gpt_plan(n_layers: int = 4) -> tuple[nn.Module, ff.Plan]:
+    model = GPT(GPTConfig(n_layers=n_layers))
+    return model, ff.make_plan(model, ff.layer_policy([Block]))
+
+
+def test_remat_selects_units() -> None:
+    model, plan = gpt_plan()
+    blocks = {f"blocks.{i}" for i in range(4)}
+    assert ff.Remat().selects(plan, model) == blocks
+    assert ff.Remat(every=2).selects(plan, model) == {"blocks.0", "blocks.2"}
+    assert ff.Remat(every=3).selects(plan, model) == {"blocks.0", "blocks.3"}
+    # an auto-wrap-signature policy, asked with recurse=False and the unit's parameter count
+    asked = []
+
+    def first_two(module: nn.Module, recurse: bool, unwrapped_params: int, **kw: Any) -> bool:
+        asked.append((recurse, unwrapped_params))
+        return module in (model.blocks[0], model.blocks[1])
+
+    assert ff.Remat(units=first_two, policy=ff.save_dots).selects(plan, model) == {"blocks.0", "blocks.1"}
+    assert asked == [(False, plan.unit(f"blocks.{i}").numel) for i in range(4)]
+    assert ff.Remat.of(True) == ff.Remat() and ff.Remat.of(None) is None and ff.Remat.of(False) is None
+    assert ff.Remat.of(first_two) == ff.Remat(units=first_two)
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+        self.inner = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.scale
+
+
+def test_remat_leaves_out_units_inside_a_selected_unit() -> None:
+    model = nn.Sequential(Outer(), nn.Linear(3, 3))
+    plan = ff.make_plan(model, ff.layer_policy([Outer, nn.Linear]))
+    assert {"0", "0.inner", "1"} <= set(plan.unit_names)
+    assert ff.Remat().selects(plan, model) == {"0", "1"}
+
+
+def test_remat_bad_values() -> None:
+    model, plan = gpt_plan(2)
+    with pytest.raises(TypeError, match="Remat.units must be True"):
+        ff.Remat(units=False)
+    with pytest.raises(TypeError, match="Remat.policy must be a SavePolicy"):
+        ff.Remat(policy="dots")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Remat.every must be a positive int, got 0"):
+        ff.Remat(every=0)
+    with pytest.raises(TypeError, match="remat must be None, True, a unit policy"):
+        ff.Remat.of(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"returned int 1 for unit 'blocks.0'"):
+        ff.Remat(units=lambda m, r, n: 1).selects(plan, model)
+    with pytest.raises(ValueError, match=r"unit 'blocks.1' is not a submodule of GPT"):
+        ff.Remat().selects(plan, GPT(GPTConfig(n_layers=1)))
+
+
+# --- torch.utils.checkpoint, routed ---------------------------------------------------------------------
+
+
+class Checkpointed(nn.Module):
+    """Calls torch's checkpoint three ways: a lambda over self, a submodule, a partial made beforehand."""
+
+    def __init__(self, use_reentrant: bool | None) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.checkpoint = (
+            None
+            if use_reentrant is None
+            else functools.partial(torch_checkpoint.checkpoint, use_reentrant=use_reentrant)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ck = self.checkpoint or (lambda f, *a: f(*a))
+        x = ck(lambda x: F.dropout(torch.tanh(self.a(x)), 0.2), x)
+        x = ck(self.b, x)
+        return ck(functools.partial(F.linear, weight=self.c.weight, bias=self.c.bias), x).sum()
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_torch_checkpoint_routed_inside_vjp(use_reentrant: bool) -> None:
+    torch.manual_seed(0)
+    model, x = Checkpointed(None), torch.randn(4, 8)
+    params = detached(model)
+
+    def run() -> Any:
+        torch.manual_seed(1)
+        out, pull = vjp(lambda p, x: functional_call(model, p, (x,)), params, x)
+        return out, pull(torch.ones(()))
+
+    expected = run()
+    model.checkpoint = functools.partial(torch_checkpoint.checkpoint, use_reentrant=use_reentrant)
+    with pytest.raises(RuntimeError):  # unrouted, torch refuses (saved-tensor hooks / old-style Function)
+        run()
+    with ff.route_torch_checkpoint():
+        assert equal(run(), expected)
+
+
+def test_routing_restored_on_exit_and_on_error() -> None:
+    names = ("CheckpointFunction", "_checkpoint_without_reentrant_generator")
+    before = [getattr(torch_checkpoint, n) for n in names]
+    original = torch_checkpoint.checkpoint.__wrapped__  # type: ignore[attr-defined]
+    cached = original.__dict__.get("__dynamo_disable")
+
+    def fails() -> None:
+        with ff.route_torch_checkpoint():
+            with ff.route_torch_checkpoint():  # nested: the outer block keeps the routing
+                pass
+            assert torch_checkpoint.CheckpointFunction is not before[0]
+            raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        fails()
+    assert [getattr(torch_checkpoint, n) for n in names] == before
+    assert original.__dict__.get("__dynamo_disable") is cached
+
+
+def test_routed_checkpoint_refuses_context_fn() -> None:
+    def context_fn() -> Any:
+        return torch_checkpoint.noop_context_fn()
+
+    with ff.route_torch_checkpoint(), pytest.raises(ff.RematError, match=r"context_fn=.*fsdp_fn.save_dots"):
+        torch_checkpoint.checkpoint(torch.sin, torch.randn(2), use_reentrant=False, context_fn=context_fn)
+
+
+def test_composable_checkpoint_refused_by_name() -> None:
+    from torch.distributed._composable import checkpoint
+
+    model = Checkpointed(None)
+    checkpoint(model.b)
+    params = detached(model)
+    with ff.route_torch_checkpoint(), pytest.raises(ff.RematError, match=r"_composable.checkpoint of Linear"):
+        vjp(lambda p: functional_call(model, p, (torch.randn(2, 8),)), params)
+
+
+def test_hugging_face_gradient_checkpointing_inside_vjp() -> None:
+    import transformers  # pinned in requirements-dev.txt; builds from a config, downloads nothing
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        attention_dropout=0.1,
+    )
+    model = transformers.LlamaForCausalLM(config).train()
+    params, ids = detached(model), torch.randint(0, 64, (2, 12))
+
+    def run() -> Any:
+        torch.manual_seed(1)
+        out, pull = vjp(lambda p: functional_call(model, p, (ids,), {"labels": ids}).loss, params)
+        return out, pull(torch.ones(()))
+
+    expected = run()
+    for kwargs in ({"use_reentrant": True}, None):  # None: Hugging Face's default, use_reentrant=False
+        with pytest.warns(FutureWarning, match="gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        # Its input hook calls requires_grad_(), which torch.func refuses; inside a transform the
+        # embeddings' output already carries the gradient, so the hook is not needed.
+        model.disable_input_require_grads()
+        assert model.model.layers[0].gradient_checkpointing
+        with ff.route_torch_checkpoint():
+            assert equal(run(), expected)
