@@ -187,7 +187,8 @@ def test_cpu_offload_parity(pool):
 
 def _offload_placement(group):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    # The model starts on the device, so its shards do too: init must move them to the CPU.
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).cuda()
     seen = []
     # Forward pre-hooks on the user's module see the gathered parameters functional_call swaps in.
     handles = [m.register_forward_pre_hook(lambda m, _: seen.append(m.weight.device.type)) for m in model[::2]]
