@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Run a session's surviving mutants again against the tests as they are now in the checkout
-# (after a test was added to kill them): `mutation/retry.sh collectives` after `make mutate`.
+# and test commands (after a test was added to kill them): `mutation/retry.sh collectives`
+# after `make mutate`. The module itself stays as it was when the session began.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 work=${MUTATE_DIR:-${TMPDIR:-/tmp}/fsdp_fn-mutate}
 bin="$root/.venv/bin"
 cd "$work"
-rm -rf tests && (cd "$root" && git ls-files -z tests | xargs -0 cp -P --parents -t "$work")
+rm -rf tests && (cd "$root" && git ls-files -z tests mutation | xargs -0 cp -P --parents -t "$work")
 for m in "$@"; do
     db="$work/$m.sqlite"
     "$bin/python" - "$db" <<'PY'
