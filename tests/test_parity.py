@@ -34,6 +34,24 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.parametrize(
+    ("make_opt", "bad"),
+    [
+        (ff.sgd, {"lr": -0.1}),
+        (ff.sgd, {"momentum": -0.1}),
+        (ff.sgd, {"weight_decay": -0.5}),
+        (ff.adamw, {"lr": -0.1}),
+        (ff.adamw, {"eps": -1e-8}),
+        (ff.adamw, {"weight_decay": -0.5}),
+        (ff.adamw, {"betas": (0.9, 1.0)}),
+    ],
+)
+def test_optimizer_hyperparameters_are_checked(make_opt, bad):
+    # Catches: a bound moved (a weight decay of -0.5 accepted), as torch.optim refuses them too.
+    with pytest.raises(ValueError, match="invalid (SGD|AdamW) hyper-parameters"):
+        make_opt(**bad)
+
+
 def _train(group, kind: str, opt_name: str, steps: int = STEPS, step_kw=None, plan_kw=None, **model_kw):
     """Train sharded on this group; on rank 0 also train the reference and return the differences."""
     model, policy, loss_fn = make(kind, **model_kw)
