@@ -52,6 +52,24 @@ def test_optimizer_hyperparameters_are_checked(make_opt, bad):
         make_opt(**bad)
 
 
+def _update_by_hand(group):
+    torch.manual_seed(0)
+    m = nn.Linear(5, 3)
+    params = ff.shard(dict(m.named_parameters()), ff.make_plan(m), group)
+    full = {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) for k, v in m.named_parameters()}
+    grads = ff.reduce_grads(full, params)  # the same on every rank: the mean is itself
+    opt = ff.sgd(lr=0.5)
+    opt.update(grads, opt.init(params), params)
+    after = ff.unshard(params)
+    return max((after[k] - (v.detach() - 0.5 * full[k])).abs().max().item() for k, v in m.named_parameters())
+
+
+def test_optimizer_on_gradients_from_reduce_grads(pool):
+    # Catches: an optimizer that steps only parameters a train step marked as received, so that
+    # gradients a user reduced by hand (no mark at all) are silently ignored.
+    assert max(pool.run(_update_by_hand, world=2)) < 1e-6
+
+
 def _train(group, kind: str, opt_name: str, steps: int = STEPS, step_kw=None, plan_kw=None, **model_kw):
     """Train sharded on this group; on rank 0 also train the reference and return the differences."""
     model, policy, loss_fn = make(kind, **model_kw)
