@@ -34,8 +34,8 @@ clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
 
 # Mutation testing of the core (cosmic-ray; slow: hours on 2 cores, not part of `make test`).
-# MODULES: any of collectives shard plan gather step optim (mutation/<name>.toml).
-MODULES ?= collectives shard plan gather step optim
+# MODULES: any of collectives shard plan gather unit runtime sink step optim (mutation/<name>.toml).
+MODULES ?= collectives shard plan gather unit runtime sink step optim
 SAMPLE  ?=
 mutate: $(READY)
 	SAMPLE=$(SAMPLE) mutation/run.sh $(MODULES)
