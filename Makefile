@@ -7,7 +7,7 @@ RANKS  ?= 2
 STEPS  ?= 150
 ARGS   ?=
 
-.PHONY: demo test lint bench clean mutate
+.PHONY: demo test lint docs bench clean mutate
 
 $(READY): requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,14 +24,17 @@ lint: $(READY)
 	$(BIN)/ruff format --check fsdp_fn tests examples bench
 	$(BIN)/mypy
 
-test: lint
+docs: $(READY)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+test: lint docs
 	$(BIN)/python -m pytest -q
 
 bench: $(READY)
 	$(BIN)/python bench/compare.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build/site
 
 # Mutation testing of the core (cosmic-ray; slow: hours on 2 cores, not part of `make test`).
 # MODULES: any of collectives shard plan gather unit runtime sink step optim (mutation/<name>.toml).

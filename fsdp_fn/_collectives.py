@@ -1,10 +1,14 @@
 """All-gather and reduce-scatter as one differentiable pair, and a log of every collective.
 
 ``all_gather`` transposes into ``reduce_scatter`` and back, as JAX's ``all_gather`` and
-``psum_scatter`` do: the backward of each is the other, so grad-of-grad works too. Both
-are ``torch.autograd.Function``s with a separate ``setup_context`` so they run inside
-``torch.func.grad``/``vjp``; the collectives themselves run with functorch disabled on
-plain tensors (they write into buffers, which a transform would refuse).
+``psum_scatter`` do: the backward of each is the other. Both are linear, so the tangent
+of each (forward mode) is the same collective of the tangent; under ``vmap`` each runs
+once over the flattened batch. Every rule calls the pair's differentiable ``apply``
+again, so nested transforms (grad of grad, jvp of grad, vmap of grad, jacrev, jacfwd,
+hessian) see every collective they need. Both are ``torch.autograd.Function``s with a
+separate ``setup_context``, as ``torch.func`` requires; the collectives themselves run
+with functorch disabled on plain tensors (they write into buffers, which a transform
+would refuse).
 """
 
 from __future__ import annotations
@@ -237,6 +241,13 @@ def broadcast_(tensor: torch.Tensor, group: dist.ProcessGroup, src: int = 0) -> 
 
 
 class _AllGather(torch.autograd.Function):
+    """``shard`` (n) -> every rank's shard in rank order (W * n). Its transpose is ``_ReduceScatter``.
+
+    Every rule calls the pair's differentiable ``apply`` (never the raw collective), so the
+    derivative of a derivative is still a collective the outer transform sees: grad of
+    grad, jvp of grad, vmap of grad, jacrev, jacfwd and hessian compose.
+    """
+
     @staticmethod
     def forward(shard: torch.Tensor, group: dist.ProcessGroup, unit: str | None, grad_scale: float) -> torch.Tensor:
         full = shard.new_empty(shard.numel() * group.size())
@@ -251,8 +262,33 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return _ReduceScatter.apply(grad, ctx.group, ctx.unit, ctx.grad_scale), None, None, None
 
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
+        # AG is linear: its tangent is the all-gather of the tangent.
+        return cast(torch.Tensor, _AllGather.apply(tangent, ctx.group, ctx.unit, ctx.grad_scale))
+
+    @staticmethod
+    def vmap(
+        info: Any,
+        in_dims: tuple[int | None, ...],
+        shard: torch.Tensor,
+        group: dist.ProcessGroup,
+        unit: str | None,
+        grad_scale: float,
+    ) -> tuple[torch.Tensor, int | None]:
+        dim = in_dims[0]
+        if dim is None:
+            return _AllGather.apply(shard, group, unit, grad_scale), None
+        # B shards of n -> one gather of the (B * n) buffer: (W, B, n) in rank order -> (B, W * n).
+        batch = shard.movedim(dim, 0)
+        size, n = batch.shape
+        full = _AllGather.apply(batch.reshape(-1), group, unit, grad_scale)
+        return full.view(group.size(), size, n).transpose(0, 1).reshape(size, -1), 0
+
 
 class _ReduceScatter(torch.autograd.Function):
+    """``full`` (W * n) -> ``scale *`` this rank's slice of the sum over ranks (n). Its transpose is ``_AllGather``."""
+
     @staticmethod
     def forward(full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float) -> torch.Tensor:
         return reduce_scatter(full, group, unit, scale)
@@ -267,6 +303,32 @@ class _ReduceScatter(torch.autograd.Function):
         scaled = grad * ctx.scale if ctx.scale != 1.0 else grad
         return _AllGather.apply(scaled, ctx.group, ctx.unit, ctx.scale), None, None, None
 
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
+        # scale * RS is linear: its tangent is scale * RS of the tangent.
+        return cast(torch.Tensor, _ReduceScatter.apply(tangent, ctx.group, ctx.unit, ctx.scale))
+
+    @staticmethod
+    def vmap(
+        info: Any,
+        in_dims: tuple[int | None, ...],
+        full: torch.Tensor,
+        group: dist.ProcessGroup,
+        unit: str | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, int | None]:
+        dim = in_dims[0]
+        if dim is None:
+            return _ReduceScatter.apply(full, group, unit, scale), None
+        # (B, W * n) -> (W, B, n): rank r's slots of every batch element are contiguous, so one
+        # reduce-scatter of the (W * B * n) buffer leaves this rank (B, n).
+        world = group.size()
+        batch = full.movedim(dim, 0)
+        size = batch.shape[0]
+        n = batch.shape[1] // world
+        ranked = batch.reshape(size, world, n).transpose(0, 1).reshape(-1)
+        return _ReduceScatter.apply(ranked, group, unit, scale).view(size, n), 0
+
 
 def all_gather(
     shard: torch.Tensor, group: dist.ProcessGroup, *, unit: str | None = None, grad_scale: float = 1.0
@@ -274,8 +336,9 @@ def all_gather(
     """Differentiable all-gather of 1-D ``shard`` into a new (W * n) tensor.
 
     Backward: ``grad_scale * reduce_scatter(grad)`` (``grad_scale=1/W`` averages over
-    ranks, like DDP). Memory: allocates the gathered buffer; communication: one
-    all-gather of ``W * n`` elements.
+    ranks, like DDP); forward mode: the all-gather of the tangent; under ``vmap`` a
+    (B, n) batch of shards is one all-gather of ``B * n`` elements per rank. Memory:
+    allocates the gathered buffer; communication: one all-gather of ``W * n`` elements.
     """
     return cast(torch.Tensor, _AllGather.apply(shard, group, unit, grad_scale))
 
@@ -285,11 +348,105 @@ def reduce_scatter_sum(
 ) -> torch.Tensor:
     """Differentiable ``scale * reduce_scatter(full)``: this rank's 1/W slice of the sum.
 
-    Backward: ``scale * all_gather(grad)``. Memory: allocates one shard; communication:
-    one reduce-scatter of ``full``.
+    Backward: ``scale * all_gather(grad)``; forward mode: ``scale * reduce_scatter`` of
+    the tangent; under ``vmap`` one reduce-scatter of the whole batch. Memory: allocates
+    one shard; communication: one reduce-scatter of ``full``.
     """
     if full.numel() % group.size():
         raise ValueError(
             f"reduce_scatter needs a length divisible by the group size {group.size()}, got {full.numel()}"
         )
     return cast(torch.Tensor, _ReduceScatter.apply(full, group, unit, scale))
+
+
+# --- replicas (hybrid sharding): the same value on every replica, and its transpose -------
+
+
+class _Replicate(torch.autograd.Function):
+    """Identity forward on a value every rank of ``group`` holds alike (hybrid sharding's replicas),
+    tied as one value: its backward is ``_AllReduce``, so each rank's gradient flows into it
+    (summed, times ``grad_scale``), as DDP ties its replicas."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, group: dist.ProcessGroup, unit: str | None, grad_scale: float) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.group, ctx.unit, ctx.grad_scale = inputs  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _AllReduce.apply(grad, ctx.group, ctx.unit, ctx.grad_scale), None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
+        return cast(torch.Tensor, _Replicate.apply(tangent, ctx.group, ctx.unit, ctx.grad_scale))
+
+    @staticmethod
+    def vmap(
+        info: Any,
+        in_dims: tuple[int | None, ...],
+        x: torch.Tensor,
+        group: dist.ProcessGroup,
+        unit: str | None,
+        grad_scale: float,
+    ) -> tuple[torch.Tensor, int | None]:
+        return _Replicate.apply(x, group, unit, grad_scale), in_dims[0]
+
+
+class _AllReduce(torch.autograd.Function):
+    """``scale *`` the sum over ranks (elementwise, any shape); self-adjoint, so its backward is itself."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float) -> torch.Tensor:
+        out = all_reduce_(x.detach().clone(memory_format=torch.contiguous_format), group, unit)
+        return out.mul_(scale) if scale != 1.0 else out
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.group, ctx.unit, ctx.scale = inputs  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        # Every rank's output depends on every rank's input alike: the sum is its own transpose.
+        return _AllReduce.apply(grad, ctx.group, ctx.unit, ctx.scale), None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
+        return cast(torch.Tensor, _AllReduce.apply(tangent, ctx.group, ctx.unit, ctx.scale))
+
+    @staticmethod
+    def vmap(
+        info: Any,
+        in_dims: tuple[int | None, ...],
+        x: torch.Tensor,
+        group: dist.ProcessGroup,
+        unit: str | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, int | None]:
+        return _AllReduce.apply(x, group, unit, scale), in_dims[0]  # elementwise: one all-reduce of the batch
+
+
+def replicate(
+    x: torch.Tensor, group: dist.ProcessGroup, *, unit: str | None = None, grad_scale: float = 1.0
+) -> torch.Tensor:
+    """``x`` itself, as a value that every rank of ``group`` holds alike (hybrid sharding's replicas).
+
+    Backward: ``grad_scale *`` the all-reduce (sum) of the gradient over ``group``
+    (``grad_scale=1/R`` averages over ``R`` replicas); forward mode: the tangent itself.
+    Memory: none; communication: nothing forward, one all-reduce of ``x``'s size backward.
+    """
+    return cast(torch.Tensor, _Replicate.apply(x, group, unit, grad_scale))
+
+
+def all_reduce_sum(
+    x: torch.Tensor, group: dist.ProcessGroup, *, unit: str | None = None, scale: float = 1.0
+) -> torch.Tensor:
+    """Differentiable ``scale *`` the sum of ``x`` over the ranks of ``group`` (a new tensor).
+
+    Backward: ``scale *`` the all-reduce of the gradient (every output depends on every
+    input alike); forward mode: the all-reduce of the tangent; under ``vmap`` one
+    all-reduce of the batch. Memory: one copy of ``x``; communication: one all-reduce.
+    """
+    return cast(torch.Tensor, _AllReduce.apply(x, group, unit, scale))

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-from fsdp_fn._collectives import all_gather
+from fsdp_fn._collectives import all_gather, replicate
 from fsdp_fn._plan import Unit
-from fsdp_fn._shard import Sharded, check_shard, ensure_live, unit_views
+from fsdp_fn._shard import Layout, Sharded, check_shard, ensure_live, unit_views
 
 
 def gather_for(unit: str | Unit) -> Callable[[Sharded], dict[str, torch.Tensor]]:
@@ -24,7 +24,15 @@ def gather_for(unit: str | Unit) -> Callable[[Sharded], dict[str, torch.Tensor]]
     def gather(params: Sharded) -> dict[str, torch.Tensor]:
         ensure_live(params, "gather_for")
         u = params.plan.unit(name)
-        full = all_gather(check_shard(params, u), params.group, unit=u.name, grad_scale=1.0 / params.layout.world)
-        return unit_views(u, full)
+        return unit_views(u, gather_differentiably(check_shard(params, u), params.layout, u.name))
 
     return gather
+
+
+def gather_differentiably(shard: torch.Tensor, layout: Layout, unit: str) -> torch.Tensor:
+    """The full flat buffer of a unit from this rank's shard: its backward averages the
+    gradient over the shard group (reduce-scatter) and, with hybrid sharding, over the
+    replicas (all-reduce), so every ``torch.func`` transform sees the mean over all ranks."""
+    if layout.replicate is not None:
+        shard = replicate(shard, layout.replicate, unit=unit, grad_scale=1.0 / layout.replicas)
+    return all_gather(shard, layout.group, unit=unit, grad_scale=1.0 / layout.world)

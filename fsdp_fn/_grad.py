@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch.func import grad_and_value, vjp
 
 from fsdp_fn._collectives import all_reduce_
@@ -69,8 +70,16 @@ def lean_pass(
     return cast(torch.Tensor, loss.detach())
 
 
-def _inside_transform() -> bool:
-    return torch._C._functorch.maybe_current_level() is not None
+def _differentiated_outside(params: Sharded) -> bool:
+    """Whether something outside differentiates through this call: a ``torch.func``
+    transform, plain autograd (shards that require grad), or forward-mode AD (a tangent).
+    Then the composable path runs, so the outer derivative sees through every collective."""
+    if torch._C._functorch.maybe_current_level() is not None:
+        return True
+    shards = [t for t in params.values() if isinstance(t, torch.Tensor)]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in shards):
+        return True
+    return any(fwAD.unpack_dual(t).tangent is not None for t in shards)
 
 
 def value_and_grad(
@@ -91,9 +100,10 @@ def value_and_grad(
 
     Called plainly it runs the train step's lean pass: each unit is gathered just before
     it runs, freed after, gathered again for its backward, and its reduce-scatter runs
-    behind the next unit's backward. Called inside another ``torch.func`` transform
-    (``jvp`` of it for a Hessian-vector product, ``vmap``, ``grad``) it runs the composable
-    path instead, so the outer transform sees through every collective. Communication: per
+    behind the next unit's backward. Called where something differentiates through it
+    (inside another ``torch.func`` transform: ``jvp`` of it for a Hessian-vector product,
+    ``vmap``, ``grad``; or on shards that require grad or carry a forward-mode tangent) it
+    runs the composable path instead, so the outer derivative sees through every collective. Communication: per
     unit use an all-gather in forward and backward and a reduce-scatter; one all-reduce of
     one byte per parameter (which parameters got a gradient, on any rank).
     """
@@ -102,7 +112,7 @@ def value_and_grad(
 
     def run(params: Sharded, buffers: Mapping[str, torch.Tensor], batch: Any) -> tuple[torch.Tensor, Sharded]:
         ensure_live(params, "value_and_grad")
-        if _inside_transform():
+        if _differentiated_outside(params):
             return _composable(fn, loss_fn, schedule, rematerialise, params, buffers, batch)
         sink = GradSink(params, schedule)
         runtime = Runtime(fn, params, schedule=schedule, sink=sink, remat=rematerialise)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.utils._pytree as torch_pytree
 
 
 class BackwardPrefetch(enum.Enum):
@@ -46,6 +48,36 @@ class MixedPrecision:
     @property
     def reduce(self) -> torch.dtype | None:
         return self.reduce_dtype or self.param_dtype
+
+    # Every cast mixed precision makes, in one place.
+
+    def gathered(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a unit of ``dtype`` is gathered and computed in."""
+        return self.param_dtype or dtype
+
+    def reduced(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a gradient of ``dtype`` is reduce-scattered in."""
+        return self.reduce or dtype
+
+    def cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """The forward's floating inputs in ``param_dtype`` (with ``cast_forward_inputs``)."""
+        if self.param_dtype is None or not self.cast_forward_inputs:
+            return args, kwargs
+        return _cast_floating((args, kwargs), self.param_dtype)  # type: ignore[no-any-return]
+
+    def cast_output(self, out: Any) -> Any:
+        """The forward's floating outputs in ``output_dtype``."""
+        return out if self.output_dtype is None else _cast_floating(out, self.output_dtype)
+
+    def buffer(self, t: torch.Tensor) -> torch.dtype:
+        """The dtype a buffer is kept in."""
+        return self.buffer_dtype if self.buffer_dtype is not None and t.is_floating_point() else t.dtype
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    return torch_pytree.tree_map(
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
+    )
 
 
 @dataclass(frozen=True)
@@ -100,7 +132,7 @@ class Schedule:
             self.cpu_offload.compute_device()  # fails now, naming the device, if it does not exist
 
     def gather_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return self.mixed_precision.param_dtype or dtype
+        return self.mixed_precision.gathered(dtype)
 
     def reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return self.mixed_precision.reduce or dtype
+        return self.mixed_precision.reduced(dtype)

@@ -28,6 +28,7 @@ from torch.func import functional_call
 
 from fsdp_fn._collectives import all_gather
 from fsdp_fn._functional import Functional, parameters_restored, requires_grad_tolerated
+from fsdp_fn._gather import gather_differentiably
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
 from fsdp_fn._policy import BackwardPrefetch, Schedule
 from fsdp_fn._prefetch import ForwardOrder, may_start, refill_next
@@ -224,7 +225,7 @@ class Runtime:
         for part, shard in shards_of(self.params, unit):
             source = shard.to(dtype=self.schedule.gather_dtype(part.dtype), device=self.device or shard.device)
             if part is unit:
-                full = all_gather(source, layout.group, unit=unit.name, grad_scale=1.0 / layout.world)
+                full = gather_differentiably(source, layout, unit.name)
             else:  # frozen: a constant
                 with torch.no_grad():
                     full = all_gather(source.detach(), layout.group, unit=unit.name)
@@ -318,8 +319,7 @@ class Runtime:
         self.params = params
         module = self.fn.module
         precision = self.schedule.mixed_precision
-        if precision.param_dtype is not None and precision.cast_forward_inputs:
-            args, kwargs = _cast_floating((args, kwargs), precision.param_dtype)
+        args, kwargs = precision.cast_inputs(args, kwargs)
         first_record = len(self.records)
         tensors: dict[str, torch.Tensor] = {}
         for unit in self.plan.units:
@@ -377,9 +377,7 @@ class Runtime:
             for rec in self.records[first_record:]:
                 rec.release()
             del self.records[first_record:]
-        if precision.output_dtype is not None:
-            out = _cast_floating(out, precision.output_dtype)
-        return out
+        return precision.cast_output(out)
 
     def _pre_hook(
         self, unit: Unit, target: nn.Module, swapped: list[tuple[nn.Module, str, Any]]
@@ -426,12 +424,6 @@ def _check_plan_fits(plan: Plan, fn: Functional) -> None:
                 f"these shards were made for another plan: their parameter {spec.name!r} is {spec.shape} "
                 f"(unit {unit_label(plan.unit_of(spec.name).name)}) but {type(fn.module).__name__} has {found}"
             )
-
-
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    return torch_pytree.tree_map(
-        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
-    )
 
 
 def apply_sharded(

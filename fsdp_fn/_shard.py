@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
 
 from fsdp_fn._agree import agree
-from fsdp_fn._collectives import _ReduceScatter, all_gather, all_reduce_
+from fsdp_fn._collectives import _ReduceScatter, all_gather, all_reduce_sum
 from fsdp_fn._group import Group, resolve_groups
 from fsdp_fn._guard import guarded
 from fsdp_fn._plan import Plan, Unit, unit_label
@@ -345,9 +345,7 @@ def reduce_grads(grads: Mapping[str, torch.Tensor | None], like: Sharded, *, mea
         scale = 1.0 / world if mean else 1.0
         shard = _ReduceScatter.apply(flat, like.group, unit.name, scale)
         replicate = like.layout.replicate
-        if replicate is not None:  # hybrid sharding: then across the replicas
-            shard = all_reduce_(shard.clone(), replicate, unit.name)
-            if mean:
-                shard = shard / like.layout.replicas
+        if replicate is not None:  # hybrid sharding: then across the replicas (differentiably)
+            shard = all_reduce_sum(shard, replicate, unit=unit.name, scale=1.0 / like.layout.replicas if mean else 1.0)
         out[unit.name] = shard
     return like.replace(out)

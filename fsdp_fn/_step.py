@@ -26,7 +26,7 @@ from fsdp_fn._remat import Remat
 from fsdp_fn._runtime import Runtime
 from fsdp_fn._shard import Layout, Sharded, ensure_live
 from fsdp_fn._sink import GradSink
-from fsdp_fn._transforms import AccumulateState, ApplyIfFiniteState, ChainState, chain, clip_by_global_norm
+from fsdp_fn._transforms import AccumulateState, ApplyIfFiniteState, ChainState, clip_by_global_norm
 from fsdp_fn._tree import NAMESPACE, tree_leaves, tree_map
 
 BufferSync = Literal["broadcast", "mean"] | None
@@ -52,6 +52,10 @@ class TrainStep:
     are averaged over ranks, so equal per-rank batches give the gradient of the global
     batch's mean loss. ``donate=True`` updates shards and optimizer state in place (the
     returned state reuses the input's tensors); ``False`` leaves the input state intact.
+
+    ``schedule`` (a ``Schedule``) is the gather policy as one value: resharding after
+    forward, prefetch, in-flight limit, mixed precision and offload; the separate options
+    below build the same value.
 
     Memory and overlap: ``reshard_after_forward=False`` keeps each unit gathered from its
     forward to its backward (one all-gather less per unit, more memory: ZeRO-2 /
@@ -108,6 +112,7 @@ class TrainStep:
         timeout: float = 300.0,
         check_schedule: CheckSchedule = "first",
         remat: bool | Policy | Remat | None = None,
+        schedule: Schedule | None = None,
     ) -> None:
         if not isinstance(fn, Functional):
             raise TypeError(f"train_step wants the Functional from functionalize(module), got {type(fn).__name__}")
@@ -147,12 +152,13 @@ class TrainStep:
                     f"update_in_backward steps each unit during backward, before the whole gradient exists; "
                     f"it cannot be combined with {', '.join(named)}"
                 )
-        if clip_grad_norm is not None:  # the option is this chain
-            optimizer = chain(clip_by_global_norm(clip_grad_norm), optimizer)
+        # The option is this transformation, applied just before the optimizer (the optimizer's
+        # state keeps its own layout; chain(clip_by_global_norm(x), opt) is the same update).
+        self._clip = clip_by_global_norm(clip_grad_norm) if clip_grad_norm is not None else None
         self.fn, self.loss_fn, self.optimizer, self.donate = fn, loss_fn, optimizer, donate
         # A chain with apply_if_finite may skip a step: buffers the forward moved are restored then.
         self._may_skip = skip_nonfinite or "apply_if_finite" in optimizer.links
-        self.schedule = Schedule(
+        separate = Schedule(
             reshard_after_forward,
             backward_prefetch,
             forward_prefetch,
@@ -160,6 +166,16 @@ class TrainStep:
             mixed_precision or MixedPrecision(),
             cpu_offload,
         )
+        if schedule is not None:
+            if not isinstance(schedule, Schedule):
+                raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+            if separate != Schedule():
+                changed = [f for f in Schedule.__dataclass_fields__ if getattr(separate, f) != getattr(Schedule(), f)]
+                raise ValueError(
+                    f"pass the gather policy either as schedule= or as separate options, not both: {changed} "
+                    "were also given; put them in the Schedule"
+                )
+        self.schedule = schedule if schedule is not None else separate
         self.update_in_backward = update_in_backward
         self.remat = Remat.of(remat)
         self.buffer_sync = buffer_sync
@@ -185,13 +201,8 @@ class TrainStep:
         ensure_live(params, "init")
         source = self.fn.buffers if buffers is None else buffers
         device = self.schedule.cpu_offload.compute_device() if self.schedule.cpu_offload else None
-        dtype = self.schedule.mixed_precision.buffer_dtype
-        copies = {
-            k: v.detach().to(
-                device=device, dtype=dtype if dtype is not None and v.is_floating_point() else None, copy=True
-            )
-            for k, v in source.items()
-        }
+        precision = self.schedule.mixed_precision
+        copies = {k: v.detach().to(device=device, dtype=precision.buffer(v), copy=True) for k, v in source.items()}
         layout = params.layout
         for g in (layout.group, layout.replicate):
             if g is not None:
@@ -223,6 +234,12 @@ class TrainStep:
         is the next use's error). Parameters the loss never reached are not stepped, as
         torch.optim skips parameters whose ``.grad`` is ``None``.
         """
+        if torch._C._functorch.maybe_current_level() is not None:
+            raise RuntimeError(
+                "fsdp_fn: a train step cannot run inside a torch.func transform (grad, vjp, jvp, vmap): it updates "
+                "the state in place and its gradients travel outside autograd, so the transform would see zeros; "
+                "differentiate fsdp_fn.value_and_grad(fn, loss_fn) (or apply_sharded) instead"
+            )
         ensure_live((state.params, state.opt_state), f"step {self.calls + 1}")
         if not self.donate and isinstance(state.opt_state, torch.optim.Optimizer):
             raise ValueError(
@@ -303,6 +320,8 @@ class TrainStep:
                 if self.skip_nonfinite and not bool(torch.isfinite(stats).all()):
                     skipped = torch.ones((), dtype=torch.bool)
                 else:
+                    if self._clip is not None:
+                        grads, _ = self._clip.update(grads, (), params)
                     params, opt_state = self.optimizer.update(grads, opt_state, params)
                     if _skipped_by_chain(opt_state):
                         skipped = torch.ones((), dtype=torch.bool)
@@ -496,12 +515,5 @@ def sync_buffers(buffers: Mapping[str, torch.Tensor], group: dist.ProcessGroup, 
             at += t.numel()
 
 
-def train_step(fn: Functional, loss_fn: LossFn, optimizer: Optimizer, **options: Any) -> TrainStep:
-    """Build the sharded train step: ``TrainStep(fn, loss_fn, optimizer, **options)`` (options there).
-
-    >>> import torch, torch.nn.functional as F
-    >>> def loss_fn(model, batch):
-    ...     x, y = batch
-    ...     return F.mse_loss(model(x), y)
-    """
-    return TrainStep(fn, loss_fn, optimizer, **options)
+# The JAX-style builder name; the class is the builder, so every option is typed.
+train_step = TrainStep

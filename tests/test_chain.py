@@ -137,3 +137,15 @@ def test_update_in_backward_names_the_links_that_need_the_whole_gradient():
         ff.train_step(fn, mse_loss, ff.apply_if_finite(ff.accumulate(2, ff.adamw())), update_in_backward=True)
     with pytest.raises(TypeError, match="must end with an optimizer"):
         ff.chain(ff.clip_by_global_norm(1.0))
+
+
+def test_schedule_is_one_value_and_the_options_build_it():
+    torch.manual_seed(0)
+    model = MLP()
+    fn = ff.functionalize(model)
+    mp = ff.MixedPrecision(param_dtype=torch.bfloat16)
+    one = ff.train_step(fn, mse_loss, ff.adamw(), schedule=ff.Schedule(max_inflight=3, mixed_precision=mp))
+    separate = ff.train_step(fn, mse_loss, ff.adamw(), max_inflight=3, mixed_precision=mp)
+    assert one.schedule == separate.schedule
+    with pytest.raises(ValueError, match=r"not both: \['max_inflight'\]"):
+        ff.train_step(fn, mse_loss, ff.adamw(), schedule=ff.Schedule(), max_inflight=3)

@@ -1,0 +1,123 @@
+"""fsdp_fn.testing: the strategies draw what they promise, and assert_matches_unsharded finds divergences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from fsdp_fn import testing as fft
+
+
+def _mse(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def _sgd(tensors):
+    return torch.optim.SGD(tensors, lr=0.1, momentum=0.9)
+
+
+def _match(group, spec, plan_spec, train, steps=2):
+    model = spec.build()
+    batches = [spec.batch(12, seed=s) for s in range(steps)]
+    return fft.assert_matches_unsharded(
+        model,
+        _mse,
+        batches,
+        group=group,
+        plan=plan_spec.make(model),
+        optimizer=_sgd if train else None,
+        rtol=1e-9,
+        atol=1e-10,
+    )
+
+
+@settings(max_examples=12)
+@given(spec=fft.models(), plan=fft.plans(), world=fft.worlds(), train=st.booleans())
+def test_drawn_models_match_their_unsharded_selves(pool, spec, plan, world, train):
+    worst = pool.run(_match, spec, plan, train, world=world)
+    assert worst[0] == worst[-1]  # every rank compared the same (replicated) values
+    assert worst[0]["gradient"] < 1e-10 and worst[0]["parameter"] < 1e-10
+    assert worst[0]["loss"] < 1e-6  # the train step reports its loss in float32
+
+
+def _hybrid(group, spec):
+    layout = fft.LayoutSpec(4, 2)
+    model = spec.build()
+    batches = [spec.batch(8, seed=s) for s in range(2)]
+    return fft.assert_matches_unsharded(
+        model, _mse, batches, group=layout.group(), optimizer=_sgd, rtol=1e-9, atol=1e-10
+    )
+
+
+def test_hybrid_layout_matches(pool):
+    worst = pool.run(_hybrid, fft.ModelSpec((5, 7, 1), seed=3), world=4)
+    assert worst[0]["gradient"] < 1e-10 and worst[0]["parameter"] < 1e-10
+    assert worst[0]["loss"] < 1e-6  # the train step reports its loss in float32
+
+
+class _Nudged:
+    """A loss that differs from the reference's in one parameter's gradient only (its value is the same)."""
+
+    def __init__(self, param: str, from_call: int) -> None:
+        self.param, self.from_call, self.calls = param, from_call, 0
+
+    def __call__(self, model, batch):
+        loss = _mse(model, batch)
+        if isinstance(model, nn.Module):  # the unsharded reference
+            self.calls += 1
+            if self.calls > self.from_call:
+                w = model.get_parameter(self.param)
+                loss = loss + 0.5 * (w - w.detach()).sum()
+        return loss
+
+
+def _diverge(group, train):
+    spec = fft.ModelSpec((5, 7, 3, 1), seed=1)
+    model = spec.build()
+    batches = [spec.batch(6, seed=s) for s in range(3)]
+    try:
+        fft.assert_matches_unsharded(
+            model,
+            _Nudged("layers.1.weight", from_call=1),
+            batches,
+            group=group,
+            plan=fft.PlanSpec().make(model),
+            optimizer=_sgd if train else None,
+        )
+    except fft.Divergence as e:
+        return e.where, str(e)
+    return None
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_divergence_names_step_unit_and_parameter(pool, train):
+    where, message = pool.run(_diverge, train, world=3)[0]
+    kind = "parameter" if train else "gradient"
+    assert where["step"] == 1 and where["what"] == kind
+    assert where["parameter"] == "layers.1.weight"
+    assert where["error"] > 1e-3
+    assert message.startswith(f"step 1: the {kind} of unit")
+    assert "parameter 'layers.1.weight'" in message
+
+
+@settings(max_examples=30)
+@given(spec=fft.models(max_world=4))
+def test_model_strategy(spec):
+    assert all(w % k for w in spec.widths for k in (2, 3, 4))
+    model = spec.build()
+    if spec.tied:
+        assert model.layers[0].weight is model.layers[-1].weight
+    frozen = {i for i, layer in enumerate(model.layers) if not layer.weight.requires_grad}
+    assert frozen == set(spec.frozen)
+    assert any(p.requires_grad for p in model.parameters())
+
+
+def test_step_options_without_an_optimizer_are_refused():
+    model = fft.ModelSpec((3, 1)).build()
+    with pytest.raises(ValueError, match=r"train_step options \['accumulation'\] need an optimizer"):
+        fft.assert_matches_unsharded(model, _mse, [], accumulation=2)
