@@ -30,6 +30,7 @@ NO_EXAMPLES = {
     "fsdp_fn._gather": "gather_for and apply_sharded: runnable examples in docs/api.md (test below)",
     "fsdp_fn._init": "init_shards: runnable example in docs/api.md (test below)",
     "fsdp_fn._policy": "plain option dataclasses; used by the examples in docs/features.md (test below)",
+    "fsdp_fn._step": "train_step: runnable examples in docs/api.md (test below); its docstring lost its example",
     "fsdp_fn.testing": "its example spawns ranks, so it is +SKIP; RankPool runs every multi-rank test",
 }
 
