@@ -1,10 +1,13 @@
 """Train a small GPT on Python's standard library source, fully sharded across torchrun ranks.
 
     torchrun --standalone --nproc-per-node 2 -m examples.train_gpt --steps 200
+    torchrun --standalone --nproc-per-node 2 -m examples.train_gpt --steps 300 --resume
 
 The model is built on the meta device and initialised straight into shards; each rank keeps
 1/W of every block, embedding and head, gathered just before they run; each unit's AdamW
 update runs as soon as its gradient shard exists.
+Every --save-every steps the train state is checkpointed (sharded, atomic, the last
+--keep kept) under --ckpt-dir; --resume continues from the latest one, exactly.
 Rank 0 shows a progress bar; the last line gives tokens/s and each rank's peak memory.
 """
 
@@ -18,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_fn as ff
+import fsdp_fn.checkpoint as ckpt
 from examples.gpt import GPT, Block, GPTConfig, lm_loss, stdlib_text, token_batches
 
 
@@ -32,6 +36,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt-dir", default="checkpoints/gpt", help="where checkpoints go")
+    p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints (0: never)")
+    p.add_argument("--keep", type=int, default=2, help="checkpoints kept")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
     return p.parse_args()
 
 
@@ -49,6 +57,12 @@ def main() -> None:
     params, buffers = ff.init_shards(model, plan, seed=args.seed)
     step = ff.train_step(fn, lm_loss, ff.adamw(lr=args.lr, weight_decay=0.1), update_in_backward=True)
     state = step.init(params, buffers)
+    manager = ckpt.CheckpointManager(args.ckpt_dir, keep=args.keep)
+    resumed = manager.restore(state) if args.resume else None
+    if resumed is not None:
+        state, _ = resumed
+        if rank == 0:
+            print(f"resumed from {manager.latest()} at step {state.step}", flush=True)
     text = stdlib_text()
     if rank == 0:
         print(
@@ -61,13 +75,14 @@ def main() -> None:
     if rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
+        bar = tqdm(total=args.steps, initial=state.step, unit="step", dynamic_ncols=True)
     first_loss = None
     start = time.perf_counter()
-    timed_from = min(5, args.steps - 1)  # leave the first steps (warm-up) out of tokens/s
+    timed_from = min(state.step + 5, args.steps - 1)  # leave the first steps (warm-up) out of tokens/s
     meter_step = args.steps - 1
     peak = 0
-    for k in range(args.steps):
+    loss = float("nan")
+    for k in range(state.step, args.steps):
         if k == timed_from:
             start = time.perf_counter()
         batch = token_batches(text, args.batch, args.seq, seed=args.seed + k * world + rank)
@@ -83,13 +98,15 @@ def main() -> None:
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.3f}")
             bar.update()
+        if args.save_every and state.step % args.save_every == 0:
+            manager.save(state)  # the batch of step k depends only on k: the step is the data position
     elapsed = time.perf_counter() - start
     if bar is not None:
         bar.close()
     tokens = (args.steps - timed_from) * args.batch * args.seq * world
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)
-    if rank == 0:
+    if rank == 0 and first_loss is not None:
         mib = ", ".join(f"rank {r}: {p / 2**20:.1f} MiB" for r, p in enumerate(peaks))
         print(
             f"loss {first_loss:.3f} -> {loss:.3f} | {tokens / elapsed:,.0f} tokens/s | "

@@ -102,3 +102,4 @@ __all__ = [
     "save_dots",
     "save_nothing",
 ]
+from fsdp_fn import checkpoint as checkpoint  # the public submodule: ff.checkpoint.save / load

@@ -73,6 +73,8 @@ def _markdown_blocks(group, path):
     return len(blocks)
 
 
-@pytest.mark.parametrize("page", ["docs/api.md", "docs/features.md", "docs/testing-your-model.md"])
+@pytest.mark.parametrize(
+    "page", ["docs/api.md", "docs/features.md", "docs/testing-your-model.md", "docs/checkpoints.md"]
+)
 def test_documentation_examples_run(solo, page):
     assert solo.run(_markdown_blocks, page)[0] > 3

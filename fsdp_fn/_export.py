@@ -1,0 +1,277 @@
+"""Full-model files from shards and back, streamed: safetensors (Hugging Face layout) and state dicts.
+
+Export: the file layout (header, every tensor's byte range) follows from the plan alone,
+so rank 0 writes the headers and every rank writes the bytes of its own shard pieces at
+their offsets (``os.pwrite``); no rank gathers anything. Import: each rank reads only the
+rectangles of each tensor that overlap its shard (``safe_open(...).get_slice``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_fn._dcp import boxes, ranges
+from fsdp_fn._plan import ParamSpec, Unit, unit_label
+from fsdp_fn._shard import Layout, Sharded
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _parts(params: Sharded) -> Iterator[tuple[Unit, Unit, torch.Tensor]]:
+    """(unit, part, this rank's shard of it): each unit's trainable part, then its frozen part."""
+    for unit in params.plan.units:
+        yield unit, unit, params[unit.name]
+        if unit.frozen:
+            yield unit, unit.frozen_part, params.layout.frozen[unit.name]
+
+
+def _local(part: Unit, flat: torch.Tensor, layout: Layout) -> Iterator[tuple[ParamSpec, int, int, torch.Tensor]]:
+    """(parameter, first, end, its elements [first, end) in ``flat``) for each parameter this rank holds part of."""
+    n = part.shard_numel(layout.world)
+    lo = layout.rank * n
+    for i, a, b in ranges(part.offsets, [p.numel for p in part.params], lo, lo + n):
+        at = part.offsets[i] + a - lo
+        yield part.params[i], a, b, flat[at : at + b - a]
+
+
+# --- export ------------------------------------------------------------------------------
+
+
+def _file_names(sizes: list[int], max_shard_size: int | None) -> list[int]:
+    """The file index of each tensor: consecutive tensors fill a file up to ``max_shard_size`` bytes."""
+    out, file, used = [], 0, 0
+    for size in sizes:
+        if max_shard_size is not None and used and used + size > max_shard_size:
+            file, used = file + 1, 0
+        out.append(file)
+        used += size
+    return out
+
+
+def _layout(specs: list[ParamSpec], dtype: torch.dtype | None, max_shard_size: int | None) -> dict[str, Any]:
+    """Files, their headers and every tensor's (file, byte offset) — the same on every rank."""
+    sizes = [p.numel * (dtype or p.dtype).itemsize for p in specs]
+    index = _file_names(sizes, max_shard_size)
+    count = index[-1] + 1 if index else 1
+    names = [SINGLE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    headers: list[dict[str, Any]] = [{"__metadata__": {"format": "pt"}} for _ in names]
+    used = [0] * count
+    where: dict[str, tuple[int, int]] = {}
+    for spec, size, f in zip(specs, sizes, index, strict=True):
+        d = dtype or spec.dtype
+        if d not in _DTYPES:
+            raise TypeError(f"parameter {spec.name!r} is {d}, which safetensors cannot hold")
+        headers[f][spec.name] = {
+            "dtype": _DTYPES[d],
+            "shape": list(spec.shape),
+            "data_offsets": [used[f], used[f] + size],
+        }
+        where[spec.name] = (f, used[f])
+        used[f] += size
+    encoded = []
+    for h in headers:
+        text = json.dumps(h, separators=(",", ":")).encode()
+        encoded.append(text + b" " * (-(8 + len(text)) % 8))  # data starts 8-byte aligned
+    return {"names": names, "headers": encoded, "sizes": used, "where": where, "index": index, "bytes": sum(sizes)}
+
+
+def export_safetensors(
+    directory: str | os.PathLike[str],
+    params: Sharded,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | None = None,
+) -> list[Path]:
+    """Write the full model as Hugging Face safetensors: ``model.safetensors``, or with
+    ``max_shard_size`` (bytes) a numbered set and ``model.safetensors.index.json``.
+
+    Every rank of the group calls it. Tied parameters are written once, under their first
+    name (as ``save_pretrained`` does); ``dtype`` casts on the way out. Memory: one
+    parameter's piece of this rank's shard at a time (to cast it); nothing is gathered.
+    Communication: two barriers. The directory must be on a file system every rank sees.
+    """
+    layout = params.layout
+    specs = [p for _, part, _ in _parts(params) for p in part.params]
+    files = _layout(specs, dtype, max_shard_size)
+    root = Path(directory)
+    paths = [root / n for n in files["names"]]
+    group = layout.group
+    if group.rank() == 0 and (layout.replicate is None or layout.replicate.rank() == 0):
+        root.mkdir(parents=True, exist_ok=True)
+        for path, header, size in zip(paths, files["headers"], files["sizes"], strict=True):
+            with open(path, "wb") as f:
+                f.write(len(header).to_bytes(8, "little"))
+                f.write(header)
+                f.truncate(8 + len(header) + size)
+    _barrier(layout)
+    if layout.replicate is None or layout.replicate.rank() == 0:  # replicas hold the same bytes
+        with ExitStack() as stack:
+            fds = [os.open(p, os.O_WRONLY) for p in paths]
+            for fd in fds:
+                stack.callback(os.close, fd)
+            for _, part, flat in _parts(params):
+                for spec, a, _b, piece in _local(part, flat, layout):
+                    f, start = files["where"][spec.name]
+                    data = piece.detach().to(dtype or spec.dtype).contiguous().view(torch.uint8).numpy()
+                    itemsize = (dtype or spec.dtype).itemsize
+                    os.pwrite(fds[f], data.data, 8 + len(files["headers"][f]) + start + a * itemsize)
+            for fd in fds:
+                os.fsync(fd)
+    if group.rank() == 0 and len(paths) > 1 and (layout.replicate is None or layout.replicate.rank() == 0):
+        weight_map = {spec.name: files["names"][f] for spec, f in zip(specs, files["index"], strict=True)}
+        (root / INDEX).write_text(
+            json.dumps({"metadata": {"total_size": files["bytes"]}, "weight_map": weight_map}, indent=2)
+        )
+    _barrier(layout)
+    return paths
+
+
+def _barrier(layout: Layout) -> None:
+    dist.barrier(group=layout.group)
+    if layout.replicate is not None:
+        dist.barrier(group=layout.replicate)
+
+
+def export_state_dict(params: Sharded, *, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """The full parameters on rank ``dst`` of the group (``None`` on the others), one unit at a time.
+
+    Memory: rank ``dst`` ends with the whole model; the others hold nothing beyond their
+    shards. Communication: one gather to ``dst`` per unit part.
+    """
+    layout = params.layout
+    group, rank = layout.group, layout.rank
+    out: dict[str, torch.Tensor] = {}
+    for _, part, flat in _parts(params):
+        pieces = [torch.empty_like(flat) for _ in range(layout.world)] if rank == dst else None
+        dist.gather(flat.detach().contiguous(), pieces, group=group, group_dst=dst)
+        if pieces is not None:
+            full = torch.cat(pieces)
+            for spec, at in zip(part.params, part.offsets, strict=True):
+                out[spec.name] = full[at : at + spec.numel].view(spec.shape).clone()
+            del full, pieces
+    return out if rank == dst else None
+
+
+# --- import ------------------------------------------------------------------------------
+
+Reader = Callable[[str, tuple[slice, ...]], torch.Tensor]
+
+
+def _fill(like: Sharded, names: set[str], read: Reader, source: str, strict: bool) -> Sharded:
+    """Copy into ``like``'s shards (in place; meta ones replaced) the pieces ``read(name, box)`` returns."""
+    layout = like.layout
+    specs = [p for _, part, _ in _parts(like) for p in part.params]
+    known = {n for p in specs for n in (p.name, *p.aliases)}
+    missing = [p.name for p in specs if p.name not in names and not any(a in names for a in p.aliases)]
+    if missing:
+        unit = like.plan.unit_of(missing[0]).name
+        raise KeyError(
+            f"{source} has no parameter {missing[0]!r} (unit {unit_label(unit)})"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
+    unexpected = sorted(names - known)
+    if strict and unexpected:
+        raise KeyError(
+            f"{source} has {unexpected[0]!r}, which the model does not have"
+            + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+            + "; strict=False ignores such entries"
+        )
+
+    def ready(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(t.shape, dtype=t.dtype) if t.is_meta else t.zero_()
+
+    shards = {k: ready(v) for k, v in like.shards.items()}
+    frozen = {k: ready(v) for k, v in layout.frozen.items()}
+    if any(frozen[k] is not v for k, v in layout.frozen.items()):
+        layout = Layout(layout.plan, layout.group, frozen, layout.replicate)
+    out = Sharded(shards, layout)
+    for _, part, flat in _parts(out):
+        for spec, a, b, piece in _local(part, flat, layout):
+            name = spec.name if spec.name in names else next(n for n in spec.aliases if n in names)
+            for box in boxes(spec.shape, a, b):
+                index = tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes, strict=True))
+                value = read(name, index)
+                if tuple(value.shape) != box.sizes:
+                    raise ValueError(f"{source}: {name!r} is not of shape {spec.shape}")
+                piece[box.start - a : box.start - a + box.numel].copy_(value.reshape(-1))
+    return out
+
+
+def _check_shapes(source: str, shapes: Mapping[str, tuple[int, ...]], like: Sharded) -> None:
+    for spec in like.plan.params:
+        for n in (spec.name, *spec.aliases):
+            if n in shapes and tuple(shapes[n]) != spec.shape:
+                raise ValueError(
+                    f"{source}: {n!r} has shape {tuple(shapes[n])}, the model's parameter has {spec.shape}"
+                )
+
+
+def import_state_dict(state_dict: Mapping[str, torch.Tensor], like: Sharded, *, strict: bool = True) -> Sharded:
+    """Shards of a full ``state_dict`` (keyed by FQN) in ``like``'s layout, written into ``like``'s tensors.
+
+    Each rank copies only its own pieces (values are cast to the shard dtype).
+    ``strict=False`` ignores entries the model does not have (e.g. buffers). No communication.
+    """
+    _check_shapes("the state dict", {k: tuple(v.shape) for k, v in state_dict.items()}, like)
+    return _fill(like, set(state_dict), lambda n, index: state_dict[n].detach()[index], "the state dict", strict)
+
+
+def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
+    """A safetensors file, or a directory's ``model.safetensors`` or the files its index names."""
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if (p / INDEX).is_file():
+        weight_map = json.loads((p / INDEX).read_text())["weight_map"]
+        return [p / n for n in dict.fromkeys(weight_map.values())]
+    if (p / SINGLE).is_file():
+        return [p / SINGLE]
+    found = sorted(p.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no safetensors files at {p}")
+    return found
+
+
+def import_safetensors(path: str | os.PathLike[str], like: Sharded, *, strict: bool = True) -> Sharded:
+    """Shards read from safetensors (a file, or a ``save_pretrained`` directory) in ``like``'s layout.
+
+    Each rank reads only the rectangles of each tensor that overlap its shard
+    (``safe_open(...).get_slice``); values are cast to the shard dtype and written into
+    ``like``'s tensors. Memory: one rectangle at a time beyond the shards. No communication.
+    """
+    from safetensors import safe_open
+
+    files = safetensors_files(path)
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]  # type: ignore[no-untyped-call]
+        owner = {k: h for h in handles for k in h.keys()}  # noqa: SIM118 (safe_open is not iterable)
+        shapes = {k: tuple(h.get_slice(k).get_shape()) for k, h in owner.items()}
+        _check_shapes(str(path), shapes, like)
+
+        def read(name: str, index: tuple[slice, ...]) -> torch.Tensor:
+            sl = owner[name].get_slice(name)
+            return sl[index] if index else sl[:]  # type: ignore[no-any-return]
+
+        return _fill(like, set(owner), read, str(path), strict)
