@@ -41,4 +41,5 @@ clean:
 MODULES ?= collectives shard plan gather unit runtime sink step optim
 SAMPLE  ?=
 mutate: $(READY)
+	$(BIN)/python -m pip install --quiet -r mutation/requirements.txt
 	SAMPLE=$(SAMPLE) mutation/run.sh $(MODULES)
