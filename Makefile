@@ -7,7 +7,7 @@ RANKS  ?= 2
 STEPS  ?= 150
 ARGS   ?=
 
-.PHONY: demo test lint docs bench clean
+.PHONY: demo test lint docs bench clean mutate
 
 $(READY): requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,3 +35,11 @@ bench: $(READY)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build/site
+
+# Mutation testing of the core (cosmic-ray; slow: hours on 2 cores, not part of `make test`).
+# MODULES: any of collectives shard plan gather unit runtime sink step optim (mutation/<name>.toml).
+MODULES ?= collectives shard plan gather unit runtime sink step optim
+SAMPLE  ?=
+mutate: $(READY)
+	$(BIN)/python -m pip install --quiet -r mutation/requirements.txt
+	SAMPLE=$(SAMPLE) mutation/run.sh $(MODULES)

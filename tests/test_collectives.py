@@ -1,8 +1,20 @@
-"""gather/reduce-scatter: one differentiable pair, each the other's transpose."""
+"""gather/reduce-scatter: one differentiable pair, each the other's transpose.
+
+Every reference here is torch's own collective (``dist.all_gather_into_tensor``,
+``dist.all_reduce`` then this rank's slice) or a closed form, never fsdp_fn's
+reduce-scatter compared with itself.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import math
+
+import optree
+import pytest
 import torch
+import torch.distributed as dist
+import torch.utils._pytree as torch_pytree
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -11,7 +23,35 @@ import fsdp_fn as ff
 from fsdp_fn import _collectives as C
 
 
-def _transpose(group, examples):
+@contextlib.contextmanager
+def _native(on: bool):
+    """Run the backend's own all-gather/reduce-scatter instead of the pairwise exchange (gloo has both)."""
+    saved = C.pairwise
+    if on:
+        C.pairwise = lambda group: False
+    try:
+        yield
+    finally:
+        C.pairwise = saved
+
+
+def _torch_all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    out = [torch.empty_like(x) for _ in range(group.size())]
+    dist.all_gather(out, x.contiguous(), group=group)
+    return torch.cat(out)
+
+
+def _torch_reduce_scatter(y: torch.Tensor, group, scale: float = 1.0) -> torch.Tensor:
+    """The independent reference: all-reduce the whole buffer, scale, keep this rank's slice."""
+    total = y.clone()
+    dist.all_reduce(total, group=group)
+    return (total * scale).chunk(group.size())[group.rank()]
+
+
+SCALES = (1.0, 0.25, 2.0, 0.0)  # 1: no multiply; 1/W-like; > 1; 0 (every branch on the scale)
+
+
+def _against_torch(group, examples, native):
     world, rank = group.size(), group.rank()
 
     @settings(max_examples=examples)
@@ -20,24 +60,101 @@ def _transpose(group, examples):
         g = torch.Generator().manual_seed(seed * 31 + rank)  # different data on every rank
         x = torch.randn(n, generator=g, dtype=torch.float64)
         y = torch.randn(n * world, generator=g, dtype=torch.float64)
+        # Catches: chunks gathered in the wrong order or to the wrong place.
+        torch.testing.assert_close(ff.all_gather(x, group), _torch_all_gather(x, group), rtol=0, atol=0)
+        for scale in SCALES:
+            # Catches: a missing or doubled scale, a scale skipped for some value.
+            torch.testing.assert_close(
+                ff.reduce_scatter_sum(y, group, scale=scale), _torch_reduce_scatter(y, group, scale)
+            )
+            # Catches: a backward that is not the transpose (wrong collective, scale applied twice or not at all).
+            _, vjp_ag = torch.func.vjp(lambda s, scale=scale: ff.all_gather(s, group, grad_scale=scale), x)
+            torch.testing.assert_close(vjp_ag(y)[0], _torch_reduce_scatter(y, group, scale))
+            _, vjp_rs = torch.func.vjp(lambda f, scale=scale: ff.reduce_scatter_sum(f, group, scale=scale), y)
+            torch.testing.assert_close(vjp_rs(x)[0], scale * _torch_all_gather(x, group))
+        if world == 1 and n:  # Catches: a copy where one rank has nothing to reduce (the docstring says none).
+            assert ff.reduce_scatter_sum(y, group).data_ptr() == y.data_ptr()
+        # The design's property, with both sides summed by torch: <AG(x), y> == <x, RS(y)>.
         lhs = torch.dot(ff.all_gather(x, group), y).reshape(1)
         rhs = torch.dot(x, ff.reduce_scatter_sum(y, group)).reshape(1)
-        C.all_reduce_(lhs, group)
-        C.all_reduce_(rhs, group)
+        dist.all_reduce(lhs, group=group)
+        dist.all_reduce(rhs, group=group)
         torch.testing.assert_close(lhs, rhs)
-        # autograd agrees: the vjp of each is the other
-        _, vjp_ag = torch.func.vjp(lambda s: ff.all_gather(s, group), x)
-        torch.testing.assert_close(vjp_ag(y)[0], ff.reduce_scatter_sum(y, group))
-        _, vjp_rs = torch.func.vjp(lambda f: ff.reduce_scatter_sum(f, group), y)
-        torch.testing.assert_close(vjp_rs(x)[0], ff.all_gather(x, group))
 
-    prop()
+    with _native(native):
+        prop()
     return True
 
 
-def test_all_gather_and_reduce_scatter_are_transposes(pool):
+@pytest.mark.parametrize("native", [False, True], ids=["pairwise", "native"])
+def test_all_gather_and_reduce_scatter_match_torch(pool, native):
     for world in (1, 2, 3, 4):
-        assert all(pool.run(_transpose, 15, world=world))
+        assert all(pool.run(_against_torch, 8, native, world=world))
+
+
+def _all_reduce_and_broadcast(group):
+    world, rank = group.size(), group.rank()
+    mine = torch.arange(5.0) * (rank + 1)
+    summed = C.all_reduce_(mine.clone(), group)
+    from_last = C.broadcast_(mine.clone(), group, src=world - 1)
+    from_first = C.broadcast_(mine.clone(), group)
+    return (
+        torch.equal(summed, torch.arange(5.0) * sum(range(1, world + 1))),
+        torch.equal(from_last, torch.arange(5.0) * world),
+        torch.equal(from_first, torch.arange(5.0)),
+    )
+
+
+def test_all_reduce_and_broadcast(pool):
+    # Catches: a collective skipped at some group size, a broadcast from the wrong rank (default: rank 0).
+    for world in (1, 2, 3, 4):
+        assert all(all(r) for r in pool.run(_all_reduce_and_broadcast, world=world))
+
+
+def test_collective_records_count_ring_bytes():
+    # Catches: a wrong byte count in the log (the all-reduce's ring sends twice (W-1)/W of the buffer).
+    gather = C.Collective("all_gather", "u", 12, torch.float32, 4)
+    reduce = C.Collective("all_reduce", None, 12, torch.float64, 4)
+    assert (gather.bytes, gather.ring_bytes) == (48, 36.0)
+    assert (reduce.bytes, reduce.ring_bytes) == (96, 144.0)
+    log = C.CommLog([gather, reduce, gather])
+    assert log.of("all_gather") == [gather, gather] and log.of("broadcast") == []
+    assert (log.bytes(), log.bytes("all_reduce"), log.ring_bytes()) == (192, 96, 216.0)
+
+
+def _rank_order(group):
+    world, rank = group.size(), group.rank()
+    n = 16
+    # Rank r sends the same vector v_r to every rank, so every rank's shard is v_0 + ... + v_{W-1}.
+    # Magnitudes spread over 12 decades: float32 addition order changes the last bits.
+    parts = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(100 + r)
+        parts.append(torch.randn(n, generator=g) * 10.0 ** torch.randint(-6, 6, (n,), generator=g).float())
+    ordered = parts[0].clone()
+    for p in parts[1:]:
+        ordered += p
+    own_first = parts[rank].clone()
+    for j in (j for j in range(world) if j != rank):
+        own_first += parts[j]
+    got = ff.reduce_scatter_sum(parts[rank].repeat(world), group)
+    scaled = ff.reduce_scatter_sum(parts[rank].repeat(world), group, scale=1 / 3)
+    everyone = _torch_all_gather(got, group).view(world, n)
+    return (
+        torch.equal(got, ordered),
+        all(torch.equal(everyone[0], row) for row in everyone),
+        torch.equal(scaled, ordered * (1 / 3)),
+        not torch.equal(own_first, ordered),
+    )
+
+
+def test_reduce_scatter_sums_in_rank_order_on_every_rank(pool):
+    # Catches: summing in arrival order or own part first (ranks disagree in the last bits).
+    for world in (3, 4):
+        results = pool.run(_rank_order, world=world)
+        for got_ordered, ranks_agree, scaled_ordered, _ in results:
+            assert got_ordered and ranks_agree and scaled_ordered
+        assert any(order_matters for *_, order_matters in results)  # the data can tell the orders apart
 
 
 def _grad_of_grad(group):
@@ -48,6 +165,7 @@ def _grad_of_grad(group):
         full = ff.all_gather(s, group)
         return (full**3).sum()
 
+    # Catches: a backward that drops the outer transform's graph (grad-of-grad silently zero).
     # d/ds sum(AG(s)^3) = RS(3 AG(s)^2) = 3 W s^2 (each rank's slice counted on every rank)
     g = torch.func.grad(f)(x)
     torch.testing.assert_close(g, 3 * world * x**2)
@@ -75,7 +193,11 @@ def _round_trip(group, examples):
         params = dict(m.named_parameters())
         sharded = ff.shard(params, plan, group)
         unit = plan.units[0]
+        # Catches: a shard of the wrong size, slices at wrong offsets, lost padding.
         assert sharded[""].shape == (unit.shard_numel(group.size()),)
+        flat = torch.cat([v.detach().reshape(-1) for v in params.values()])
+        flat = torch.cat([flat, flat.new_zeros(unit.padded_numel(group.size()) - flat.numel())])
+        assert torch.equal(sharded[""], flat.chunk(group.size())[group.rank()])
         full = ff.unshard(sharded)
         for k, v in params.items():
             assert torch.equal(full[k], v.detach())
@@ -89,8 +211,16 @@ def test_shard_unshard_round_trip(pool):
         assert all(pool.run(_round_trip, 15, world=world))
 
 
-def _gather_for_and_reduce_grads(group):
-    """gather_for inside grad/vjp; reduce_grads equals the gradient of the gathered forward."""
+def _flat_slice(grads: list[torch.Tensor], group) -> torch.Tensor:
+    """This rank's slice of the flat, zero-padded concatenation of ``grads`` (no fsdp_fn code)."""
+    world = group.size()
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    pad = math.ceil(flat.numel() / world) * world - flat.numel()
+    return torch.cat([flat, flat.new_zeros(pad)]).chunk(world)[group.rank()]
+
+
+def _gather_for_and_reduce_grads(group, mean):
+    """gather_for inside grad/vjp, and reduce_grads, against all-reduce-then-slice."""
     world, rank = group.size(), group.rank()
     torch.manual_seed(0)
     m = nn.Linear(5, 3)  # 18 elements: shards padded at W=4
@@ -102,36 +232,76 @@ def _gather_for_and_reduce_grads(group):
         full = ff.gather_for("")(params.replace(shards))
         return (x @ full["weight"].T + full["bias"]).square().mean()
 
+    # Independent reference: this rank's full gradient by plain autograd, all-reduced by torch,
+    # divided by W, then this rank's slice of the flat padded buffer (weight, then bias).
+    w, b = (t.detach().clone().requires_grad_() for t in (m.weight, m.bias))
+    (x @ w.T + b).square().mean().backward()
+    summed = [w.grad.clone(), b.grad.clone()]
+    for t in summed:
+        dist.all_reduce(t, group=group)
+    want = _flat_slice([t / world for t in summed], group)
+    # Catches: a missing or doubled 1/W, swapped chunks, gradients of the wrong parameter.
     g1 = torch.func.grad(loss)(params.shards)
-    g2, value = torch.func.grad_and_value(loss)(params.shards)
-    value2, vjp = torch.func.vjp(loss, params.shards)
+    g2, _ = torch.func.grad_and_value(loss)(params.shards)
+    _, vjp = torch.func.vjp(loss, params.shards)
     (g3,) = vjp(torch.ones(()))
-    # By hand: full gradient here, then reduce_grads averages and scatters it.
-    full = {k: v.detach().requires_grad_() for k, v in ff.unshard(params).items()}
-    (x @ full["weight"].T + full["bias"]).square().mean().backward()
-    g4 = ff.reduce_grads({k: v.grad for k, v in full.items()}, params)
-    for g in (g2, g3, g4.shards):
-        torch.testing.assert_close(g[""], g1[""])
+    for g in (g1, g2, g3):
+        torch.testing.assert_close(g[""], want)
+    g4 = ff.reduce_grads({"weight": w.grad, "bias": b.grad}, params, mean=mean)
+    torch.testing.assert_close(g4[""], want * (1 if mean else world))
     assert g4[""].shape == (plan.units[0].shard_numel(world),)
     return True
 
 
-def test_gather_for_and_reduce_grads(pool):
+@pytest.mark.parametrize("mean", [True, False])
+def test_gather_for_and_reduce_grads(pool, mean):
     for world in (1, 2, 4):
-        assert all(pool.run(_gather_for_and_reduce_grads, world=world))
+        assert all(pool.run(_gather_for_and_reduce_grads, mean, world=world))
 
 
-def test_sharded_is_a_pytree():
-    import optree
+def _sharded_pytree(group):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    plan = ff.make_plan(m, ff.layer_policy([nn.Linear]))
+    s = ff.shard(dict(m.named_parameters()), plan, group)
+    n = len(plan.units)
+    assert isinstance(s, ff.Sharded) and len(s) == n == 2  # one unit per Linear; the root holds nothing
+    # optree, namespace "fsdp_fn": the shards are the leaves, in plan order; the layout rides along.
+    leaves, spec = optree.tree_flatten(s, namespace=ff.NAMESPACE)
+    assert spec.num_leaves == n and all(a is b for a, b in zip(leaves, s.values()))
+    back = optree.tree_unflatten(spec, [t * 2 for t in leaves])
+    assert isinstance(back, ff.Sharded) and back.layout == s.layout and list(back) == list(plan.unit_names)
+    assert all(torch.equal(back[u], 2 * s[u]) for u in s)
+    plus_one = optree.tree_map(lambda t: t + 1, s, namespace=ff.NAMESPACE)
+    assert isinstance(plus_one, ff.Sharded) and all(torch.equal(plus_one[u], s[u] + 1) for u in s)
+    # Outside the namespace a Sharded is one opaque leaf: the namespace is what makes it a node.
+    assert optree.tree_leaves(s) == [s]
+    # ff.tree_map over several trees, nested in a container.
+    pairs = ff.tree_map(lambda a, b: a - b, {"x": s}, {"x": plus_one})
+    assert all(torch.equal(pairs["x"][u], s[u] - plus_one[u]) for u in s)
+    # torch's pytree (what torch.func sees): the same leaves and a round trip.
+    t_leaves, t_spec = torch_pytree.tree_flatten(s)
+    assert all(a is b for a, b in zip(t_leaves, s.values())) and len(t_leaves) == n
+    t_back = torch_pytree.tree_unflatten([t.neg() for t in t_leaves], t_spec)
+    assert isinstance(t_back, ff.Sharded) and t_back.layout == s.layout
+    assert all(torch.equal(t_back[u], -s[u]) for u in s)
+    mapped = torch_pytree.tree_map(torch.zeros_like, s)
+    assert isinstance(mapped, ff.Sharded) and all(not t.any() for t in mapped.values())
+    # torch.func differentiates through the Sharded itself: the gradient is a Sharded too.
+    grad = torch.func.grad(lambda p: sum(t.square().sum() for t in p.values()))(s)
+    assert isinstance(grad, ff.Sharded) and all(torch.equal(grad[u], 2 * s[u]) for u in s)
+    return True
 
-    leaves, spec = optree.tree_flatten({"a": 1}, namespace=ff.NAMESPACE)
-    assert leaves == [1]
-    assert spec.num_leaves == 1
+
+def test_sharded_is_a_pytree(pool):
+    # Catches: a Sharded that flattens to the wrong leaves, loses its layout or unit order on
+    # unflatten, or is not registered with one of the two pytree libraries.
+    assert all(pool.run(_sharded_pytree, world=2))
 
 
 def _grad_through_apply_sharded(group):
     """A user's own functional step: torch.func.grad over apply_sharded gives the averaged gradient."""
-    rank = group.rank()
+    world, rank = group.size(), group.rank()
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
     fn = ff.functionalize(m)
@@ -141,16 +311,20 @@ def _grad_through_apply_sharded(group):
     def loss(shards):
         return ff.apply_sharded(fn, params.replace(shards), fn.buffers, x).square().mean()
 
+    # Reference: plain autograd on the full model, all-reduced by torch and divided by W.
+    full = {k: v.detach().requires_grad_() for k, v in fn.params.items()}
+    fn(full, fn.buffers, x).square().mean().backward()
+    want = {k: v.grad.clone() for k, v in full.items()}
+    for t in want.values():
+        dist.all_reduce(t, group=group)
     for transform in (torch.func.grad, lambda f: lambda p: torch.func.grad_and_value(f)(p)[0]):
-        got = transform(loss)(params.shards)
-        full = {k: v.detach().requires_grad_() for k, v in fn.params.items()}
-        fn(full, fn.buffers, x).square().mean().backward()
-        want = ff.reduce_grads({k: v.grad for k, v in full.items()}, params)
-        for unit in params:
-            torch.testing.assert_close(got[unit], want[unit])
+        got = ff.unshard(params.replace(transform(loss)(params.shards)))
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v / world)
     return True
 
 
 def test_grad_through_apply_sharded(pool):
+    # Catches: hooks that gather the wrong unit or reduce its gradient into another unit's shard.
     for world in (2, 3):
         assert all(pool.run(_grad_through_apply_sharded, world=world))

@@ -53,12 +53,21 @@ def test_step_issues_exactly_the_predicted_collectives(pool, world, split_root, 
             # one collective per unit per phase: forward all-gathers run in plan order
             forward = [c.unit for c in records if c.op == "all_gather"][: len(plan.units)]
             assert forward == list(plan.unit_names)
-            # bytes: 3 x (W-1)/W x parameter bytes, less a gather for every unit kept gathered
+            # Bytes: 3 x (W-1)/W x parameter bytes (gather, gather again in backward, reduce-scatter),
+            # less one gather per unit kept gathered, derived from the plan alone: every unit with
+            # reshard_after_forward=False; otherwise the root, and from the second step on the unit
+            # that runs last (its backward comes first).
+            # Catches: a unit re-gathered that need not be, a kept unit that is freed, a wrong byte count.
+            if variant == "keep_gathered":
+                kept_units = set(plan.unit_names)
+            else:
+                kept_units = {u for u in plan.unit_names if u == ff.ROOT}
+                if k > 0:
+                    kept_units.add([u for u in plan.unit_names if u != ff.ROOT][-1])
             param_bytes = sum(u.padded_numel(world) * 4 for u in plan.units)
-            kept = sum(
-                u.padded_numel(world) * 4
-                for u in plan.units
-                if not any(c.unit == u.name and c.op == "all_gather" for c in records[len(plan.units) :])
-            )
+            kept = sum(u.padded_numel(world) * 4 for u in plan.units if u.name in kept_units)
             sent = sum(c.ring_bytes for c in records if c.unit is not None)  # the units, not the metrics
             assert sent == pytest.approx((3 * param_bytes - kept) * (world - 1) / world)
+            backward = records[len(plan.units) :]
+            backward_gathers = {c.unit for c in backward if c.op == "all_gather" and c.unit is not None}
+            assert backward_gathers == set(plan.unit_names) - kept_units

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 from torch import nn
@@ -181,3 +183,34 @@ def test_estimate_from_the_plan_alone():
     lean = ff.estimate_memory(plan, 4, update_in_backward=True, optimizer_slots=1)
     assert lean.grads == max(u.shard_numel(4) for u in plan.units) * 4
     assert lean.optimizer == est.params + 4 * sum(len(u.params) for u in plan.units)
+
+
+class _Probe(nn.Linear):
+    """A Linear that records where its weight's storage is while it runs."""
+
+    seen: ClassVar[list[int]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.weight
+        while torch._C._functorch.is_functorch_wrapped_tensor(t):  # under torch.func.vjp
+            t = torch._C._functorch.get_unwrapped(t)
+        _Probe.seen.append(t.untyped_storage().data_ptr())
+        return super().forward(x)
+
+
+def _one_rank_uses_shards_in_place(group):
+    torch.manual_seed(0)
+    model = nn.Sequential(_Probe(5, 7), nn.Tanh(), _Probe(7, 2))
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([_Probe])), group)
+    step = ff.train_step(fn, lambda m, b: m(b).square().mean(), ff.sgd(lr=0.1))
+    state = step.init(params)
+    where = [state.params[u].untyped_storage().data_ptr() for u in params.plan.unit_names if u]
+    _Probe.seen.clear()
+    step(state, torch.randn(3, 5))
+    return _Probe.seen == where
+
+
+def test_one_rank_uses_its_shards_in_place(pool):
+    # Catches: a unit gathered into a copy on one rank, where the shard already is the whole unit.
+    assert pool.run(_one_rank_uses_shards_in_place, world=1)[0]

@@ -84,6 +84,27 @@ def test_gather_bytes_counts_padding():
     assert unit.gather_bytes(world=4, dtype=torch.bfloat16) == 104 * 2
 
 
+def test_unit_of_and_local_ranges_against_the_flat_buffer():
+    # Catches: a parameter attributed to the wrong unit (error messages name it), and a rank's
+    # per-parameter ranges off by the shard's start (the optimizer steps parameters by them).
+    model = gpt(tie=True)
+    plan = ff.make_plan(model, ff.layer_policy([Block]))
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        assert any(name == p.name or name in p.aliases for p in plan.unit_of(name).all_params), name
+    for unit in plan.units:
+        flat = torch.arange(unit.numel)  # element k of the unit's flat buffer holds k
+        for world in (1, 2, 3, 4):
+            padded = torch.cat([flat, flat.new_full((unit.padded_numel(world) - unit.numel,), -1)])
+            for rank in range(world):
+                shard = padded.chunk(world)[rank]
+                covered = []
+                for i, lo, hi in unit.local_ranges(world, rank):
+                    at = unit.offsets[i]
+                    covered += shard[lo:hi].tolist()
+                    assert all(at <= k < at + unit.params[i].numel for k in shard[lo:hi].tolist())
+                assert sorted(covered) == [k for k in shard.tolist() if k >= 0]
+
+
 def test_tied_weights_in_different_units_go_to_their_common_unit():
     m = gpt(tie=True)
     plan = ff.make_plan(m, ff.layer_policy([Block, nn.Linear]))
