@@ -103,9 +103,20 @@ def value_and_grad(
     behind the next unit's backward. Called where something differentiates through it
     (inside another ``torch.func`` transform: ``jvp`` of it for a Hessian-vector product,
     ``vmap``, ``grad``; or on shards that require grad or carry a forward-mode tangent) it
-    runs the composable path instead, so the outer derivative sees through every collective. Communication: per
-    unit use an all-gather in forward and backward and a reduce-scatter; one all-reduce of
-    one byte per parameter (which parameters got a gradient, on any rank).
+    runs the composable path instead, so the outer derivative sees through every collective.
+    Communication: per unit use an all-gather in forward and backward and a reduce-scatter;
+    one all-reduce of one number per parameter (which parameters got a gradient, on any rank).
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from fsdp_fn import functionalize, make_plan, shard
+    >>> m = nn.Linear(3, 1)
+    >>> fn = functionalize(m)
+    >>> params = shard(fn.params, make_plan(m))
+    >>> grad_fn = value_and_grad(fn, lambda model, x: model(x).square().mean())
+    >>> loss, grads = grad_fn(params, fn.buffers, torch.ones(2, 3))
+    >>> grads[""].shape, grads.received[""]  # one unit: weight (3) and bias (1), both reached
+    (torch.Size([4]), (True, True))
     """
     schedule = schedule or Schedule()
     rematerialise = Remat.of(remat)

@@ -321,6 +321,14 @@ def guarded(group: dist.ProcessGroup, call: str, timeout: float) -> Iterator[Gua
         yield guard
 
 
+def join(group: dist.ProcessGroup, call: str, timeout: float) -> None:
+    """Wait until every rank of ``group`` has entered ``call`` (a ``RankFailure`` names the ranks
+    that did not within ``timeout``; a ``DivergenceError`` a rank in another call). For calls
+    whose collectives run elsewhere (DCP's), so a rank that calls alone is named, not hung."""
+    with guarded(group, call, timeout):
+        pass
+
+
 def wait(works: Sequence[Any], what: str) -> None:
     """Wait for works: through the active guard when a step runs, plainly otherwise."""
     guard = current()

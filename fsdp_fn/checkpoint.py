@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from fsdp_fn._dcp import LoadPlanner, Pieces, SavePlanner, ranges
 from fsdp_fn._export import export_safetensors, export_state_dict, import_safetensors, import_state_dict
+from fsdp_fn._guard import join
 from fsdp_fn._plan import ParamSpec, Unit, unit_label
 from fsdp_fn._shard import Layout, Sharded, ensure_live
 from fsdp_fn._step import TrainState
@@ -298,10 +299,12 @@ def save(
     extra: Any = None,
     hyperparams: Mapping[str, Any] | None = None,
     blocking: bool = True,
+    timeout: float = 300.0,
 ) -> PendingSave | Path:
     """Write ``state`` (shards, optimizer state, buffers, step, each rank's RNG state) to ``directory``.
 
-    Every rank of the state's group calls it. Each rank writes only its own chunks
+    Every rank of the state's group calls it (a rank that calls alone gets an error naming
+    the ranks that did not join, within ``timeout`` seconds). Each rank writes only its own chunks
     (replicas of a hybrid mesh: only the first); rank 0 also writes the replicated
     values: buffers, step counters, and ``extra`` (any picklable value, e.g. the data
     loader's position). ``hyperparams`` (torch.optim's names: ``lr``, ``betas``, ...) are
@@ -321,6 +324,7 @@ def save(
     ensure_live(state, "checkpoint.save")
     layout = state.params.layout
     group = _group(layout)
+    join(group, "checkpoint.save", timeout)  # a rank that saves alone is named, not left waiting in DCP
     write_shards = layout.replicate is None or layout.replicate.rank() == 0
     coordinator = group.rank() == 0
     if not blocking:
@@ -541,7 +545,7 @@ def _torch_step(target: _Target) -> int:
     return int(steps[0].item()) if steps else 0
 
 
-def load(directory: str | os.PathLike[str], like: TrainState) -> tuple[TrainState, Any]:
+def load(directory: str | os.PathLike[str], like: TrainState, *, timeout: float = 300.0) -> tuple[TrainState, Any]:
     """Read the checkpoint at ``directory`` into the layout of ``like``; return the state and ``extra``.
 
     ``like`` is a ``TrainState`` for the target run (``step.init(shard(...))``, or from
@@ -559,6 +563,7 @@ def load(directory: str | os.PathLike[str], like: TrainState) -> tuple[TrainStat
         raise TypeError(f"load wants a TrainState to load into (step.init(...)), got {type(like).__name__}")
     ensure_live(like, "checkpoint.load")
     group = _group(like.params.layout)
+    join(group, "checkpoint.load", timeout)
     raised: Exception | None = None
     try:
         md = _read_metadata(path)

@@ -337,6 +337,16 @@ def _lone_call(group, what):
             return _outcome(ff.shard, fn.params, plan, group, timeout=2.0)
         time.sleep(3)
         return "idle"
+    if what == "save":
+        import tempfile
+
+        step = ff.train_step(fn, lm_loss, ff.adamw())
+        state = step.init(ff.shard(fn.params, plan, group))
+        if rank == 0:
+            with tempfile.TemporaryDirectory() as d:
+                return _outcome(ff.checkpoint.save, f"{d}/ckpt", state, timeout=2.0)
+        time.sleep(3)
+        return "idle"
     params = ff.shard(fn.params, plan, group)
     step = ff.train_step(fn, lm_loss, ff.adamw(), timeout=5.0)
     state = step.init(params)
@@ -368,3 +378,10 @@ def test_unshard_on_one_rank_while_the_others_step_is_named_on_every_rank(fragil
         kind, msg = outcomes[rank]
         assert kind in ("DivergenceError", "RankFailure"), msg
         assert "unshard" in msg and "step 1" in msg, msg
+
+
+def test_a_rank_that_saves_a_checkpoint_alone_is_named(fragile):
+    kind, msg = _messages(fragile, _lone_call, "save", world=3)[0]
+    assert kind == "RankFailure", msg
+    assert "checkpoint.save was called on rank 0 of group" in msg
+    assert "ranks 1, 2 did not join within" in msg
