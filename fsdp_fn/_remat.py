@@ -323,6 +323,12 @@ def remat(fn: Callable[..., Any], policy: SavePolicy = save_nothing) -> Callable
     (vmap's rule is generated from the forward), ``jvp`` and ``jacfwd`` (forward mode
     pushes the tangents through ``fn`` once more: it keeps nothing for later anyway).
 
+    ``fn`` runs twice, differently: in the forward with autograd off and on unwrapped
+    tensors (``torch.is_grad_enabled()`` is False), in the backward under
+    ``torch.func.vjp``. Bookkeeping that only happens with grad enabled (marking which
+    parameters a backward reaches, registering hooks on outputs) happens in the
+    recomputation; side effects (buffer updates, counters) happen twice.
+
     >>> import torch
     >>> f = remat(lambda x: torch.tanh(x).sum())
     >>> torch.func.grad(f)(torch.zeros(3))
