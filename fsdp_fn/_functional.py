@@ -71,3 +71,26 @@ def functionalize(module: nn.Module) -> Functional:
     params = {name: p.detach() for name, p in module.named_parameters()}
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     return Functional(module, params, buffers)
+
+
+_original_requires_grad_ = torch.Tensor.requires_grad_
+
+
+def _requires_grad_(self: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
+    # Inside a torch.func transform the transform decides what is differentiated (the
+    # shards); asking a tensor to require grad is then a no-op instead of an error.
+    # Hugging Face models do it on their embeddings' output when checkpointing is on.
+    if requires_grad and torch._C._functorch.maybe_current_level() is not None:
+        return self
+    return _original_requires_grad_(self, requires_grad)
+
+
+@contextlib.contextmanager
+def requires_grad_tolerated() -> Iterator[None]:
+    """For the block, ``tensor.requires_grad_(True)`` inside a ``torch.func`` transform returns the
+    tensor unchanged (torch raises there). Process-wide while the block runs."""
+    torch.Tensor.requires_grad_ = _requires_grad_  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.Tensor.requires_grad_ = _original_requires_grad_  # type: ignore[method-assign]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -35,10 +36,11 @@ from torch.autograd.function import FunctionCtx
 from torch.func import functional_call
 
 from fsdp_fn._collectives import Collective, all_gather, all_gather_into, all_reduce_, reduce_scatter_start
-from fsdp_fn._functional import Functional, parameters_restored
+from fsdp_fn._functional import Functional, parameters_restored, requires_grad_tolerated
 from fsdp_fn._memory import label, retag
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
 from fsdp_fn._policy import BackwardPrefetch, Schedule
+from fsdp_fn._remat import Remat, _remat_with_state, handling_regions, route_torch_checkpoint, save_nothing
 from fsdp_fn._shard import Sharded, check_shard, ensure_live, shards_of, unit_views
 
 
@@ -446,6 +448,8 @@ class _NotGathered(torch.Tensor):
         raise RuntimeError(f"parameter used outside its unit's forward ({func})")
 
 
+_MISSING = object()
+
 Swapped = list[tuple[nn.Module, str, Any]]  # (owner, attribute, original parameter) put back after the call
 
 _HARMLESS = {"__get__", "size", "dim", "__repr__", "__format__", "numel", "ndimension"}
@@ -469,6 +473,7 @@ class Runtime:
         order_hint: Sequence[str] = (),
         sink: GradSink | None = None,
         composable: bool = False,
+        remat: Remat | None = None,
     ) -> None:
         ensure_live(params, "apply_sharded")
         self.fn, self.params = fn, params
@@ -508,6 +513,63 @@ class Runtime:
                             if not any(s[0] is slot[0] and s[1] == attr for s in slots):
                                 slots.append(slot)
             self.targets[unit.name] = list(seen.values())
+        # Units that can be rematerialised run through a forward of ours for the call: the
+        # ones ``remat`` selects, and the ones a torch.utils.checkpoint region asks for.
+        self.own_unit: dict[int, Unit] = {
+            id(module.get_submodule(u.name)): u for u in self.plan.units if u.name != ROOT and not u.hooks
+        }
+        self.remat = remat
+        self.remat_units = remat.selects(self.plan, module) if remat is not None else frozenset()
+        for name in self.remat_units:
+            self._check_rematerialisable(self.plan.unit(name), "train_step(remat=...)")
+        self.forced: set[str] = set()  # units a routed torch checkpoint region rematerialises now
+
+    # --- rematerialisation -------------------------------------------------------------------------
+
+    def _check_rematerialisable(self, unit: Unit, asked_by: str) -> None:
+        """A rematerialised unit is recomputed in backward, after this call's hooks are gone:
+        every parameter it reads must be its own (another unit's would not be gathered then)."""
+        module = self.fn.module.get_submodule(unit.name)
+        own = {spec.name for spec in unit.all_params} | {a for spec in unit.all_params for a in spec.aliases}
+        prefix = f"{unit.name}."
+        for name, _ in module.named_parameters(remove_duplicate=False):
+            full = prefix + name
+            if full not in own:
+                other = self.plan.unit_of(full).name
+                raise ValueError(
+                    f"{asked_by}: unit {unit_label(unit.name)} cannot be rematerialised: it reads parameter "
+                    f"{full!r} of unit {unit_label(other)}, which is not gathered when the unit is recomputed in "
+                    "backward; rematerialise the units inside it instead (or put that parameter in this unit)"
+                )
+
+    def _forward(self, unit: Unit, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The unit's forward for this call: rematerialised when asked, otherwise the module's own."""
+        if unit.name in self.forced:
+            return _remat_with_state(original, [self.fn.module.get_submodule(unit.name)], save_nothing, unit.name)(
+                *args, **kwargs
+            )
+        if unit.name in self.remat_units:
+            assert self.remat is not None
+            module = self.fn.module.get_submodule(unit.name)
+            return _remat_with_state(original, [module], self.remat.policy, unit.name)(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    def _region(
+        self, function: Callable[..., Any], modules: list[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A torch.utils.checkpoint region inside this call: the units it names are rematerialised
+        by their own forward (with their gathered parameters); other regions go to ``remat``."""
+        units = [self.own_unit[id(m)] for m in modules if id(m) in self.own_unit]
+        if not units:
+            return NotImplemented
+        for unit in units:
+            self._check_rematerialisable(unit, f"torch.utils.checkpoint.checkpoint of unit {unit_label(unit.name)}")
+        added = [u.name for u in units if u.name not in self.forced]
+        self.forced.update(added)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            self.forced.difference_update(added)
 
     # --- gathering ---------------------------------------------------------------------------------
 
@@ -656,8 +718,18 @@ class Runtime:
             for target in self.targets[unit.name]:
                 handles.append(target.register_forward_pre_hook(self._pre_hook(unit, target, swapped)))
                 handles.append(target.register_forward_hook(self._post_hook(unit, target, swapped)))
+        forwards: list[tuple[nn.Module, Any]] = []  # (module, its own instance-level forward or _MISSING)
+        for unit in self.own_unit.values():
+            target = module.get_submodule(unit.name)
+            forwards.append((target, target.__dict__.get("forward", _MISSING)))
+            target.forward = functools.partial(self._forward, unit, target.forward)
         try:
-            with parameters_restored(module):
+            with (
+                parameters_restored(module),
+                route_torch_checkpoint(),
+                handling_regions(self._region),
+                requires_grad_tolerated(),
+            ):
                 out = functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
         except Exception as e:
             where = f"unit {unit_label(self.running[-1])}" if self.running else "the root unit"
@@ -668,6 +740,11 @@ class Runtime:
         finally:
             for h in handles:
                 h.remove()
+            for target, forward in forwards:
+                if forward is _MISSING:
+                    del target.forward
+                else:
+                    target.forward = forward
             for owner, attr, original in reversed(swapped):
                 owner._parameters[attr] = original
             self.running.clear()

@@ -22,7 +22,9 @@ from fsdp_fn._collectives import all_reduce_
 from fsdp_fn._functional import Functional
 from fsdp_fn._gather import GradSink, Runtime
 from fsdp_fn._guard import guarded
+from fsdp_fn._plan import Policy
 from fsdp_fn._policy import Schedule
+from fsdp_fn._remat import Remat
 from fsdp_fn._shard import Sharded, ensure_live
 
 LossFn = Callable[[Callable[..., Any], Any], torch.Tensor]
@@ -71,7 +73,12 @@ def _inside_transform() -> bool:
 
 
 def value_and_grad(
-    fn: Functional, loss_fn: LossFn, *, schedule: Schedule | None = None, timeout: float = 300.0
+    fn: Functional,
+    loss_fn: LossFn,
+    *,
+    schedule: Schedule | None = None,
+    remat: bool | Policy | Remat | None = None,
+    timeout: float = 300.0,
 ) -> Callable[[Sharded, Mapping[str, torch.Tensor], Any], tuple[torch.Tensor, Sharded]]:
     """``value_and_grad(fn, loss_fn)(params, buffers, batch) -> (loss, grads)`` over shards.
 
@@ -90,13 +97,14 @@ def value_and_grad(
     one byte per parameter (which parameters got a gradient, on any rank).
     """
     schedule = schedule or Schedule()
+    rematerialise = Remat.of(remat)
 
     def run(params: Sharded, buffers: Mapping[str, torch.Tensor], batch: Any) -> tuple[torch.Tensor, Sharded]:
         ensure_live(params, "value_and_grad")
         if _inside_transform():
-            return _composable(fn, loss_fn, schedule, params, buffers, batch)
+            return _composable(fn, loss_fn, schedule, rematerialise, params, buffers, batch)
         sink = GradSink(params, schedule)
-        runtime = Runtime(fn, params, schedule=schedule, sink=sink)
+        runtime = Runtime(fn, params, schedule=schedule, sink=sink, remat=rematerialise)
         with guarded(params.group, "value_and_grad", timeout):
             loss = lean_pass(runtime, params, buffers, batch, loss_fn)
             masks = _all_ranks(sink.received_masks(), params)
@@ -127,12 +135,13 @@ def _composable(
     fn: Functional,
     loss_fn: LossFn,
     schedule: Schedule,
+    remat: Remat | None,
     params: Sharded,
     buffers: Mapping[str, torch.Tensor],
     batch: Any,
 ) -> tuple[torch.Tensor, Sharded]:
     def objective(shards: dict[str, torch.Tensor]) -> torch.Tensor:
-        runtime = Runtime(fn, params.replace(shards), schedule=schedule, composable=True)
+        runtime = Runtime(fn, params.replace(shards), schedule=schedule, composable=True, remat=remat)
         return checked_loss(loss_fn(functools.partial(runtime.run, buffers), batch))
 
     grads, loss = grad_and_value(objective)(params.shards)

@@ -556,7 +556,27 @@ def _routed_checkpoint(
         function = function.func
     modules = _modules_in(function) + [m for x in (*args, *kwargs.values()) for m in _modules_in(x)]
     modules = list({id(m): m for m in modules}.values())
+    for handler in reversed(_region_handlers):
+        out = handler(function, modules, args, kwargs)
+        if out is not NotImplemented:
+            return out
     return _remat_with_state(function, modules, save_nothing, name)(*args, **kwargs)
+
+
+RegionHandler = Callable[[Callable[..., Any], list[nn.Module], tuple[Any, ...], dict[str, Any]], Any]
+_region_handlers: list[RegionHandler] = []
+
+
+@contextlib.contextmanager
+def handling_regions(handler: RegionHandler) -> Iterator[None]:
+    """For the block, a routed checkpoint region is first offered to ``handler(function,
+    modules, args, kwargs)``; it returns the region's result, or ``NotImplemented`` to
+    leave the region to ``remat``. (fsdp_fn's runtime takes regions that are units.)"""
+    _region_handlers.append(handler)
+    try:
+        yield
+    finally:
+        _region_handlers.remove(handler)
 
 
 class _RoutedCheckpointFunction:

@@ -20,8 +20,9 @@ from fsdp_fn._grad import LossFn, lean_pass
 from fsdp_fn._guard import Guard, guarded
 from fsdp_fn._memory import label
 from fsdp_fn._optim import Optimizer
-from fsdp_fn._plan import Plan, unit_label
+from fsdp_fn._plan import Plan, Policy, unit_label
 from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedule
+from fsdp_fn._remat import Remat
 from fsdp_fn._shard import Layout, Sharded, ensure_live
 from fsdp_fn._tree import NAMESPACE, tree_leaves, tree_map
 
@@ -67,6 +68,12 @@ class TrainStep:
     across ranks after each step: ``"broadcast"`` from rank 0 as DDP does, ``"mean"``, or
     ``None``.
 
+    Activations: ``remat`` rematerialises units (``True``: every non-root unit; a unit
+    policy with the auto-wrap signature; or a ``Remat`` with a saving policy and
+    ``every``): their forward keeps only their inputs (and what the saving policy names),
+    and their backward recomputes them inside the unit's one gather, so no collective is
+    added. ``torch.utils.checkpoint.checkpoint`` calls in the model are routed the same way.
+
     Reliability: no step hangs silently. Waits on collectives notice a rank that raised
     (its error is raised here too, naming it), died, or stayed silent past ``timeout``
     seconds (named). Every step checks, inside its metrics all-gather, that all ranks
@@ -97,6 +104,7 @@ class TrainStep:
         skip_nonfinite: bool = False,
         timeout: float = 300.0,
         check_schedule: CheckSchedule = "first",
+        remat: bool | Policy | Remat | None = None,
     ) -> None:
         if not isinstance(fn, Functional):
             raise TypeError(f"train_step wants the Functional from functionalize(module), got {type(fn).__name__}")
@@ -144,6 +152,7 @@ class TrainStep:
             cpu_offload,
         )
         self.update_in_backward = update_in_backward
+        self.remat = Remat.of(remat)
         self.buffer_sync = buffer_sync
         self.accumulation, self.accumulate = accumulation, accumulate
         self.clip_grad_norm, self.skip_nonfinite = clip_grad_norm, skip_nonfinite
@@ -251,7 +260,9 @@ class TrainStep:
         losses = []
         try:
             for mb in micro:
-                runtime = Runtime(self.fn, params, schedule=self.schedule, order_hint=self.unit_order, sink=sink)
+                runtime = Runtime(
+                    self.fn, params, schedule=self.schedule, order_hint=self.unit_order, sink=sink, remat=self.remat
+                )
                 losses.append(lean_pass(runtime, params, buffers, mb, self.loss_fn))
                 self.unit_order = runtime.order
             if deferred is not None:  # accumulate="full": one reduce-scatter per unit, now

@@ -132,8 +132,12 @@ def _run(group, names, step_kw, split_root=False):
     state = step.init(ff.shard(fn.params, plan, group))
     batches = _batches(world)
     norms = []
+    micro = step_kw.get("accumulation", 1)
     for b in batches:
-        state, metrics = step(state, tuple(t.chunk(world)[rank] for t in b))
+        local = tuple(t.chunk(world)[rank] for t in b)
+        if micro > 1:  # the same examples as micro-batches
+            local = [tuple(t.chunk(micro)[i] for t in local) for i in range(micro)]
+        state, metrics = step(state, local)
         norms.append(metrics["grad_norm"].item())
     full = ff.unshard(state.params)
     ref_norms, ref_params = _reference(model, make_loss(names), batches, 0.05)
@@ -162,8 +166,15 @@ def test_issue_example_no_grad_metric_keeps_the_gradients(pool, world):
 
 @pytest.mark.parametrize(
     "step_kw",
-    [{}, {"update_in_backward": True}, {"reshard_after_forward": False}, {"accumulation": 1, "clip_grad_norm": 1e9}],
-    ids=["default", "update_in_backward", "keep_gathered", "clip"],
+    [
+        {},
+        {"update_in_backward": True},
+        {"reshard_after_forward": False},
+        {"clip_grad_norm": 1e9},
+        {"accumulation": 2},
+        {"accumulation": 2, "accumulate": "full"},
+    ],
+    ids=["default", "update_in_backward", "keep_gathered", "clip", "accumulate_sharded", "accumulate_full"],
 )
 def test_units_and_parameters_without_gradient_are_not_stepped(pool, step_kw):
     """Unused parameters, a skipped block, an unused head: skipped per parameter, in every mode."""
@@ -400,3 +411,25 @@ def _plain_backward(group):
 def test_plain_backward_through_apply_sharded(pool):
     for world in (1, 2, 3):
         assert max(pool.run(_plain_backward, world=world)) < 1e-6
+
+
+def _evaluation_forward_gathers(group):
+    """A no-grad call gathers each unit once, in forward only; backward never refills it."""
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = Net()
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([Block]))
+    counts = []
+    for names in (["plain"], ["nograd_extra", "plain"]):
+        step = ff.train_step(fn, make_loss(names), ff.adamw())
+        state = step.init(ff.shard(fn.params, plan, group))
+        with ff.comm_log() as log:
+            step(state, tuple(t.chunk(world)[rank] for t in _batches(world, 1)[0]))
+        counts.append(sum(1 for c in log.records if c.op == "all_gather" and c.unit is not None))
+    return counts, len(plan.units)
+
+
+def test_an_evaluation_forward_gathers_each_unit_once(pool):
+    for (plain, with_eval), units in pool.run(_evaluation_forward_gathers, world=2):
+        assert with_eval == plain + units  # one all-gather per unit for the no-grad call, none in backward

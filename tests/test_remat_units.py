@@ -1,0 +1,234 @@
+"""Rematerialised units inside the ZeRO-3 lifecycle: exact gradients, no extra collective,
+less memory, every feature, and models that call torch.utils.checkpoint themselves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fsdp_fn as ff
+from examples.gpt import GPT, Block, GPTConfig, lm_loss
+from tests.helpers import local_part
+
+CFG = GPTConfig(vocab=40, seq=12, d_model=16, n_layers=3, n_heads=2)
+
+
+class DropBlock(nn.Module):
+    """A block with dropout: the recomputation must draw the same mask."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc, self.ln = nn.Linear(d, d), nn.LayerNorm(d)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.tanh(self.fc(self.ln(x))))
+
+
+class DropNet(nn.Module):
+    def __init__(self, d: int = 10, checkpoint: str | None = None) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, d)
+        self.blocks = nn.ModuleList(DropBlock(d) for _ in range(3))
+        self.out = nn.Linear(d, 2)
+        self.checkpoint = checkpoint  # None, "reentrant" or "non_reentrant": the model checkpoints its blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for b in self.blocks:
+            if self.checkpoint is None:
+                x = b(x)
+            else:
+                x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=self.checkpoint == "reentrant")
+        return self.out(x)
+
+
+def _mse(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def _grads(group, remat, checkpoint=None, seed=3):
+    """(loss, unsharded gradient) of one value_and_grad pass, with the RNG seeded alike."""
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = DropNet(checkpoint=checkpoint)
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([DropBlock])), group)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8 * world, 5, generator=g), torch.randn(8 * world, 2, generator=g)
+    batch = (x.chunk(world)[rank], y.chunk(world)[rank])
+    torch.manual_seed(seed + rank)  # the dropout masks
+    with ff.comm_log() as log:
+        loss, grads = ff.value_and_grad(fn, _mse, remat=remat)(params, fn.buffers, batch)
+    return loss, {u: grads[u].clone() for u in grads}, [(c.op, c.unit, c.numel) for c in log.records]
+
+
+REMATS = {
+    "full": lambda: True,
+    "save_dots": lambda: ff.Remat(policy=ff.save_dots),
+    "every_2": lambda: ff.Remat(every=2),
+    "policy": lambda: ff.layer_policy([DropBlock]),
+    "none": lambda: None,
+}
+
+
+def _compare(group, remat, checkpoint=None):
+    remat = REMATS[remat]()
+    loss0, plain, log0 = _grads(group, None)
+    loss1, again, log1 = _grads(group, remat, checkpoint)
+    worst = max((plain[u] - again[u]).abs().max().item() for u in plain)
+    return loss0.item() == loss1.item(), worst, log0 == log1
+
+
+@pytest.mark.parametrize("remat", ["full", "save_dots", "every_2", "policy"])
+def test_remat_gradients_are_bitwise_at_one_rank_and_add_no_collective(pool, remat):
+    (same_loss, worst, same_log) = pool.run(_compare, remat, world=1)[0]
+    assert same_loss
+    assert worst == 0.0  # bitwise: the dropout masks were replayed
+    for same_loss, worst, same_log in pool.run(_compare, remat, world=3):
+        assert same_loss
+        assert worst <= 1e-6
+        assert same_log  # the same collectives, in the same order: remat adds none
+
+
+@pytest.mark.parametrize("checkpoint", ["reentrant", "non_reentrant"])
+def test_models_calling_torch_checkpoint_train_with_the_same_gradients(pool, checkpoint):
+    for same_loss, worst, same_log in pool.run(_compare, "none", checkpoint, world=2):
+        assert same_loss
+        assert worst <= 1e-6
+        assert same_log  # routed to the unit's own remat: gathered once in backward
+
+
+def _gpt_step_memory(group, remat):
+    remat = REMATS[remat]()
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=64, d_model=32, n_layers=4, n_heads=2)
+    model = GPT(cfg)
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([Block]))
+    step = ff.train_step(fn, lm_loss, ff.adamw(), remat=remat)
+    state = step.init(ff.shard(fn.params, plan, group))
+    tokens = torch.randint(0, cfg.vocab, (8 * world, cfg.seq + 1), generator=torch.Generator().manual_seed(0))
+    batch = local_part(tokens, rank, world)
+    state, _ = step(state, batch)
+    with ff.MemoryMeter() as meter:
+        meter.tag(state, "state")
+        state, metrics = step(state, batch)
+    return meter.category_peaks()["activations"], metrics["loss"].item(), ff.unshard(state.params)
+
+
+def test_remat_lowers_activation_memory_with_the_same_training(pool):
+    plain = pool.run(_gpt_step_memory, "none", world=2)
+    full = pool.run(_gpt_step_memory, "full", world=2)
+    dots = pool.run(_gpt_step_memory, "save_dots", world=2)
+    for (a0, l0, p0), (a1, l1, p1), (a2, l2, p2) in zip(plain, full, dots):
+        assert a1 < 0.6 * a0, (a0, a1)  # measured: full remat keeps well under half the activations
+        assert a1 <= a2 <= a0, (a0, a1, a2)  # selective sits between
+        assert abs(l0 - l1) <= 1e-6 * abs(l0) and abs(l0 - l2) <= 1e-6 * abs(l0)
+        assert all((p0[k] - p1[k]).abs().max().item() <= 1e-6 for k in p0)
+        assert all((p0[k] - p2[k]).abs().max().item() <= 1e-6 for k in p0)
+
+
+FEATURES = {
+    "bf16": {"step_kw": {"mixed_precision": ff.MixedPrecision(torch.bfloat16, torch.float32)}},
+    "accumulation": {"micro": 2},
+    "update_in_backward": {"step_kw": {"update_in_backward": True}},
+    "offload": {"step_kw": {"cpu_offload": ff.CPUOffload(device="cpu")}},
+    "frozen": {"freeze": ("blocks.0.", "ln1")},
+    "tied_split_root": {"model_kw": {"tie": True}, "plan_kw": {"split_root": True}},
+    "hybrid": {"hsdp": True},
+}
+
+
+def _with_and_without(group, feature):
+    from tests.test_features import _train_with
+
+    kw = dict(FEATURES[feature])
+    without = _train_with(group, **kw)
+    kw["step_kw"] = {**kw.get("step_kw", {}), "remat": True}
+    with_remat = _train_with(group, **kw)
+    if group.rank() != 0:
+        return None
+    return {k: (without[k], with_remat[k]) for k in ("loss", "grad_norm", "param")}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_remat_composes_with_every_feature(pool, feature):
+    figures = pool.run(_with_and_without, feature, world=4 if feature == "hybrid" else 2)[0]
+    for name, (without, with_remat) in figures.items():
+        # the same distance from the unsharded reference, with and without remat
+        assert abs(with_remat - without) <= 1e-6 + 1e-3 * abs(without), (name, without, with_remat)
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.own = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.own(x))
+
+
+def _nested(group):
+    torch.manual_seed(0)
+    model = nn.Sequential(Outer(), nn.Linear(4, 1))
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, lambda m, recurse, n, **kw: recurse or isinstance(m, Outer) or m is model[0].inner)
+    step = ff.train_step(fn, _mse, ff.sgd(), remat=ff.layer_policy([Outer]))
+    try:
+        step(step.init(ff.shard(fn.params, plan, group)), (torch.randn(2, 4), torch.randn(2, 1)))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_unit_with_units_inside_is_refused_by_name(pool):
+    (message,) = pool.run(_nested, world=1)
+    assert "unit '0' cannot be rematerialised: it reads parameter '0.inner.weight' of unit '0.inner'" in message
+    assert "rematerialise the units inside it instead" in message
+
+
+def _llama(group, checkpointing):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    model = LlamaForCausalLM(config)
+    model.train()
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([LlamaDecoderLayer]))
+    step = ff.train_step(fn, lambda m, ids: m(input_ids=ids, labels=ids).loss, ff.adamw(lr=1e-2))
+    state = step.init(ff.shard(fn.params, plan, group))
+    tokens = torch.randint(0, 64, (4 * world, 16), generator=torch.Generator().manual_seed(0))
+    losses = []
+    with ff.comm_log() as log:
+        for _ in range(2):
+            state, metrics = step(state, local_part(tokens, rank, world))
+            losses.append(metrics["loss"].item())
+    return losses, ff.unshard(state.params), len(log.records)
+
+
+def test_hugging_face_gradient_checkpointing_trains_like_without(pool):
+    plain = pool.run(_llama, False, world=2)
+    checkpointed = pool.run(_llama, True, world=2)
+    for (l0, p0, n0), (l1, p1, n1) in zip(plain, checkpointed):
+        assert all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(l0, l1)), (l0, l1)
+        assert max((p0[k] - p1[k]).abs().max().item() for k in p0) <= 1e-6
+        assert n0 == n1  # no collective added by the recomputation
