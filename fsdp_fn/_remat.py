@@ -200,8 +200,9 @@ class _Call:
             leaves[i] = t
         args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
         out_leaves, out_spec = torch_pytree.tree_flatten(self.fn(*args, **kwargs))
-        if self.out_spec is None:
-            self.out_spec, self.out_constants = out_spec, out_leaves
+        if self.out_spec is None:  # the layout only: holding the outputs would keep them alive
+            self.out_spec = out_spec
+            self.out_constants = [_TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]
             self.out_slots = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
         return [out_leaves[i] for i in self.out_slots]
 
