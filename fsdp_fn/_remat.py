@@ -200,8 +200,9 @@ class _Call:
             leaves[i] = t
         args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
         out_leaves, out_spec = torch_pytree.tree_flatten(self.fn(*args, **kwargs))
-        if self.out_spec is None:
-            self.out_spec, self.out_constants = out_spec, out_leaves
+        if self.out_spec is None:  # the layout only: holding the outputs would keep them alive
+            self.out_spec = out_spec
+            self.out_constants = [_TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]
             self.out_slots = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
         return [out_leaves[i] for i in self.out_slots]
 
@@ -322,6 +323,12 @@ def remat(fn: Callable[..., Any], policy: SavePolicy = save_nothing) -> Callable
     ``torch.func`` transform: ``grad``, ``grad_and_value``, ``vjp``, ``jacrev``, ``vmap``
     (vmap's rule is generated from the forward), ``jvp`` and ``jacfwd`` (forward mode
     pushes the tangents through ``fn`` once more: it keeps nothing for later anyway).
+
+    ``fn`` runs twice, differently: in the forward with autograd off and on unwrapped
+    tensors (``torch.is_grad_enabled()`` is False), in the backward under
+    ``torch.func.vjp``. Bookkeeping that only happens with grad enabled (marking which
+    parameters a backward reaches, registering hooks on outputs) happens in the
+    recomputation; side effects (buffer updates, counters) happen twice.
 
     >>> import torch
     >>> f = remat(lambda x: torch.tanh(x).sum())

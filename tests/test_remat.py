@@ -197,6 +197,20 @@ class _Refill(torch.autograd.Function):
         return None, grad
 
 
+def test_outputs_not_kept_alive_by_the_region() -> None:
+    """The region holds its inputs, never its outputs: while the graph lives (the loss is
+    alive), an output its consumer does not save is freed (a rematerialised output head's logits)."""
+    x = torch.randn(1000, requires_grad=True)
+    out = ff.remat(lambda x: (x * 2.0, x.sum()))(x)[0]
+    alive = torch.utils.weak.WeakTensorKeyDictionary()
+    alive[out] = True
+    loss = out.sum()  # sum saves nothing
+    del out
+    assert len(alive) == 0
+    loss.backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))  # type: ignore[arg-type]
+
+
 def test_input_storage_freed_after_forward_and_refilled_before_backward() -> None:
     """How fsdp_fn's unit runtime uses remat: the gathered flat buffer is freed after the
     region's forward and refilled before its backward; gradients stay exact."""
