@@ -253,8 +253,12 @@ class TrainStep:
         self._check_next = self.check_schedule == "always"
         guard = Guard(state.params.group, self.calls, timeout=self.timeout, check=check)
         with guard.active():
+            # This rank's own input first: a rank that rejects it reports before any rank waits on it.
+            micro = self._micro_batches(batch)
+            for mb in micro:
+                _check_not_empty(mb, guard.rank)
             guard.enter(rendezvous=check)
-            new, metrics = self._step(state, batch, guard)
+            new, metrics = self._step(state, micro, guard)
         if self.donate:
             _consume(
                 (state.params, state.opt_state),
@@ -263,12 +267,11 @@ class TrainStep:
             )
         return new, metrics
 
-    def _step(self, state: TrainState, batch: Any, guard: Guard) -> tuple[TrainState, dict[str, torch.Tensor]]:
+    def _step(
+        self, state: TrainState, micro: Sequence[Any], guard: Guard
+    ) -> tuple[TrainState, dict[str, torch.Tensor]]:
         params, opt_state, buffers = state.params, state.opt_state, state.buffers
         layout, plan = params.layout, params.plan
-        micro = self._micro_batches(batch)
-        for mb in micro:
-            _check_not_empty(mb, guard.rank)
         # A skipped step must leave everything as it was, buffers the forward moves included.
         saved_buffers = {k: b.clone() for k, b in buffers.items()} if self._may_skip else None
         if not self.donate:  # the forward moves buffers in place too: copy them with the rest
