@@ -12,7 +12,7 @@ root=$(git rev-parse --show-toplevel)
 work=${MUTATE_DIR:-${TMPDIR:-/tmp}/fsdp_fn-mutate}
 bin="$root/.venv/bin"
 modules=("$@")
-[ ${#modules[@]} -gt 0 ] || modules=(collectives shard plan gather unit runtime sink step optim)
+[ ${#modules[@]} -gt 0 ] || modules=(collectives shard plan gather unit runtime sink prefetch step optim)
 mkdir -p "$root/mutation/results"
 # The sessions (<module>.sqlite) stay in $work across runs; the tree is copied afresh.
 mkdir -p "$work" && find "$work" -mindepth 1 -maxdepth 1 ! -name '*.sqlite' -exec rm -rf {} +
