@@ -214,3 +214,42 @@ def _one_rank_uses_shards_in_place(group):
 def test_one_rank_uses_its_shards_in_place(pool):
     # Catches: a unit gathered into a copy on one rank, where the shard already is the whole unit.
     assert pool.run(_one_rank_uses_shards_in_place, world=1)[0]
+
+
+def _forward_gathered_peak(group, forward_prefetch):
+    """The most gathered bytes during the forward alone (read from inside the loss)."""
+    from examples.gpt import lm_loss
+
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=False)
+    seen, box = {}, {}
+
+    def loss_fn(m, batch):
+        loss = lm_loss(m, batch)
+        if "meter" in box:  # the forward is done: no backward yet
+            seen["forward"] = box["meter"].category_peaks()["gathered"]
+        return loss
+
+    step = ff.train_step(fn, loss_fn, ff.adamw(), forward_prefetch=forward_prefetch, backward_prefetch=None)
+    state = step.init(ff.shard(fn.params, plan, group))
+    tokens = torch.randint(0, CFG.vocab, (2 * world, CFG.seq + 1), generator=torch.Generator().manual_seed(0))
+    state, _ = step(state, local_part(tokens, rank, world))  # the previous step's order guides the prefetch
+    with ff.MemoryMeter() as meter:
+        box["meter"] = meter
+        meter.tag(state, "state")
+        step(state, local_part(tokens, rank, world))
+    root = plan.unit("").gather_bytes(world)
+    block = max(u.gather_bytes(world) for u in plan.units if u.name)
+    return seen["forward"], root, block
+
+
+def test_forward_prefetch_gathers_the_next_unit_while_one_runs(pool):
+    # a prefetch that never starts (a negated in-flight check) keeps one block at a time
+    on = pool.run(_forward_gathered_peak, True, world=2)[0]
+    off = pool.run(_forward_gathered_peak, False, world=2)[0]
+    peak_on, root, block = on
+    assert peak_on == root + 2 * block  # the running block and the next one
+    assert off[0] == root + block  # without forward prefetch: one block at a time
