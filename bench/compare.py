@@ -284,7 +284,7 @@ def _build_torch(kind: str, cfg: Config, group: Any, torchtitan: bool = False, c
         grads = [p.grad for p in wrapped.parameters() if p.grad is not None]
         if kind == "ddp":  # views of DDP's gradient buckets, which outlive zero_grad(set_to_none=True)
             buckets[:] = grads
-        for meter in ff._memory._active:
+        for meter in ff._labels.active:
             meter.tag(grads, "grads")
         _sync(cfg)
         t0 = time.perf_counter()

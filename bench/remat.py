@@ -53,11 +53,12 @@ def _build(system: str, cfg: Config, group: Any) -> tuple[Any, Any]:
         full = GPT(cfg.gpt())
         with torch.device("meta"):
             model = GPT(cfg.gpt())
-        plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=levers)
+        # Without the levers: make_plan's default (split_root="auto"), as a user gets it.
+        plan = ff.make_plan(model, ff.layer_policy([Block]), **({"split_root": True} if levers else {}))
         params = ff.shard(dict(full.named_parameters()), plan, group)
         buffers = dict(full.named_buffers())
         del full
-        options: dict[str, Any] = {"update_in_backward": levers, "max_inflight": cfg.max_inflight}
+        options: dict[str, Any] = {"update_in_backward": levers}
         if remat is not None:
             options["remat"] = remat
         step = ff.train_step(ff.functionalize(model), lm_loss, ff.adamw(lr=cfg.lr), **options)
@@ -86,7 +87,7 @@ def _build(system: str, cfg: Config, group: Any) -> tuple[Any, Any]:
         opt.zero_grad(set_to_none=True)
         loss = lm_loss(model, batch)
         loss.backward()
-        for meter in ff._memory._active:
+        for meter in ff._labels.active:
             meter.tag([p.grad for p in model.parameters() if p.grad is not None], "grads")
         opt.step()
         out = loss.detach().clone()
