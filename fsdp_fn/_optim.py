@@ -38,8 +38,13 @@ class Optimizer(NamedTuple):
 
     init: Callable[[Sharded], Any]
     update: Callable[[Sharded, Any, Sharded], tuple[Sharded, Any]]
-    elementwise: bool = True  # each unit's update needs that unit's gradient alone (update_in_backward)
     links: tuple[str, ...] = ()  # what it is made of, for messages
+    whole: tuple[str, ...] = ()  # the links that need the whole gradient (its global norm, a sum over calls)
+
+    @property
+    def elementwise(self) -> bool:
+        """Each unit's update needs that unit's gradient alone (so ``update_in_backward`` can run it)."""
+        return not self.whole
 
 
 class AdamWState(NamedTuple):

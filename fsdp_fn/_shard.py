@@ -113,9 +113,6 @@ class Sharded:
     def replace(self, shards: Mapping[str, Any]) -> Sharded:
         return Sharded(shards, self.layout)
 
-    def replace_one(self, unit: str, shard: Any) -> Sharded:
-        return Sharded({**self.shards, unit: shard}, self.layout)
-
     def with_received(self, received: Mapping[str, tuple[bool, ...]] | None) -> Sharded:
         """The same shards, marking which parameters of each unit got a gradient."""
         return Sharded(self.shards, self.layout, received)
@@ -149,11 +146,17 @@ torch_pytree.register_pytree_node(
 )
 
 
+def sharded_in(tree: Any) -> list[Sharded]:
+    """The ``Sharded`` nodes of ``tree`` (a train state, an optimizer state, ...)."""
+    nodes = optree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Sharded), namespace=NAMESPACE)
+    return [node for node in nodes if isinstance(node, Sharded)]
+
+
 def ensure_live(tree: Any, what: str) -> None:
     """Raise if a ``Sharded`` in ``tree`` was donated to a step (its tensors now hold the
     step's result) or left half-updated by a failed step."""
-    for node in optree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Sharded), namespace=NAMESPACE):
-        if isinstance(node, Sharded) and node.consumed is not None:
+    for node in sharded_in(tree):
+        if node.consumed is not None:
             raise RuntimeError(f"{what}: {node.consumed}")
 
 

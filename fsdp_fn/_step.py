@@ -25,7 +25,7 @@ from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedu
 from fsdp_fn._predict import metrics_words
 from fsdp_fn._remat import Remat
 from fsdp_fn._runtime import Runtime
-from fsdp_fn._shard import Layout, Sharded, ensure_live
+from fsdp_fn._shard import Layout, Sharded, ensure_live, sharded_in
 from fsdp_fn._sink import GradSink
 from fsdp_fn._transforms import AccumulateState, ApplyIfFiniteState, ChainState, clip_by_global_norm, global_norm
 from fsdp_fn._tree import NAMESPACE, tree_map
@@ -146,8 +146,7 @@ class TrainStep:
                 "accumulation > 1": accumulation > 1,
             }
             named = [k for k, v in conflicts.items() if v]
-            if not optimizer.elementwise:  # a link that needs the whole gradient (its norm, a sum over calls)
-                named += [n for n in optimizer.links if n.startswith(_WHOLE_GRADIENT)]
+            named += list(optimizer.whole)  # links that need the whole gradient (its norm, a sum over calls)
             if named:
                 raise ValueError(
                     f"update_in_backward steps each unit during backward, before the whole gradient exists; "
@@ -425,9 +424,6 @@ def _first_difference(mine: Mapping[str, tuple[bool, ...]], merged: Mapping[str,
     return "a parameter another rank reached"
 
 
-_WHOLE_GRADIENT = ("clip_by_global_norm", "apply_if_finite", "accumulate")
-
-
 def _skipped_by_chain(opt_state: Any) -> bool:
     """Whether an ``apply_if_finite`` in the optimizer's state left the last update out."""
     if isinstance(opt_state, ApplyIfFiniteState):
@@ -439,9 +435,8 @@ def _skipped_by_chain(opt_state: Any) -> bool:
 
 
 def _consume(tree: Any, why: str) -> None:
-    for node in optree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Sharded), namespace=NAMESPACE):
-        if isinstance(node, Sharded):
-            node.consumed = why
+    for node in sharded_in(tree):
+        node.consumed = why
 
 
 def _fresh(tree: Any) -> Any:

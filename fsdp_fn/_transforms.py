@@ -39,14 +39,19 @@ __all__ = [
 class GradientTransformation(NamedTuple):
     """``init(params) -> state``; ``update(grads, state, params) -> (grads, state)``.
 
-    ``elementwise``: each unit's result depends on that unit's gradient alone, so it can
-    run unit by unit during backward (``update_in_backward``). ``links``: names, for messages.
+    ``links``: names, for messages; ``whole``: the links that need the whole gradient (the
+    others are elementwise: each unit's result depends on that unit's gradient alone, so
+    they can run unit by unit during backward, ``update_in_backward``).
     """
 
     init: Callable[[Sharded], Any]
     update: Callable[[Sharded, Any, Sharded], tuple[Sharded, Any]]
-    elementwise: bool = True
     links: tuple[str, ...] = ()
+    whole: tuple[str, ...] = ()
+
+    @property
+    def elementwise(self) -> bool:
+        return not self.whole
 
 
 def _received_units(grads: Sharded) -> list[str]:
@@ -93,7 +98,8 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             grads[u].mul_(coef.to(grads[u].device))
         return grads, state
 
-    return GradientTransformation(init, update, elementwise=False, links=(f"clip_by_global_norm({max_norm:g})",))
+    name = f"clip_by_global_norm({max_norm:g})"
+    return GradientTransformation(init, update, links=(name,), whole=(name,))
 
 
 class ChainState(NamedTuple):
@@ -127,7 +133,8 @@ def chain(*links: GradientTransformation | Optimizer) -> Optimizer:
         return params, ChainState(tuple(states))
 
     names = tuple(n for link in links for n in link.links)
-    return Optimizer(init, update, elementwise=all(link.elementwise for link in links), links=names)
+    whole = tuple(n for link in links for n in link.whole)
+    return Optimizer(init, update, links=names, whole=whole)
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -153,7 +160,7 @@ def apply_if_finite(inner: Optimizer) -> Optimizer:
         params, inner_state = inner.update(grads, state.inner, params)
         return params, ApplyIfFiniteState(inner_state, True, 0, state.total_notfinite)
 
-    return Optimizer(init, update, elementwise=False, links=("apply_if_finite", *inner.links))
+    return Optimizer(init, update, links=("apply_if_finite", *inner.links), whole=("apply_if_finite", *inner.whole))
 
 
 class AccumulateState(NamedTuple):
@@ -194,4 +201,5 @@ def accumulate(every: int, inner: Optimizer) -> Optimizer:
             g.zero_()
         return params, AccumulateState(inner_state, 0, state.summed, {})
 
-    return Optimizer(init, update, elementwise=False, links=(f"accumulate({every})", *inner.links))
+    name = f"accumulate({every})"
+    return Optimizer(init, update, links=(name, *inner.links), whole=(name, *inner.whole))
