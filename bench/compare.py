@@ -194,7 +194,8 @@ def _device(cfg: Config) -> torch.device:
 
 
 def _build_fsdp_fn(cfg: Config, group: Any, **options: Any) -> Built:
-    """fsdp_fn: ``split_root`` goes to ``make_plan`` (its default where absent), the rest to ``train_step``."""
+    """fsdp_fn: ``split_root`` goes to ``make_plan`` (its default where absent), ``remat`` to
+    ``train_step``, the rest are ``Schedule`` fields."""
     device = _device(cfg)
     torch.manual_seed(0)
     # The same initial weights as the other systems; the module itself lives on meta, so
@@ -207,7 +208,9 @@ def _build_fsdp_fn(cfg: Config, group: Any, **options: Any) -> Built:
     params = ff.shard(dict(full.named_parameters()), plan, group)
     buffers = dict(full.named_buffers())
     del full
-    train = ff.train_step(ff.functionalize(model), lm_loss, ff.adamw(lr=cfg.lr), **options)
+    remat = options.pop("remat", None)
+    schedule = ff.Schedule(**options)
+    train = ff.train_step(ff.functionalize(model), lm_loss, ff.adamw(lr=cfg.lr), schedule=schedule, remat=remat)
     holder = {"state": train.init(params, buffers)}
 
     def step(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:

@@ -33,7 +33,7 @@ def measure(group: Any, cfg: GPTConfig, batch: int, split_root: bool, update_in_
     plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=split_root)
     params, buffers = ff.init_shards(model, plan, group)
     fn = ff.functionalize(model)
-    step = ff.train_step(fn, lm_loss, ff.adamw(), update_in_backward=update_in_backward)
+    step = ff.train_step(fn, lm_loss, ff.adamw(), schedule=ff.Schedule(update_in_backward=update_in_backward))
     state = step.init(params, buffers)
     text = stdlib_text()
     state, _ = step(state, token_batches(text, batch, cfg.seq, seed=rank))

@@ -58,10 +58,8 @@ def _build(system: str, cfg: Config, group: Any) -> tuple[Any, Any]:
         params = ff.shard(dict(full.named_parameters()), plan, group)
         buffers = dict(full.named_buffers())
         del full
-        options: dict[str, Any] = {"update_in_backward": levers}
-        if remat is not None:
-            options["remat"] = remat
-        step = ff.train_step(ff.functionalize(model), lm_loss, ff.adamw(lr=cfg.lr), **options)
+        schedule = ff.Schedule(update_in_backward=levers)
+        step = ff.train_step(ff.functionalize(model), lm_loss, ff.adamw(lr=cfg.lr), schedule=schedule, remat=remat)
         holder = {"state": step.init(params, buffers)}
 
         def run(batch: torch.Tensor) -> torch.Tensor:

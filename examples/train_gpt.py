@@ -55,7 +55,8 @@ def main() -> None:
     fn = ff.functionalize(model)
     plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=True)
     params, buffers = ff.init_shards(model, plan, seed=args.seed)
-    step = ff.train_step(fn, lm_loss, ff.adamw(lr=args.lr, weight_decay=0.1), update_in_backward=True)
+    in_backward = ff.Schedule(update_in_backward=True)  # each unit steps as soon as its gradient shard exists
+    step = ff.train_step(fn, lm_loss, ff.adamw(lr=args.lr, weight_decay=0.1), schedule=in_backward)
     state = step.init(params, buffers)
     manager = ckpt.CheckpointManager(args.ckpt_dir, keep=args.keep)
     resumed = manager.restore(state) if args.resume else None

@@ -110,7 +110,28 @@ class CPUOffload:
 
 @dataclass(frozen=True)
 class Schedule:
-    """When, in what dtype and where units are gathered: a value, the same on every rank."""
+    """When things happen in a step, as one value, the same on every rank: when and in
+    what dtype units are gathered and where they live, when gradients are reduce-scattered
+    and when the optimizer runs.
+
+    Gathers: ``reshard_after_forward=False`` keeps each unit gathered from its forward to
+    its backward (one all-gather less per unit, more memory: ZeRO-2 / ``SHARD_GRAD_OP``).
+    ``backward_prefetch`` (``BACKWARD_PRE``, ``BACKWARD_POST``, ``None``) and
+    ``forward_prefetch`` issue the next unit's all-gather early, overlapping it with
+    compute; ``max_inflight`` caps the non-root units gathered at once (prefetch included).
+    ``mixed_precision`` (``MixedPrecision``) and ``cpu_offload`` (``CPUOffload``).
+
+    Updates: ``update_in_backward=True`` steps each unit's optimizer as soon as its
+    gradient shard is reduce-scattered, so the gradient shards of all units never live at
+    once (the optimizer must then be elementwise: no link that needs the whole gradient).
+
+    Micro-batches: ``micro_batches=N`` makes a step's batch a sequence of N micro-batches
+    whose gradients are averaged. ``reduce_each_micro_batch=True`` reduce-scatters each
+    micro-batch's gradients (memory: gradient shards); ``False`` keeps every unit's full
+    gradient across the micro-batches and reduce-scatters once (torch's ``no_sync``: a
+    full gradient per unit, one reduce-scatter per unit per step). To accumulate over
+    calls instead, chain ``accumulate(k, optimizer)``.
+    """
 
     reshard_after_forward: bool = True
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
@@ -118,9 +139,12 @@ class Schedule:
     max_inflight: int = 2  # non-root units gathered at once, prefetches included
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
     cpu_offload: CPUOffload | None = None
+    update_in_backward: bool = False
+    micro_batches: int = 1
+    reduce_each_micro_batch: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_inflight, int) or self.max_inflight < 1:
+        if isinstance(self.max_inflight, bool) or not isinstance(self.max_inflight, int) or self.max_inflight < 1:
             raise ValueError(f"max_inflight must be at least 1 (the unit that runs), got {self.max_inflight!r}")
         if self.backward_prefetch is not None and not isinstance(self.backward_prefetch, BackwardPrefetch):
             raise TypeError(f"backward_prefetch must be a BackwardPrefetch or None, got {self.backward_prefetch!r}")
@@ -130,6 +154,14 @@ class Schedule:
             if not isinstance(self.cpu_offload, CPUOffload):
                 raise TypeError(f"cpu_offload must be a CPUOffload or None, got {type(self.cpu_offload).__name__}")
             self.cpu_offload.compute_device()  # fails now, naming the device, if it does not exist
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be a whole number >= 1, got {self.micro_batches!r}")
+        if self.update_in_backward and self.micro_batches > 1:
+            raise ValueError(
+                f"Schedule(update_in_backward=True, micro_batches={self.micro_batches}): updating each unit during "
+                "backward would step it once per micro-batch; give it one batch per step (micro_batches=1), or "
+                "leave update_in_backward off"
+            )
 
     def gather_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.mixed_precision.gathered(dtype)

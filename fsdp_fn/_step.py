@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -21,7 +20,7 @@ from fsdp_fn._labels import label
 from fsdp_fn._norms import square_norm
 from fsdp_fn._optim import Optimizer
 from fsdp_fn._plan import Plan, Policy, unit_label
-from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedule
+from fsdp_fn._policy import Schedule
 from fsdp_fn._predict import metrics_words
 from fsdp_fn._remat import Remat
 from fsdp_fn._runtime import Runtime
@@ -31,7 +30,6 @@ from fsdp_fn._transforms import AccumulateState, ApplyIfFiniteState, ChainState,
 from fsdp_fn._tree import NAMESPACE, tree_map
 
 BufferSync = Literal["broadcast", "mean"] | None
-Accumulate = Literal["sharded", "full"]
 CheckSchedule = Literal["first", "always", "never"]
 
 
@@ -54,27 +52,15 @@ class TrainStep:
     batch's mean loss. ``donate=True`` updates shards and optimizer state in place (the
     returned state reuses the input's tensors); ``False`` leaves the input state intact.
 
-    ``schedule`` (a ``Schedule``) is the gather policy as one value: resharding after
-    forward, prefetch, in-flight limit, mixed precision and offload; the separate options
-    below build the same value.
-
-    Memory and overlap: ``reshard_after_forward=False`` keeps each unit gathered from its
-    forward to its backward (one all-gather less per unit, more memory: ZeRO-2 /
-    ``SHARD_GRAD_OP``). ``update_in_backward=True`` steps each unit's optimizer as soon as
-    its gradient shard is reduce-scattered, so the gradient shards of all units never live
-    at once. ``backward_prefetch`` (``BACKWARD_PRE``, ``BACKWARD_POST``, ``None``) and
-    ``forward_prefetch`` issue the next unit's all-gather early, overlapping it with
-    compute; ``max_inflight`` caps the non-root units gathered at once (prefetch included).
-
-    Training features: ``mixed_precision`` (``MixedPrecision``), ``cpu_offload``
-    (``CPUOffload``), ``accumulation=N`` micro-batches per step (the batch is then a
-    sequence of N; ``accumulate="sharded"`` reduce-scatters each, ``"full"`` keeps full
-    gradients and reduce-scatters once, like ``no_sync``), ``clip_grad_norm`` (the global
-    norm over all shards, as ``torch.nn.utils.clip_grad_norm_``), ``skip_nonfinite`` (a
-    step whose loss or gradient norm is not finite leaves the state as it was; metrics say
-    ``skipped``). ``buffer_sync`` keeps replicated buffers (BatchNorm statistics) equal
-    across ranks after each step: ``"broadcast"`` from rank 0 as DDP does, ``"mean"``, or
-    ``None``.
+    ``schedule`` (a ``Schedule``) says when things happen, as one value: resharding after
+    forward, prefetch, the in-flight limit, mixed precision, CPU offload, updating each
+    unit during backward, and micro-batches (with ``micro_batches=N`` the batch is a
+    sequence of N). Gradient transformations are links of the optimizer's chain:
+    ``chain(clip_by_global_norm(1.0), adamw())``, ``apply_if_finite(...)`` (a skipped step
+    leaves the state as it was, buffers included; metrics say ``skipped``),
+    ``accumulate(k, ...)``. ``buffer_sync`` keeps replicated buffers (BatchNorm statistics)
+    equal across ranks after each step: ``"broadcast"`` from rank 0 as DDP does,
+    ``"mean"``, or ``None``.
 
     Activations: ``remat`` rematerialises units (``True``: every non-root unit; a unit
     policy with the auto-wrap signature; or a ``Remat`` with a saving policy and
@@ -97,23 +83,12 @@ class TrainStep:
         loss_fn: LossFn,
         optimizer: Optimizer,
         *,
+        schedule: Schedule | None = None,
+        remat: bool | Policy | Remat | None = None,
         donate: bool = True,
-        reshard_after_forward: bool = True,
-        update_in_backward: bool = False,
-        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
-        forward_prefetch: bool = True,
-        max_inflight: int = 2,
-        buffer_sync: BufferSync = "broadcast",
-        mixed_precision: MixedPrecision | None = None,
-        cpu_offload: CPUOffload | None = None,
-        accumulation: int = 1,
-        accumulate: Accumulate = "sharded",
-        clip_grad_norm: float | None = None,
-        skip_nonfinite: bool = False,
         timeout: float = 300.0,
         check_schedule: CheckSchedule = "first",
-        remat: bool | Policy | Remat | None = None,
-        schedule: Schedule | None = None,
+        buffer_sync: BufferSync = "broadcast",
     ) -> None:
         if not isinstance(fn, Functional):
             raise TypeError(f"train_step wants the Functional from functionalize(module), got {type(fn).__name__}")
@@ -124,63 +99,29 @@ class TrainStep:
                 "optimizer must be an fsdp_fn Optimizer (adamw(), sgd(), from_torch(opt)), "
                 f"got {type(optimizer).__name__}"
             )
-        if not isinstance(accumulation, int) or accumulation < 1:
-            raise ValueError(f"accumulation must be a whole number of micro-batches >= 1, got {accumulation!r}")
-        if accumulate not in ("sharded", "full"):
-            raise ValueError(
-                f"accumulate must be 'sharded' (reduce-scatter each micro-batch) or 'full', got {accumulate!r}"
-            )
-        if clip_grad_norm is not None and not (clip_grad_norm > 0 and math.isfinite(clip_grad_norm)):
-            raise ValueError(f"clip_grad_norm must be a positive finite number, got {clip_grad_norm!r}")
+        schedule = Schedule() if schedule is None else schedule
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
         if not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if check_schedule not in ("first", "always", "never"):
             raise ValueError(f"check_schedule must be 'first', 'always' or 'never', got {check_schedule!r}")
         if buffer_sync not in ("broadcast", "mean", None):
             raise ValueError(f"buffer_sync must be 'broadcast', 'mean' or None, got {buffer_sync!r}")
-        if update_in_backward:
-            conflicts = {
-                "donate=False": not donate,
-                "clip_grad_norm": clip_grad_norm is not None,
-                "skip_nonfinite": skip_nonfinite,
-                "accumulation > 1": accumulation > 1,
-            }
-            named = [k for k, v in conflicts.items() if v]
-            named += list(optimizer.whole)  # links that need the whole gradient (its norm, a sum over calls)
-            if named:
+        if schedule.update_in_backward:
+            whole = ["donate=False"] if not donate else []
+            whole += optimizer.whole  # links that need the whole gradient (its norm, a sum over calls)
+            if whole:
                 raise ValueError(
-                    f"update_in_backward steps each unit during backward, before the whole gradient exists; "
-                    f"it cannot be combined with {', '.join(named)}"
+                    "Schedule(update_in_backward=True) steps each unit during backward, before the whole gradient "
+                    f"exists; it cannot be combined with {', '.join(whole)}"
                 )
-        # The option is this transformation, applied just before the optimizer (the optimizer's
-        # state keeps its own layout; chain(clip_by_global_norm(x), opt) is the same update).
-        self._clip = clip_by_global_norm(clip_grad_norm) if clip_grad_norm is not None else None
         self.fn, self.loss_fn, self.optimizer, self.donate = fn, loss_fn, optimizer, donate
-        # A chain with apply_if_finite may skip a step: buffers the forward moved are restored then.
-        self._may_skip = skip_nonfinite or "apply_if_finite" in optimizer.links
-        separate = Schedule(
-            reshard_after_forward,
-            backward_prefetch,
-            forward_prefetch,
-            max_inflight,
-            mixed_precision or MixedPrecision(),
-            cpu_offload,
-        )
-        if schedule is not None:
-            if not isinstance(schedule, Schedule):
-                raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
-            if separate != Schedule():
-                changed = [f for f in Schedule.__dataclass_fields__ if getattr(separate, f) != getattr(Schedule(), f)]
-                raise ValueError(
-                    f"pass the gather policy either as schedule= or as separate options, not both: {changed} "
-                    "were also given; put them in the Schedule"
-                )
-        self.schedule = schedule if schedule is not None else separate
-        self.update_in_backward = update_in_backward
+        self.schedule = schedule
         self.remat = Remat.of(remat)
         self.buffer_sync = buffer_sync
-        self.accumulation, self.accumulate = accumulation, accumulate
-        self.clip_grad_norm, self.skip_nonfinite = clip_grad_norm, skip_nonfinite
+        # A chain with apply_if_finite may skip a step: buffers the forward moved are restored then.
+        self._may_skip = "apply_if_finite" in optimizer.links
         self.unit_order: list[str] = []  # the order the last step ran the units in: forward prefetch follows it
         self.timeout, self.check_schedule = timeout, check_schedule
         self.calls = 0  # steps attempted: every rank counts the same
@@ -223,10 +164,10 @@ class TrainStep:
         """One step on this rank's part of the global batch.
 
         Memory: shards + units in flight + activations; full gradients exist one unit at a
-        time (with ``update_in_backward`` the gradient shards too; with
-        ``accumulate="full"`` every unit's full gradient lives across the micro-batches).
+        time (with ``update_in_backward`` the gradient shards too; with micro-batches and
+        ``reduce_each_micro_batch=False`` every unit's full gradient lives across them).
         Communication: per unit, an all-gather in forward and in backward and one
-        reduce-scatter (per micro-batch, except with ``accumulate="full"``: once); one
+        reduce-scatter (per micro-batch, or once with ``reduce_each_micro_batch=False``); one
         all-gather of a few numbers per rank (the metrics, the schedule check, which
         parameters got a gradient); with buffers, one broadcast (or all-reduce) of them per
         dtype. If the forward, the loss or the backward raises, ``state`` is untouched
@@ -285,8 +226,11 @@ class TrainStep:
             _, opt_state = self.optimizer.update(only.with_received({unit: received}), opt_state, params)
             stepped.append(unit)
 
-        deferred: dict[str, torch.Tensor] | None = {} if self.accumulation > 1 and self.accumulate == "full" else None
-        sink = GradSink(params, self.schedule, defer=deferred, on_unit=step_unit if self.update_in_backward else None)
+        schedule = self.schedule
+        deferred: dict[str, torch.Tensor] | None = (
+            {} if schedule.micro_batches > 1 and not schedule.reduce_each_micro_batch else None
+        )
+        sink = GradSink(params, schedule, defer=deferred, on_unit=step_unit if schedule.update_in_backward else None)
         losses = []
         try:
             for mb in micro:
@@ -295,12 +239,12 @@ class TrainStep:
                 )
                 losses.append(lean_pass(runtime, params, buffers, mb, self.loss_fn))
                 self.unit_order = runtime.order
-            if deferred is not None:  # accumulate="full": one reduce-scatter per unit, now
+            if deferred is not None:  # reduce_each_micro_batch=False: one reduce-scatter per unit, now
                 sink.reduce_deferred()
             loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
             masks = sink.received_masks()
             skipped = torch.zeros((), dtype=torch.bool)
-            if self.update_in_backward:
+            if schedule.update_in_backward:
                 stats, merged, same = self._global(loss, square_norms.values(), masks, layout, guard, "")
                 if not same:
                     raise DivergenceError(
@@ -319,17 +263,9 @@ class TrainStep:
                     {u: totals[u] if u in totals else torch.zeros_like(params[u]) for u in plan.unit_names}
                 ).with_received(merged)
                 grads.norm = stats[1].sqrt()  # what clip_by_global_norm and apply_if_finite read
-                # Reading the verdict on the host is a sync: only when the guard is asked for.
-                if self.skip_nonfinite and not bool(torch.isfinite(stats).all()):
+                params, opt_state = self.optimizer.update(grads, opt_state, params)
+                if saved_buffers is not None and _skipped_by_chain(opt_state):
                     skipped = torch.ones((), dtype=torch.bool)
-                else:
-                    if self._clip is not None:
-                        grads, _ = self._clip.update(grads, (), params)
-                    params, opt_state = self.optimizer.update(grads, opt_state, params)
-                    if _skipped_by_chain(opt_state):
-                        skipped = torch.ones((), dtype=torch.bool)
-                if bool(skipped):
-                    assert saved_buffers is not None
                     for k, b in buffers.items():
                         b.copy_(saved_buffers[k])
                 del grads, totals
@@ -352,13 +288,13 @@ class TrainStep:
         return new, metrics
 
     def _micro_batches(self, batch: Any) -> Sequence[Any]:
-        if self.accumulation == 1:
+        n = self.schedule.micro_batches
+        if n == 1:
             return [batch]
-        if not isinstance(batch, Sequence) or len(batch) != self.accumulation:
+        if not isinstance(batch, Sequence) or len(batch) != n:
             got = f"{len(batch)} items" if isinstance(batch, Sequence) else type(batch).__name__
             raise ValueError(
-                f"with accumulation={self.accumulation} the batch must be a sequence of that many "
-                f"micro-batches, got {got}"
+                f"with Schedule(micro_batches={n}) the batch must be a sequence of that many micro-batches, got {got}"
             )
         return batch
 

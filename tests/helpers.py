@@ -45,13 +45,14 @@ def make(kind: str, seed: int = 0, **kw: Any) -> tuple[nn.Module, ff.Policy, Cal
     raise ValueError(kind)
 
 
-def gpt_state(group, cfg: GPTConfig, *, split_root: bool = False, **step_kw: Any):
-    """(plan, step, state) for a GPT with one unit per block, trained with AdamW on ``group``."""
+def gpt_state(group, cfg: GPTConfig, *, split_root: bool = False, **schedule: Any):
+    """(plan, step, state) for a GPT with one unit per block, trained with AdamW on ``group``
+    on the ``Schedule`` with these fields."""
     torch.manual_seed(0)
     model = GPT(cfg)
     fn = ff.functionalize(model)
     plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=split_root)
-    step = ff.train_step(fn, lm_loss, ff.adamw(), **step_kw)
+    step = ff.train_step(fn, lm_loss, ff.adamw(), schedule=ff.Schedule(**schedule))
     return plan, step, step.init(ff.shard(fn.params, plan, group))
 
 

@@ -11,13 +11,15 @@ from torch import nn
 import fsdp_fn as ff
 from tests.helpers import MLP, batch_for, local_part, mse_loss, reference_run, rel
 
+IN_BACKWARD = ff.Schedule(update_in_backward=True)
 
-def _setup(group, optimizer, **step_kw):
+
+def _setup(group, optimizer, **schedule):
     torch.manual_seed(0)
     model = MLP()
     fn = ff.functionalize(model)
     plan = ff.make_plan(model, ff.layer_policy([nn.Linear]))
-    step = ff.train_step(fn, mse_loss, optimizer, **step_kw)
+    step = ff.train_step(fn, mse_loss, optimizer, schedule=ff.Schedule(**schedule))
     return model, fn, plan, step, step.init(ff.shard(fn.params, plan, group))
 
 
@@ -132,20 +134,25 @@ def test_update_in_backward_names_the_links_that_need_the_whole_gradient():
     model = MLP()
     fn = ff.functionalize(model)
     with pytest.raises(ValueError, match=r"cannot be combined with clip_by_global_norm\(1\)"):
-        ff.train_step(fn, mse_loss, ff.chain(ff.clip_by_global_norm(1.0), ff.adamw()), update_in_backward=True)
+        ff.train_step(fn, mse_loss, ff.chain(ff.clip_by_global_norm(1.0), ff.adamw()), schedule=IN_BACKWARD)
     with pytest.raises(ValueError, match=r"apply_if_finite, accumulate\(2\)"):
-        ff.train_step(fn, mse_loss, ff.apply_if_finite(ff.accumulate(2, ff.adamw())), update_in_backward=True)
+        ff.train_step(fn, mse_loss, ff.apply_if_finite(ff.accumulate(2, ff.adamw())), schedule=IN_BACKWARD)
+    with pytest.raises(ValueError, match=r"cannot be combined with donate=False$"):
+        ff.train_step(fn, mse_loss, ff.adamw(), schedule=IN_BACKWARD, donate=False)
+    ff.train_step(fn, mse_loss, ff.chain(ff.adamw()), schedule=IN_BACKWARD)  # an elementwise chain is fine
     with pytest.raises(TypeError, match="must end with an optimizer"):
         ff.chain(ff.clip_by_global_norm(1.0))
 
 
-def test_schedule_is_one_value_and_the_options_build_it():
+def test_the_schedule_is_the_one_value_for_when_things_happen():
     torch.manual_seed(0)
     model = MLP()
     fn = ff.functionalize(model)
     mp = ff.MixedPrecision(param_dtype=torch.bfloat16)
-    one = ff.train_step(fn, mse_loss, ff.adamw(), schedule=ff.Schedule(max_inflight=3, mixed_precision=mp))
-    separate = ff.train_step(fn, mse_loss, ff.adamw(), max_inflight=3, mixed_precision=mp)
-    assert one.schedule == separate.schedule
-    with pytest.raises(ValueError, match=r"not both: \['max_inflight'\]"):
-        ff.train_step(fn, mse_loss, ff.adamw(), schedule=ff.Schedule(), max_inflight=3)
+    schedule = ff.Schedule(max_inflight=3, mixed_precision=mp, micro_batches=2)
+    assert ff.train_step(fn, mse_loss, ff.adamw(), schedule=schedule).schedule is schedule
+    assert ff.train_step(fn, mse_loss, ff.adamw()).schedule == ff.Schedule()
+    # The gather policy, clipping and accumulation are not options of the step any more.
+    for removed in ("max_inflight", "mixed_precision", "update_in_backward", "clip_grad_norm", "accumulation"):
+        with pytest.raises(TypeError, match=removed):
+            ff.train_step(fn, mse_loss, ff.adamw(), **{removed: 1})

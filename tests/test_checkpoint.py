@@ -627,8 +627,8 @@ def _chained(group, directory, phase):
     torch.manual_seed(0)
     model = GPT(CFG)
     fn = ff.functionalize(model)
-    opt = ff.accumulate(2, ff.adamw(lr=LR))
-    step = ff.train_step(fn, lm_loss, opt, clip_grad_norm=1.0, skip_nonfinite=True)
+    opt = ff.apply_if_finite(ff.chain(ff.clip_by_global_norm(1.0), ff.accumulate(2, ff.adamw(lr=LR))))
+    step = ff.train_step(fn, lm_loss, opt)
     state = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([Block])), group))
     if phase == "save":
         state, _ = _train(model, step, state, group, 0, 3)  # the third gradient waits in the accumulator

@@ -122,17 +122,23 @@ def _batches(world, steps=3):
 
 
 def _run(group, names, step_kw, split_root=False):
-    """Train sharded with the loss built from ``names``; compare with the reference on every rank."""
+    """Train sharded with the loss built from ``names``; compare with the reference on every rank.
+
+    ``step_kw``: ``Schedule`` fields, and ``clip`` for a chain that clips first."""
     world, rank = group.size(), group.rank()
     torch.manual_seed(0)
     model = Net()
     fn = ff.functionalize(model)
     plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=split_root)
-    step = ff.train_step(fn, make_loss(names), ff.adamw(lr=0.05, weight_decay=0.1), **step_kw)
+    schedule = {k: v for k, v in step_kw.items() if k != "clip"}
+    opt = ff.adamw(lr=0.05, weight_decay=0.1)
+    if "clip" in step_kw:
+        opt = ff.chain(ff.clip_by_global_norm(step_kw["clip"]), opt)
+    step = ff.train_step(fn, make_loss(names), opt, schedule=ff.Schedule(**schedule))
     state = step.init(ff.shard(fn.params, plan, group))
     batches = _batches(world)
     norms = []
-    micro = step_kw.get("accumulation", 1)
+    micro = schedule.get("micro_batches", 1)
     for b in batches:
         local = tuple(t.chunk(world)[rank] for t in b)
         if micro > 1:  # the same examples as micro-batches
@@ -170,9 +176,9 @@ def test_issue_example_no_grad_metric_keeps_the_gradients(pool, world):
         {},
         {"update_in_backward": True},
         {"reshard_after_forward": False},
-        {"clip_grad_norm": 1e9},
-        {"accumulation": 2},
-        {"accumulation": 2, "accumulate": "full"},
+        {"clip": 1e9},
+        {"micro_batches": 2},
+        {"micro_batches": 2, "reduce_each_micro_batch": False},
     ],
     ids=["default", "update_in_backward", "keep_gathered", "clip", "accumulate_sharded", "accumulate_full"],
 )
@@ -283,7 +289,8 @@ def _raise_in_backward(group, update_in_backward):
         return F.mse_loss(m(x, between=_Boom.apply), y)
 
     _ARMED[0] = True
-    step = ff.train_step(fn, loss_fn, ff.adamw(lr=0.05), update_in_backward=update_in_backward)
+    schedule = ff.Schedule(update_in_backward=update_in_backward)
+    step = ff.train_step(fn, loss_fn, ff.adamw(lr=0.05), schedule=schedule)
     state = step.init(ff.shard(fn.params, plan, group))
     batch = tuple(t.chunk(world)[rank] for t in _batches(world, 1)[0])
     try:

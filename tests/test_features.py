@@ -55,10 +55,12 @@ def _train_with(
         target = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     plan = ff.make_plan(model, policy, **plan_kw)
     params = ff.shard(fn.params, plan, target)
+    clip, remat = step_kw.pop("clip", None), step_kw.pop("remat", None)  # the rest are Schedule fields
     if micro > 1:
-        step_kw["accumulation"] = micro
+        step_kw["micro_batches"] = micro
     ours, theirs = OPTIMIZERS[opt]
-    step = ff.train_step(fn, loss_fn, ours(lr), **step_kw)
+    optimizer = ours(lr) if clip is None else ff.chain(ff.clip_by_global_norm(clip), ours(lr))
+    step = ff.train_step(fn, loss_fn, optimizer, schedule=ff.Schedule(**step_kw), remat=remat)
     state = step.init(params)
     losses, norms, logs = [], [], []
     for k in range(STEPS):
@@ -194,7 +196,8 @@ def _offload_placement(group):
     handles = [m.register_forward_pre_hook(lambda m, _: seen.append(m.weight.device.type)) for m in model[::2]]
     fn = ff.functionalize(model)
     params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([torch.nn.Linear])), group)
-    step = ff.train_step(fn, mse_loss, ff.adamw(lr=1e-2), cpu_offload=ff.CPUOffload(device="cuda"))
+    offload = ff.Schedule(cpu_offload=ff.CPUOffload(device="cuda"))
+    step = ff.train_step(fn, mse_loss, ff.adamw(lr=1e-2), schedule=offload)
     state = step.init(params)
     x, y = torch.randn(4, 6, device="cuda"), torch.randn(4, 2, device="cuda")
     state, _ = step(state, (x, y))
@@ -220,13 +223,14 @@ def test_cpu_offload_placement_on_cuda():
 # --- 3. gradient accumulation ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("accumulate", ["sharded", "full"])
+@pytest.mark.parametrize("each", [True, False], ids=["reduce_each", "reduce_once"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_accumulation_equals_one_big_batch(pool, accumulate, world):
-    out = pool.run(_train_with, micro=2, step_kw={"accumulate": accumulate}, log_comm=True, world=world)[0]
+def test_micro_batches_equal_one_big_batch(pool, each, world):
+    step_kw = {"reduce_each_micro_batch": each}
+    out = pool.run(_train_with, micro=2, step_kw=step_kw, log_comm=True, world=world)[0]
     exact(out)
     reduce_scatters = sum(c.op == "reduce_scatter" for c in out["logs"][1])
-    per_step = len(out["plan"].units) * (2 if accumulate == "sharded" else 1)
+    per_step = len(out["plan"].units) * (2 if each else 1)
     assert reduce_scatters == per_step
 
 
@@ -237,7 +241,7 @@ def test_accumulation_equals_one_big_batch(pool, accumulate, world):
 def test_clip_grad_norm_equals_torch(pool, world, clip):
     # Catches: clipping by the local or a doubled norm (0.05 is below every step's norm), and
     # clipping that scales small gradients up (10 is above every step's norm: nothing may change).
-    out = pool.run(_train_with, step_kw={"clip_grad_norm": clip}, ref_kw={"clip": clip}, world=world)[0]
+    out = pool.run(_train_with, step_kw={"clip": clip}, ref_kw={"clip": clip}, world=world)[0]
     exact(out)
     assert all(n > clip for n in out["ref_norms"]) if clip < 1 else all(n < clip for n in out["ref_norms"])
 
@@ -372,9 +376,9 @@ def test_option_combinations(pool, row):
     precision, micro, freeze, clip, offload, split_root, keep_gathered = row
     bf16 = precision == "bf16"
     step_kw = {
-        "mixed_precision": BF16_MP if bf16 else None,
-        "accumulate": micro.removeprefix("2-") if micro != "1" else "sharded",
-        "clip_grad_norm": clip,
+        "mixed_precision": BF16_MP if bf16 else ff.MixedPrecision(),
+        "reduce_each_micro_batch": micro != "2-full",
+        "clip": clip,
         "cpu_offload": ff.CPUOffload(device="cpu") if offload else None,
         "reshard_after_forward": not keep_gathered,
     }
@@ -404,20 +408,25 @@ def test_bad_feature_options():
         ff.MixedPrecision(param_dtype=torch.int32)
     if torch.cuda.device_count() < 4:
         with pytest.raises(ValueError, match="CPUOffload device cuda:3 does not exist here"):
-            ff.train_step(fn, loss_fn, ff.adamw(), cpu_offload=ff.CPUOffload(device="cuda:3"))
-    with pytest.raises(ValueError, match="accumulation must be a whole number of micro-batches >= 1, got 0"):
-        ff.train_step(fn, loss_fn, ff.adamw(), accumulation=0)
-    with pytest.raises(ValueError, match="cannot be combined with clip_grad_norm, accumulation > 1"):
-        ff.train_step(fn, loss_fn, ff.adamw(), update_in_backward=True, clip_grad_norm=1.0, accumulation=2)
-    with pytest.raises(ValueError, match="clip_grad_norm must be a positive finite number"):
-        ff.train_step(fn, loss_fn, ff.adamw(), clip_grad_norm=-1.0)
+            ff.Schedule(cpu_offload=ff.CPUOffload(device="cuda:3"))
+    with pytest.raises(ValueError, match="micro_batches must be a whole number >= 1, got 0"):
+        ff.Schedule(micro_batches=0)
+    with pytest.raises(ValueError, match=r"Schedule\(update_in_backward=True, micro_batches=2\): updating each unit"):
+        ff.Schedule(update_in_backward=True, micro_batches=2)
+    opt = ff.chain(ff.clip_by_global_norm(1.0), ff.accumulate(2, ff.adamw()))
+    with pytest.raises(ValueError, match="cannot be combined with clip_by_global_norm\\(1\\), accumulate\\(2\\)"):
+        ff.train_step(fn, loss_fn, opt, schedule=ff.Schedule(update_in_backward=True))
+    with pytest.raises(ValueError, match="clip_by_global_norm: max_norm must be a positive finite number"):
+        ff.clip_by_global_norm(-1.0)
+    with pytest.raises(TypeError, match="schedule must be a Schedule, got dict"):
+        ff.train_step(fn, loss_fn, ff.adamw(), schedule={"micro_batches": 2})  # type: ignore[arg-type]
 
 
 def _wrong_micro_batches(group):
     model, policy, loss_fn = make("mlp")
     fn = ff.functionalize(model)
     params = ff.shard(fn.params, ff.make_plan(model, policy), group)
-    step = ff.train_step(fn, loss_fn, ff.adamw(), accumulation=3)
+    step = ff.train_step(fn, loss_fn, ff.adamw(), schedule=ff.Schedule(micro_batches=3))
     try:
         step(step.init(params), [batch_for("mlp", model, 0, size=4)] * 2)
     except ValueError as e:  # every rank checks its own input before waiting on the others
@@ -427,7 +436,8 @@ def _wrong_micro_batches(group):
 
 def test_wrong_number_of_micro_batches(pool):
     for msg in pool.run(_wrong_micro_batches, world=2):
-        assert "with accumulation=3 the batch must be a sequence of that many micro-batches, got 2 items" in msg
+        assert "with Schedule(micro_batches=3) the batch must be a sequence of that many micro-batches" in msg
+        assert "got 2 items" in msg
 
 
 def _hsdp_mesh_of_wrong_size(group):

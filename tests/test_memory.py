@@ -233,7 +233,9 @@ def _forward_gathered_peak(group, forward_prefetch):
             seen["forward"] = box["meter"].category_peaks()["gathered"]
         return loss
 
-    step = ff.train_step(fn, loss_fn, ff.adamw(), forward_prefetch=forward_prefetch, backward_prefetch=None)
+    step = ff.train_step(
+        fn, loss_fn, ff.adamw(), schedule=ff.Schedule(forward_prefetch=forward_prefetch, backward_prefetch=None)
+    )
     state = step.init(ff.shard(fn.params, plan, group))
     tokens = torch.randint(0, CFG.vocab, (2 * world, CFG.seq + 1), generator=torch.Generator().manual_seed(0))
     state, _ = step(state, local_part(tokens, rank, world))  # the previous step's order guides the prefetch

@@ -67,7 +67,8 @@ def _train(group, clip: float | None):
     world, rank = group.size(), group.rank()
     fn = ff.functionalize(model)
     plan = ff.make_plan(model, ff.layer_policy([nn.Linear]))
-    step = ff.train_step(fn, mse_loss, ff.sgd(lr=LR), clip_grad_norm=clip)
+    opt = ff.sgd(lr=LR) if clip is None else ff.chain(ff.clip_by_global_norm(clip), ff.sgd(lr=LR))
+    step = ff.train_step(fn, mse_loss, opt)
     state = step.init(ff.shard(fn.params, plan, group))
     batches = [batch_for("mlp", model, k, size=8) for k in range(STEPS)]
     norms = []

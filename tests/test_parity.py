@@ -77,7 +77,7 @@ def _train(group, kind: str, opt_name: str, steps: int = STEPS, step_kw=None, pl
     fn = ff.functionalize(model)
     params = ff.shard(fn.params, ff.make_plan(model, policy, **(plan_kw or {})), group)
     make_ours, make_ref = OPTIMIZERS[opt_name]
-    step = ff.train_step(fn, loss_fn, make_ours(params), **(step_kw or {}))
+    step = ff.train_step(fn, loss_fn, make_ours(params), schedule=ff.Schedule(**(step_kw or {})))
     state = step.init(params)
     losses, norms = [], []
     for k in range(steps):

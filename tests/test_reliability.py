@@ -137,7 +137,7 @@ def _accumulation_differs(group):
     fn = ff.functionalize(model)
     params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([Block])), group)
     micro = 2 if rank == 0 else 1
-    step = ff.train_step(fn, lm_loss, ff.adamw(), accumulation=micro)
+    step = ff.train_step(fn, lm_loss, ff.adamw(), schedule=ff.Schedule(micro_batches=micro))
     tokens = local_part(torch.randint(0, CFG.vocab, (4 * world, CFG.seq + 1)), rank, world)
     batch = [tokens[:2], tokens[2:]] if micro == 2 else tokens
     return _outcome(step, step.init(params), batch)
@@ -261,7 +261,7 @@ def _nan_guard(group):
     model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 1))
     fn = ff.functionalize(model)
     params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group)
-    step = ff.train_step(fn, lambda m, b: m(b[0]).sub(b[1]).square().mean(), ff.adamw(), skip_nonfinite=True)
+    step = ff.train_step(fn, lambda m, b: m(b[0]).sub(b[1]).square().mean(), ff.apply_if_finite(ff.adamw()))
     state = step.init(params)
     x, y = torch.randn(4, 4), torch.randn(4, 1)
     if rank == 1:

@@ -119,5 +119,5 @@ def test_model_strategy(spec):
 
 def test_step_options_without_an_optimizer_are_refused():
     model = fft.ModelSpec((3, 1)).build()
-    with pytest.raises(ValueError, match=r"train_step options \['accumulation'\] need an optimizer"):
-        fft.assert_matches_unsharded(model, _mse, [], accumulation=2)
+    with pytest.raises(ValueError, match=r"train_step options \['remat'\] need an optimizer"):
+        fft.assert_matches_unsharded(model, _mse, [], remat=True)
