@@ -16,7 +16,7 @@ loss and the global gradient norm against one process on the global batch.
 
     python bench/compare.py                                  # W=2, 33.7M params, 2x128 tokens per rank
     python bench/compare.py --world 4 --json out/w4.json
-    python bench/compare.py --seq 256 --batch 8              # the realistic batch
+    python bench/compare.py --table realistic                # seq 256, batch 8 per rank, remat rows
     python bench/compare.py --collectives native             # fsdp_fn on gloo's own collectives
     python bench/compare.py --d-model 128 --layers 2 --vocab 512 --steps 2 --warmup 1 --reps 1   # quick
     python bench/compare.py --device cuda --world 8 --peak-tflops 67 --json out/cuda.json        # NCCL, MFU
@@ -73,12 +73,46 @@ SYSTEMS: dict[str, System] = {
         {"torchtitan": True},
         "FSDP2 as torchtitan: embedding, each block, [final norm, head] in own groups; last block and head kept",
     ),
+    "fsdp_fn+remat": System(
+        "fsdp_fn", {"remat": ff.Remat()}, "fsdp_fn, full remat of every block (defaults otherwise)"
+    ),
+    "fsdp_fn+selective": System(
+        "fsdp_fn", {"remat": ff.Remat(policy=ff.save_dots)}, "fsdp_fn, selective remat: matmul outputs saved"
+    ),
+    "fsdp_fn+remat+levers": System(
+        "fsdp_fn",
+        {"split_root": True, "update_in_backward": True, "remat": ff.Remat()},
+        "fsdp_fn, full remat + split_root + update_in_backward",
+    ),
+    "fsdp2+ac": System(
+        "fsdp2", {"checkpoint": True}, "FSDP2 at its defaults + activation checkpointing on every block"
+    ),
     "fsdp1": System("fsdp1", {}, "FSDP1, one FlatParameter per block and the root"),
     "ddp": System("ddp", {}, "DDP, gradient_as_bucket_view"),
     "single": System("single", {}, "one process on the global batch"),
 }
 # The pairs compared in the headline: (fsdp_fn row, FSDP2 row).
-PAIRS = (("fsdp_fn", "fsdp2"), ("fsdp_fn+levers", "fsdp2+tuned"))
+PAIRS = (
+    ("fsdp_fn", "fsdp2"),
+    ("fsdp_fn+levers", "fsdp2+tuned"),
+    ("fsdp_fn+remat", "fsdp2+ac"),
+    ("fsdp_fn+selective", "fsdp2+ac"),
+    ("fsdp_fn+remat+levers", "fsdp2+ac"),
+)
+# The default rows of each table: the small batch (parameters dominate) and the realistic
+# one (sequence 256, batch 8 per rank: activations dominate, so remat rows join).
+TABLES = {
+    "small": ("fsdp_fn", "fsdp_fn+levers", "fsdp2", "fsdp2+tuned", "fsdp1", "ddp", "single"),
+    "realistic": (
+        "fsdp_fn",
+        "fsdp_fn+remat",
+        "fsdp_fn+selective",
+        "fsdp_fn+remat+levers",
+        "fsdp2",
+        "fsdp2+ac",
+        "single",
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -358,8 +392,8 @@ def _sync(cfg: Config) -> None:
         torch.cuda.synchronize()
 
 
-def run_system(group: Any, name: str, system: System, cfg: Config, world: int, measure: bool) -> dict[str, Any]:
-    rank = group.rank()
+def run_system(group: Any, name: str, cfg: Config, world: int, measure: bool) -> dict[str, Any]:
+    rank, system = group.rank(), SYSTEMS[name]  # by name: a row's options need not pickle
     text = stdlib_text()
     # fsdp_fn/_collectives.py reads this at every collective: rows can differ within one rank pool.
     os.environ["FSDP_FN_COLLECTIVES"] = cfg.collectives
@@ -392,9 +426,14 @@ def run_system(group: Any, name: str, system: System, cfg: Config, world: int, m
             before = torch.cuda.memory_allocated()
         # One step seen by both instruments at once: ours and torch's must agree.
         tracker = built.tracker(batch)
-        with tracker, ff.MemoryMeter(rule=fsdp2_rule if system.kind == "fsdp2" else None) as meter:
+        rule = fsdp2_rule if system.kind == "fsdp2" else None
+        with tracker, ff.MemoryMeter(rule=rule, timeline=True) as meter:
             built.tag(meter)
             built.step(batch)
+        assert meter.timeline is not None
+        at = max(range(len(meter.timeline)), key=lambda i: sum(meter.timeline[i][1].values()))
+        result["peak_op"] = f"{meter.timeline[at][0]} (op {at} of {len(meter.timeline)})"
+        meter.timeline = None
         if cfg.device == "cuda":
             result["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
             result["cuda_allocated_before"] = before
@@ -416,18 +455,21 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0, help="seeds the order of systems in each repetition")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"rows of SYSTEMS, from {list(SYSTEMS)}")
+    p.add_argument("--table", choices=sorted(TABLES), default="small", help="default rows and batch: see TABLES")
+    p.add_argument("--systems", default="", help=f"rows of SYSTEMS (default: the table's), from {list(SYSTEMS)}")
     p.add_argument("--json", type=pathlib.Path)
     p.add_argument("--peak-tflops", type=float, default=0.0, help="the device's peak TFLOP/s, to report MFU")
     for name, default in asdict(Config()).items():
         p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    if p.parse_known_args()[0].table == "realistic":
+        p.set_defaults(seq=256, batch=8)  # an explicit --seq / --batch still wins
     args = p.parse_args()
     cfg = Config(**{f: getattr(args, f) for f in asdict(Config())})
     if cfg.collectives not in ("pairwise", "native"):
         p.error("--collectives is pairwise or native")
     if cfg.warmup < 1 or cfg.steps < 1:
         p.error("at least one warm-up and one timed step")
-    systems = [s for s in args.systems.split(",") if s]
+    systems = [s for s in args.systems.split(",") if s] or list(TABLES[args.table])
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {list(SYSTEMS)}")
@@ -452,7 +494,7 @@ def main() -> None:
             for name in order:
                 system = SYSTEMS[name]
                 w = 1 if system.kind == "single" else world
-                per_rank = pool.run(run_system, name, system, cfg, world, rep == 0, world=w, timeout=3600)
+                per_rank = pool.run(run_system, name, cfg, world, rep == 0, world=w, timeout=3600)
                 step_max = [max(ts) for ts in zip(*(r["times"] for r in per_rank), strict=True)]
                 entry: dict[str, Any] = {"step_s": step_max, "losses": per_rank[0]["losses"]}
                 entry["grad_norms"] = per_rank[0]["grad_norms"]
@@ -462,12 +504,12 @@ def main() -> None:
                             entry[key] = per_rank[0][key]
                     # Memory: the rank with the highest peak (ranks differ only by their data).
                     top = max(per_rank, key=lambda r: r["peak"]["total"])
-                    entry.update({k: top[k] for k in ("peak", "category_peaks", "torch_tracker_peak")})
+                    entry.update({k: top[k] for k in ("peak", "category_peaks", "torch_tracker_peak", "peak_op")})
                     entry["meter_vs_tracker_max_abs"] = max(
                         abs(r["peak"]["total"] - r["torch_tracker_peak"]) for r in per_rank
                     )
                 runs[name].append(entry)
-                print(f"  rep {rep + 1} {name:>18}: median step {statistics.median(step_max):.3f} s", flush=True)
+                print(f"  rep {rep + 1} {name:>20}: median step {statistics.median(step_max):.3f} s", flush=True)
 
     tokens = cfg.batch * cfg.seq * world
     report: dict[str, Any] = {
@@ -491,6 +533,7 @@ def main() -> None:
             "model_tflops_per_s": flops / med / 1e12,
             "peak_bytes": first.get("peak"),
             "category_peaks": first.get("category_peaks"),
+            "peak_op": first.get("peak_op"),
             "torch_tracker_peak_bytes": first.get("torch_tracker_peak"),
             "meter_vs_tracker_max_abs_bytes": first.get("meter_vs_tracker_max_abs"),
             "comm_bytes_per_step": first.get("comm_bytes"),
@@ -528,7 +571,7 @@ def print_report(report: dict[str, Any]) -> None:
         f"{cfg['batch']}x{cfg['seq']} tokens per rank; peak live tensor MiB per rank at the step's peak"
     )
     print(
-        f"{'system':>18} {'step s':>7} {'rep min-max':>13} {'tok/s':>7} {'comm MB':>8} "
+        f"{'system':>20} {'step s':>7} {'rep min-max':>13} {'tok/s':>7} {'comm MB':>8} "
         + " ".join(f"{c[:9]:>9}" for c in cats)
         + f" {'total':>7} {'torch':>7}  loss[-1]"
     )
@@ -536,7 +579,7 @@ def print_report(report: dict[str, Any]) -> None:
         peak = s["peak_bytes"] or {}
         lo, hi = min(s["step_s_rep_medians"]), max(s["step_s_rep_medians"])
         print(
-            f"{name:>18} {s['step_s_median']:>7.3f} {lo:>6.3f}-{hi:<6.3f} {s['tokens_per_s']:>7.0f} "
+            f"{name:>20} {s['step_s_median']:>7.3f} {lo:>6.3f}-{hi:<6.3f} {s['tokens_per_s']:>7.0f} "
             f"{(s['comm_bytes_per_step'] or 0) / 1e6:>8.1f} "
             + " ".join(f"{peak.get(c, 0) / mib:>9.1f}" for c in cats)
             + f" {peak.get('total', 0) / mib:>7.1f} {(s['torch_tracker_peak_bytes'] or 0) / mib:>7.1f}"
@@ -549,6 +592,9 @@ def print_report(report: dict[str, Any]) -> None:
         f"floor: 16*psi/W {floor['state_16psi_over_w'] / mib:.1f} + one unit gathered {floor['gathered_unit'] / mib:.1f} "
         f"+ activations {floor.get('activations', 0) / mib:.1f} = {total / mib:.1f} MiB"
     )
+    for name, s in systems.items():
+        if s.get("peak_op"):
+            print(f"  {name:>20}: peak during {s['peak_op']}")
     worst = max((s["meter_vs_tracker_max_abs_bytes"] or 0) for s in systems.values())
     print(f"meter vs torch's FSDPMemTracker/MemTracker, same step, every rank: max |difference| {worst / mib:.3f} MiB")
 
@@ -573,7 +619,7 @@ def print_report(report: dict[str, Any]) -> None:
                 norm = max(abs(a - b) / abs(b) for a, b in zip(s["grad_norms"], ref_norms))
                 s["max_rel_diff_to_single"] = {"loss": loss, "grad_norm": norm}
                 print(
-                    f"  {name:>18}: max relative difference to one process, every step: loss {loss:.1e}, grad norm {norm:.1e}"
+                    f"  {name:>20}: max relative difference to one process, every step: loss {loss:.1e}, grad norm {norm:.1e}"
                 )
 
 

@@ -34,10 +34,15 @@ def test_compare_runs_and_every_system_matches_one_process():
     assert all(float(a) < 1e-5 and float(b) < 1e-5 for a, b in diffs), diffs
 
 
-def test_remat_bench_runs_every_row():
-    out = _run("remat.py", "--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "1")
-    for system in ("fsdp_fn+full", "fsdp_fn+selective", "fsdp2+ac"):
-        assert re.search(rf"^\s*{re.escape(system)}\s+[0-9.]+", out, re.M), out
+def test_realistic_table_runs_every_remat_row_against_one_process_and_torchs_tracker():
+    out = _run("compare.py", "--table", "realistic", "--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "1")
+    for system in ("fsdp_fn+remat", "fsdp_fn+selective", "fsdp_fn+remat+levers", "fsdp2+ac"):
+        row = rf"^\s*{re.escape(system)}: max relative difference to one process.*grad norm ([0-9.e+-]+)"
+        diff = re.search(row, out, re.M)
+        assert diff is not None and float(diff.group(1)) < 1e-5, out
+        assert re.search(rf"^\s*{re.escape(system)}: peak during aten\.", out, re.M), out
+    tracker = re.search(r"max \|difference\| ([0-9.]+) MiB", out)
+    assert tracker is not None and float(tracker.group(1)) <= 0.1, out
 
 
 def test_checkpoint_bench_runs():
