@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import (
 )
 
 from fsdp_fn import _labels
+from fsdp_fn._activations import ActivationEstimate
 from fsdp_fn._plan import ROOT, Plan
 from fsdp_fn._tree import NAMESPACE
 
@@ -195,17 +196,29 @@ class MemoryMeter(TorchDispatchMode):
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Per-rank bytes a train step needs besides activations, predicted from the plan."""
+    """Per-rank bytes of a train step, predicted before anything is allocated.
+
+    The plan's part: ``params``, ``grads``, ``optimizer``, ``gathered``, ``full_grad``,
+    each at its own peak. With an ``ActivationEstimate``: ``activations`` (activations
+    and temporaries at their peak, from one fake step) and ``grads_at_activation_peak``
+    (gradient shards of the units already reduced then).
+    """
 
     params: int  # sharded parameters (padding included)
     grads: int  # gradient shards alive at once
     optimizer: int  # optimizer state
     gathered: int  # gathered parameters in flight at most
     full_grad: int  # full (unsharded) unit gradients alive while they are reduce-scattered
+    activations: int = 0  # activations and temporaries at their peak (0: not estimated)
+    grads_at_activation_peak: int = 0  # gradient bytes alive when the activations peak
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.gathered + self.full_grad
+        """The step's peak: shards and gathered units throughout, plus the larger of what lives
+        when the activations peak and what lives at the end of backward (every gradient shard,
+        a unit's full gradient). Without activations: the sum of the plan's parts."""
+        at_activation_peak = self.activations + self.grads_at_activation_peak
+        return self.params + self.optimizer + self.gathered + max(at_activation_peak, self.grads + self.full_grad)
 
 
 def estimate_memory(
@@ -215,12 +228,16 @@ def estimate_memory(
     optimizer_slots: int = 2,
     update_in_backward: bool = False,
     units_in_flight: int = 1,
+    activations: ActivationEstimate | None = None,
 ) -> MemoryEstimate:
     """Predict a step's per-rank memory from the plan alone, before anything is allocated.
 
     ``optimizer_slots``: shard-sized state tensors per parameter (AdamW 2, SGD with
     momentum 1, plain SGD 0). The root unit, when there is one, stays gathered for the
     whole step; at most ``units_in_flight`` other units are gathered at once.
+    ``activations``: ``estimate_activations(fn, loss_fn, batch, plan, remat=...)`` on
+    this rank's batch, for the activations (rematerialisation included). Nothing is
+    allocated, nothing is communicated.
 
     >>> from torch import nn
     >>> from fsdp_fn import make_plan
@@ -234,6 +251,10 @@ def estimate_memory(
     root = next((u.gather_bytes(world) for u in plan.units if u.name == ROOT), 0)
     largest_shard = max(shard_bytes.values())
     counters = 4 * sum(len(u.params) for u in plan.units)  # one float32 step count per trainable parameter
+    grads_then = 0
+    if activations is not None:
+        reduced = [shard_bytes[n] for n in activations.reduced_before_peak if n in shard_bytes]
+        grads_then = max(reduced, default=0) if update_in_backward else sum(reduced)
     return MemoryEstimate(
         params=params,
         grads=largest_shard if update_in_backward else params,
@@ -241,4 +262,6 @@ def estimate_memory(
         gathered=root + sum(others[:units_in_flight]),
         # With update_in_backward one reduce-scatter stays in flight behind the next unit's backward.
         full_grad=(2 if update_in_backward else 1) * max(u.gather_bytes(world) for u in plan.units),
+        activations=activations.peak if activations is not None else 0,
+        grads_at_activation_peak=grads_then,
     )

@@ -1,0 +1,307 @@
+"""Activation memory of one step, predicted on fake tensors: nothing real is allocated.
+
+``estimate_activations`` runs the model's forward, the loss and the backward once on
+``FakeTensorMode`` tensors (shapes and dtypes only, no data, no communication), with the
+units a ``Remat`` selects rematerialised exactly as the train step does. Meanwhile it
+follows, op by op, the bytes of the storages that are alive, as ``MemoryMeter`` does on
+a real step, leaving out the parameters and their gradients (the plan's part of the
+estimate): so the loss's backward transients (a language model's logits, their
+log-softmax and gradients) are in the figure, not guessed. Saved-tensor hooks, used in
+the forward only, say which unit's forward holds what for backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as torch_pytree
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp_fn._functional import Functional
+from fsdp_fn._plan import ROOT, Plan, Policy, unit_label
+from fsdp_fn._remat import Remat, _remat_with_state, route_torch_checkpoint
+
+LOSS = "(loss)"
+"""Where the loss function's own work is counted (what it computes outside the model)."""
+
+
+@dataclass(frozen=True)
+class UnitActivations:
+    """One unit's part of the activations (bytes on one rank).
+
+    ``saved``: what autograd holds from the unit's forward until its backward (each
+    storage counted once, for the first unit that saves it; a rematerialised unit saves
+    its inputs and what its policy keeps). ``recompute``: for a rematerialised unit, what
+    its recomputation in backward creates and holds for the unit's backward.
+    """
+
+    name: str
+    saved: int
+    recompute: int = 0
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """What a step's activations and temporaries take on one rank, from one fake step.
+
+    ``saved``: bytes alive at the end of the forward (the loss computed, backward not
+    started): what the backward will read. ``peak``: the most bytes alive at once over
+    the forward and the backward, ``peak_op`` the operator that produced it and
+    ``peak_in`` ``"forward"`` or ``"backward"``. ``reduced_before_peak``: units whose
+    gradient was complete before the peak (their gradient shards exist then). ``units``:
+    per unit (and ``LOSS``), what is held for backward. ``remat``: the units rematerialised.
+    """
+
+    saved: int
+    peak: int
+    peak_op: str
+    peak_in: str
+    reduced_before_peak: frozenset[str]
+    units: tuple[UnitActivations, ...]
+    remat: frozenset[str]
+
+    def unit(self, name: str) -> UnitActivations:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(f"no unit {unit_label(name)} in the activation estimate; units: {[u.name for u in self.units]}")
+
+
+class _Live(TorchDispatchMode):
+    """Bytes of the storages alive after each op (fake ones: their sizes, no data), the meter's rule."""
+
+    def __init__(self, excluded: set[int], on_peak: Callable[[], None]) -> None:
+        super().__init__()
+        self.excluded = excluded  # storages of parameters
+        self.entries: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = 0
+        self.peak = 0
+        self.peak_op = ""
+        self.on_peak = on_peak
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in torch_pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = st._cdata
+                entry = self.entries.get(key)
+                if key not in self.excluded and (entry is None or entry[0].expired()):
+                    self.entries[key] = (StorageWeakRef(st), st.nbytes())
+        self.sample(str(func))
+        return out
+
+    def sample(self, what: str) -> None:
+        dead = [k for k, (ref, _) in self.entries.items() if ref.expired()]
+        for k in dead:
+            del self.entries[k]
+        self.current = sum(n for _, n in self.entries.values())
+        if self.current > self.peak:
+            self.peak, self.peak_op = self.current, what
+            self.on_peak()
+
+
+def _device(batch: Any) -> torch.device:
+    tensors = [t for t in torch_pytree.tree_leaves(batch) if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _forwards_replaced(replacements: Mapping[nn.Module, Callable[..., Any]]) -> Iterator[None]:
+    """For the block, each module's ``forward`` is the replacement (the module is left as it was)."""
+    missing = object()
+    previous = [(m, m.__dict__.get("forward", missing)) for m in replacements]
+    try:
+        for m, forward in replacements.items():
+            m.forward = forward
+        yield
+    finally:
+        for m, old in previous:
+            if old is missing:
+                del m.forward
+            else:
+                m.forward = old
+
+
+def _enter(running: list[str], name: str, module: nn.Module, args: Any) -> None:
+    running.append(name)
+
+
+def _leave(running: list[str], module: nn.Module, args: Any, output: Any) -> None:
+    running.pop()
+
+
+def estimate_activations(
+    fn: Functional,
+    loss_fn: Callable[..., torch.Tensor],
+    batch: Any,
+    plan: Plan,
+    *,
+    remat: bool | Policy | Remat | None = None,
+) -> ActivationEstimate:
+    """Activation bytes of one train step on this rank's ``batch``, without running it.
+
+    Runs ``loss_fn(model, batch)`` and its backward once on fake tensors made from the
+    plan's parameter specs (its dtypes; the parameters and their gradients are the plan's
+    part of ``estimate_memory`` and are left out here), with the units ``remat`` selects
+    rematerialised as ``train_step(remat=...)`` does. Allocates no tensor data and
+    communicates nothing; the module is left as it was (hooks and forwards are installed
+    for the call only). What it cannot see: the train step's own buffers (gathered units,
+    flat gradients, communication buffers: the plan's part), a mixed-precision cast of
+    the activations, and allocator effects (it counts live tensor bytes, as
+    ``MemoryMeter`` does).
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from fsdp_fn import functionalize, layer_policy, make_plan
+    >>> mlp = lambda: nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+    >>> net = nn.Sequential(mlp(), mlp())
+    >>> plan = make_plan(net, layer_policy([nn.Sequential]))  # units "0" and "1"
+    >>> loss = lambda model, x: model(x).square().sum()
+    >>> x = torch.ones(1024, 64)
+    >>> plain = estimate_activations(functionalize(net), loss, x, plan)
+    >>> lean = estimate_activations(functionalize(net), loss, x, plan, remat=True)
+    >>> plain.unit("1").saved, lean.unit("1").saved  # its input and tanh's output; remat: its input
+    (1310720, 262144)
+    >>> lean.unit("1").recompute  # what its recomputation holds again in backward
+    1310720
+    >>> plain.peak > lean.peak, lean.peak_op
+    (True, 'aten.tanh_backward.default')
+    """
+    if not isinstance(fn, Functional):
+        raise TypeError(
+            f"estimate_activations wants the Functional from functionalize(module), got {type(fn).__name__}"
+        )
+    module = fn.module
+    chosen = Remat.of(remat)
+    remat_units = chosen.selects(plan, module) if chosen is not None else frozenset()
+    device = _device(batch)
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "meta":
+            return torch.empty(t.shape, dtype=t.dtype, device=device)
+        return mode.from_tensor(t)
+
+    running: list[str] = []  # units whose forward (or recomputation) is running, innermost last
+    phase = ["forward"]
+    saved: dict[str, int] = {}
+    recompute: dict[str, int] = {}
+    first_saver: dict[int, str] = {}
+    pending: dict[str, int] = {}  # trainable parameters per unit still without a gradient
+    reduced: set[str] = set()
+    at_peak: dict[str, Any] = {"phase": "forward", "reduced": frozenset()}
+
+    def where() -> str:
+        return running[-1] if running else (ROOT if phase[0] == "model" else LOSS)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st._cdata not in excluded and st._cdata not in first_saver:
+            first_saver[st._cdata] = where()
+            saved[where()] = saved.get(where(), 0) + st.nbytes()
+        return t
+
+    def on_peak() -> None:
+        at_peak["phase"] = "backward" if phase[0] == "backward" else "forward"
+        at_peak["reduced"] = frozenset(reduced)
+
+    with mode:
+        params = {}
+        for unit in plan.units:
+            for spec in unit.all_params:
+                p = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+                params[spec.name] = p.requires_grad_(spec.requires_grad)
+        buffers = {k: fake(v) for k, v in fn.buffers.items()}
+    fake_batch = torch_pytree.tree_map(lambda x: fake(x) if isinstance(x, torch.Tensor) else x, batch)
+    excluded = {p.untyped_storage()._cdata for p in params.values()}
+    live = _Live(excluded, on_peak)
+
+    handles: list[Any] = []
+    for unit in plan.units:
+        if unit.params:
+            pending[unit.name] = sum(1 for spec in unit.params if spec.requires_grad)
+
+            def done(p: torch.Tensor, name: str = unit.name) -> None:
+                p.grad = None  # the step reduce-scatters it and lets it go: the plan's part
+                pending[name] -= 1
+                if pending[name] == 0:
+                    reduced.add(name)
+
+            handles += [params[s.name].register_post_accumulate_grad_hook(done) for s in unit.params if s.requires_grad]
+
+    def region(name: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if phase[0] != "backward":
+            return original(*args, **kwargs)
+        before = live.current
+        running.append(name)
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            running.pop()
+        live.sample("recompute")
+        recompute[name] = max(recompute.get(name, 0), live.current - before)
+        return out
+
+    # As the train step's runtime does: the unit's forward, rematerialised with the unit's
+    # parameters as the region's inputs (here the fake ones functional_call puts in place).
+    replaced: dict[nn.Module, Callable[..., Any]] = {}
+    for name in remat_units:
+        assert chosen is not None
+        target = module.get_submodule(name)
+        replaced[target] = _remat_with_state(
+            functools.partial(region, name, target.forward), [target], chosen.policy, name
+        )
+
+    for unit in plan.units:
+        if unit.name == ROOT:
+            continue
+        for path in unit.modules:
+            target = module.get_submodule(path)
+            handles.append(target.register_forward_pre_hook(functools.partial(_enter, running, unit.name)))
+            handles.append(target.register_forward_hook(functools.partial(_leave, running)))
+
+    def model(*args: Any, **kwargs: Any) -> Any:
+        phase[0] = "model"
+        try:
+            return fn(params, buffers, *args, **kwargs)
+        finally:
+            phase[0] = "loss"
+
+    try:
+        with mode, live, route_torch_checkpoint(), _forwards_replaced(replaced):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = loss_fn(model, fake_batch)
+            phase[0] = "backward"
+            live.sample("end of forward")
+            end_of_forward = live.current
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+                raise ValueError(
+                    "estimate_activations: loss_fn must return a scalar tensor that depends on the parameters, "
+                    f"got {type(loss).__name__} {getattr(loss, 'shape', '')}"
+                )
+            loss.backward()
+            del loss
+    finally:
+        for h in handles:
+            h.remove()
+    names = [u.name for u in plan.units]
+    names = [*([ROOT] if ROOT not in names and ROOT in saved else []), *names, LOSS]
+    units = tuple(UnitActivations(n, saved.get(n, 0), recompute.get(n, 0)) for n in names)
+    return ActivationEstimate(
+        saved=end_of_forward,
+        peak=live.peak,
+        peak_op=live.peak_op,
+        peak_in=at_peak["phase"],
+        reduced_before_peak=at_peak["reduced"],
+        units=units,
+        remat=remat_units,
+    )
