@@ -9,7 +9,7 @@ step   = train_step(fn, loss_fn, adamw())      # torch.func composes them into o
 loss, grads = value_and_grad(fn, loss_fn)(params, buffers, batch)   # gradients as sharded values
 """
 
-from fsdp_fn._activations import ActivationEstimate, UnitActivations, estimate_activations
+from fsdp_fn._activations import ActivationEstimate, ActivationStage, UnitActivations, estimate_activations
 from fsdp_fn._collectives import Collective, CommLog, all_gather, comm_log, reduce_scatter_sum
 from fsdp_fn._errors import DivergenceError, RankFailure
 from fsdp_fn._functional import Functional, functionalize
@@ -66,6 +66,7 @@ __all__ = [
     "Plan",
     "Policy",
     "SGDState",
+    "ActivationStage",
     "Schedule",
     "Sharded",
     "TrainState",

@@ -49,14 +49,25 @@ class UnitActivations:
 
 
 @dataclass(frozen=True)
+class ActivationStage:
+    """A stretch of the step with the same gradients alive: the units whose gradient is
+    complete (``reduced``: their shards exist), the unit whose backward runs (``running``:
+    its full gradient is being made), and the most activation bytes alive during it."""
+
+    reduced: frozenset[str]
+    running: str | None
+    peak: int
+
+
+@dataclass(frozen=True)
 class ActivationEstimate:
     """What a step's activations and temporaries take on one rank, from one fake step.
 
     ``saved``: bytes alive at the end of the forward (the loss computed, backward not
     started): what the backward will read. ``peak``: the most bytes alive at once over
     the forward and the backward, ``peak_op`` the operator that produced it and
-    ``peak_in`` ``"forward"`` or ``"backward"``. ``reduced_before_peak``: units whose
-    gradient was complete before the peak (their gradient shards exist then). ``units``:
+    ``peak_in`` ``"forward"`` or ``"backward"``. ``stages``: the peak of each stretch of the
+    step with the same gradients alive (``estimate_memory`` adds those to each). ``units``:
     per unit (and ``LOSS``), what is held for backward. ``remat``: the units rematerialised.
     """
 
@@ -64,7 +75,7 @@ class ActivationEstimate:
     peak: int
     peak_op: str
     peak_in: str
-    reduced_before_peak: frozenset[str]
+    stages: tuple[ActivationStage, ...]
     units: tuple[UnitActivations, ...]
     remat: frozenset[str]
 
@@ -78,14 +89,15 @@ class ActivationEstimate:
 class _Live(TorchDispatchMode):
     """Bytes of the storages alive after each op (fake ones: their sizes, no data), the meter's rule."""
 
-    def __init__(self, excluded: set[int], on_peak: Callable[[], None]) -> None:
+    def __init__(self, excluded: set[int], on_sample: Callable[[int], None]) -> None:
         super().__init__()
         self.excluded = excluded  # storages of parameters
         self.entries: dict[int, tuple[StorageWeakRef, int]] = {}
         self.current = 0
         self.peak = 0
         self.peak_op = ""
-        self.on_peak = on_peak
+        self.peak_in = self.phase = "forward"
+        self.on_sample = on_sample
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -105,8 +117,8 @@ class _Live(TorchDispatchMode):
             del self.entries[k]
         self.current = sum(n for _, n in self.entries.values())
         if self.current > self.peak:
-            self.peak, self.peak_op = self.current, what
-            self.on_peak()
+            self.peak, self.peak_op, self.peak_in = self.current, what, self.phase
+        self.on_sample(self.current)
 
 
 def _device(batch: Any) -> torch.device:
@@ -198,7 +210,8 @@ def estimate_activations(
     first_saver: dict[int, str] = {}
     pending: dict[str, int] = {}  # trainable parameters per unit still without a gradient
     reduced: set[str] = set()
-    at_peak: dict[str, Any] = {"phase": "forward", "reduced": frozenset()}
+    in_backward: list[str] = []  # the unit whose backward runs now (recomputation included)
+    stages: dict[tuple[frozenset[str], str | None], int] = {}
 
     def where() -> str:
         return running[-1] if running else (ROOT if phase[0] == "model" else LOSS)
@@ -210,9 +223,9 @@ def estimate_activations(
             saved[where()] = saved.get(where(), 0) + st.nbytes()
         return t
 
-    def on_peak() -> None:
-        at_peak["phase"] = "backward" if phase[0] == "backward" else "forward"
-        at_peak["reduced"] = frozenset(reduced)
+    def on_sample(current: int) -> None:
+        key = (frozenset(reduced), in_backward[-1] if in_backward else None)
+        stages[key] = max(stages.get(key, 0), current)
 
     with mode:
         params = {}
@@ -223,7 +236,7 @@ def estimate_activations(
         buffers = {k: fake(v) for k, v in fn.buffers.items()}
     fake_batch = torch_pytree.tree_map(lambda x: fake(x) if isinstance(x, torch.Tensor) else x, batch)
     excluded = {p.untyped_storage()._cdata for p in params.values()}
-    live = _Live(excluded, on_peak)
+    live = _Live(excluded, on_sample)
 
     handles: list[Any] = []
     for unit in plan.units:
@@ -232,9 +245,12 @@ def estimate_activations(
 
             def done(p: torch.Tensor, name: str = unit.name) -> None:
                 p.grad = None  # the step reduce-scatters it and lets it go: the plan's part
+                if not in_backward or in_backward[-1] != name:
+                    in_backward.append(name)
                 pending[name] -= 1
                 if pending[name] == 0:
                     reduced.add(name)
+                    in_backward.remove(name)
 
             handles += [params[s.name].register_post_accumulate_grad_hook(done) for s in unit.params if s.requires_grad]
 
@@ -243,6 +259,8 @@ def estimate_activations(
             return original(*args, **kwargs)
         before = live.current
         running.append(name)
+        if name in pending and pending[name] and (not in_backward or in_backward[-1] != name):
+            in_backward.append(name)
         try:
             out = original(*args, **kwargs)
         finally:
@@ -280,7 +298,7 @@ def estimate_activations(
         with mode, live, route_torch_checkpoint(), _forwards_replaced(replaced):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 loss = loss_fn(model, fake_batch)
-            phase[0] = "backward"
+            phase[0] = live.phase = "backward"
             live.sample("end of forward")
             end_of_forward = live.current
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
@@ -300,8 +318,8 @@ def estimate_activations(
         saved=end_of_forward,
         peak=live.peak,
         peak_op=live.peak_op,
-        peak_in=at_peak["phase"],
-        reduced_before_peak=at_peak["reduced"],
+        peak_in=live.peak_in,
+        stages=tuple(ActivationStage(r, u, n) for (r, u), n in stages.items()),
         units=units,
         remat=remat_units,
     )

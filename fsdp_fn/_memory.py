@@ -200,8 +200,9 @@ class MemoryEstimate:
 
     The plan's part: ``params``, ``grads``, ``optimizer``, ``gathered``, ``full_grad``,
     each at its own peak. With an ``ActivationEstimate``: ``activations`` (activations
-    and temporaries at their peak, from one fake step) and ``grads_at_activation_peak``
-    (gradient shards of the units already reduced then).
+    and temporaries at their peak, from one fake step) and ``with_gradients``: activations
+    plus the gradients alive with them (shards of the units already reduced, the full
+    gradient of the unit whose backward runs), at the moment that sum peaks.
     """
 
     params: int  # sharded parameters (padding included)
@@ -210,15 +211,14 @@ class MemoryEstimate:
     gathered: int  # gathered parameters in flight at most
     full_grad: int  # full (unsharded) unit gradients alive while they are reduce-scattered
     activations: int = 0  # activations and temporaries at their peak (0: not estimated)
-    grads_at_activation_peak: int = 0  # gradient bytes alive when the activations peak
+    with_gradients: int = 0  # activations + gradients alive with them, at their joint peak
 
     @property
     def total(self) -> int:
-        """The step's peak: shards and gathered units throughout, plus the larger of what lives
-        when the activations peak and what lives at the end of backward (every gradient shard,
-        a unit's full gradient). Without activations: the sum of the plan's parts."""
-        at_activation_peak = self.activations + self.grads_at_activation_peak
-        return self.params + self.optimizer + self.gathered + max(at_activation_peak, self.grads + self.full_grad)
+        """The step's peak: shards and gathered units throughout, plus the larger of the
+        activations' joint peak with the gradients and the end of backward (every gradient
+        shard, a unit's full gradient). Without activations: the sum of the plan's parts."""
+        return self.params + self.optimizer + self.gathered + max(self.with_gradients, self.grads + self.full_grad)
 
 
 def estimate_memory(
@@ -251,10 +251,16 @@ def estimate_memory(
     root = next((u.gather_bytes(world) for u in plan.units if u.name == ROOT), 0)
     largest_shard = max(shard_bytes.values())
     counters = 4 * sum(len(u.params) for u in plan.units)  # one float32 step count per trainable parameter
-    grads_then = 0
-    if activations is not None:
-        reduced = [shard_bytes[n] for n in activations.reduced_before_peak if n in shard_bytes]
-        grads_then = max(reduced, default=0) if update_in_backward else sum(reduced)
+    with_gradients = 0
+    for stage in activations.stages if activations is not None else ():
+        reduced = [shard_bytes[n] for n in stage.reduced if n in shard_bytes]
+        shards = max(reduced, default=0) if update_in_backward else sum(reduced)
+        full = (
+            plan.unit(stage.running).padded_numel(world) * plan.unit(stage.running).dtype.itemsize
+            if stage.running is not None
+            else 0
+        )
+        with_gradients = max(with_gradients, stage.peak + shards + full)
     return MemoryEstimate(
         params=params,
         grads=largest_shard if update_in_backward else params,
@@ -263,5 +269,5 @@ def estimate_memory(
         # With update_in_backward one reduce-scatter stays in flight behind the next unit's backward.
         full_grad=(2 if update_in_backward else 1) * max(u.gather_bytes(world) for u in plan.units),
         activations=activations.peak if activations is not None else 0,
-        grads_at_activation_peak=grads_then,
+        with_gradients=with_gradients,
     )
