@@ -234,7 +234,7 @@ def estimate_activations(
                 p = torch.empty(spec.shape, dtype=spec.dtype, device=device)
                 params[spec.name] = p.requires_grad_(spec.requires_grad)
         buffers = {k: fake(v) for k, v in fn.buffers.items()}
-    fake_batch = torch_pytree.tree_map(lambda x: fake(x) if isinstance(x, torch.Tensor) else x, batch)
+        fake_batch = torch_pytree.tree_map(lambda x: fake(x) if isinstance(x, torch.Tensor) else x, batch)
     excluded = {p.untyped_storage()._cdata for p in params.values()}
     live = _Live(excluded, on_sample)
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import optree
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
@@ -70,7 +71,7 @@ def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
             if isinstance(inner, torch.Tensor):
                 yield from _storages(inner)
         return
-    if t.device.type == "meta":
+    if t.device.type == "meta" or isinstance(t, FakeTensor):  # shapes only, no data (estimate_activations)
         return
     try:
         st = t.untyped_storage()

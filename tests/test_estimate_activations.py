@@ -91,6 +91,19 @@ def test_full_remat_keeps_each_block_input_and_recomputes_what_it_would_save():
     assert full.saved < plain.saved / 3
 
 
+def test_nothing_is_allocated_and_nothing_is_communicated():
+    torch.manual_seed(0)
+    model = GPT(CFG)  # real parameters this time: the estimate must not touch their data
+    plan = ff.make_plan(model, ff.layer_policy([Block]))
+    batch = torch.randint(0, CFG.vocab, (BATCH, CFG.seq + 1))
+    fn = ff.functionalize(model)
+    with ff.MemoryMeter() as meter, ff.comm_log() as log:
+        estimate = ff.estimate_activations(fn, lm_loss, batch, plan, remat=True)
+    assert estimate.peak > 0
+    assert meter.category_peaks() == dict.fromkeys(ff.CATEGORIES, 0), meter.category_peaks()
+    assert log.records == []
+
+
 def test_the_module_is_left_as_it_was():
     model, plan = _gpt()
     before = {k: (v.shape, v.device) for k, v in model.state_dict().items()}
