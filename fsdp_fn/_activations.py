@@ -143,12 +143,128 @@ def _forwards_replaced(replacements: Mapping[nn.Module, Callable[..., Any]]) -> 
                 m.forward = old
 
 
-def _enter(running: list[str], name: str, module: nn.Module, args: Any) -> None:
-    running.append(name)
+class _Trace:
+    """What one fake step goes through: which unit runs, which gradients exist, what is held.
+
+    Attribution: ``running`` is the innermost unit whose forward (or recomputation) runs,
+    else the root while the model runs, else the loss. A stage is a stretch with the same
+    units reduced and the same unit in backward; ``stages`` keeps each one's peak.
+    """
+
+    def __init__(self, plan: Plan, params: Mapping[str, torch.Tensor]) -> None:
+        self.running: list[str] = []
+        self.in_model = False
+        self.in_backward: list[str] = []  # units whose backward has started and not finished
+        self.reduced: set[str] = set()
+        self.pending = {u.name: sum(s.requires_grad for s in u.params) for u in plan.units}
+        self.saved: dict[str, int] = {}
+        self.savers: set[int] = set()
+        self.recompute: dict[str, int] = {}
+        self.stages: dict[tuple[frozenset[str], str | None], int] = {}
+        self.params = {p.untyped_storage()._cdata for p in params.values()}
+        self.live = _Live(self.params, self.on_sample)
+
+    def where(self) -> str:
+        return self.running[-1] if self.running else (ROOT if self.in_model else LOSS)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Saved-tensor hook (forward only): the first unit that saves a storage holds it."""
+        st = t.untyped_storage()
+        if st._cdata not in self.params and st._cdata not in self.savers:
+            self.savers.add(st._cdata)
+            self.saved[self.where()] = self.saved.get(self.where(), 0) + st.nbytes()
+        return t
+
+    def on_sample(self, current: int) -> None:
+        key = (frozenset(self.reduced), self.in_backward[-1] if self.in_backward else None)
+        self.stages[key] = max(self.stages.get(key, 0), current)
+
+    def begin_backward(self, unit: str) -> None:
+        if self.pending.get(unit) and unit not in self.in_backward:
+            self.in_backward.append(unit)
+
+    def gradient_done(self, unit: str, p: torch.Tensor) -> None:
+        """A parameter's gradient is complete: the step reduce-scatters it and lets it go (the plan's part)."""
+        p.grad = None
+        self.begin_backward(unit)
+        self.pending[unit] -= 1
+        if self.pending[unit] == 0:
+            self.reduced.add(unit)
+            self.in_backward.remove(unit)
+
+    def enter(self, unit: str, module: nn.Module, args: Any) -> None:
+        self.running.append(unit)
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.running.pop()
+
+    def region(self, unit: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A rematerialised unit's function: in backward, measure what its recomputation holds."""
+        if self.live.phase != "backward":
+            return original(*args, **kwargs)
+        self.begin_backward(unit)
+        before = self.live.current
+        self.running.append(unit)
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            self.running.pop()
+        self.live.sample("recompute")
+        self.recompute[unit] = max(self.recompute.get(unit, 0), self.live.current - before)
+        return out
+
+    def model(self, fn: Functional, params: Any, buffers: Any) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.in_model = True
+            try:
+                return fn(params, buffers, *args, **kwargs)
+            finally:
+                self.in_model = False
+
+        return run
+
+    def units(self, plan: Plan) -> tuple[UnitActivations, ...]:
+        names = [u.name for u in plan.units]
+        names = [*([ROOT] if ROOT not in names and ROOT in self.saved else []), *names, LOSS]
+        return tuple(UnitActivations(n, self.saved.get(n, 0), self.recompute.get(n, 0)) for n in names)
 
 
-def _leave(running: list[str], module: nn.Module, args: Any, output: Any) -> None:
-    running.pop()
+@contextlib.contextmanager
+def _installed(
+    trace: _Trace,
+    plan: Plan,
+    module: nn.Module,
+    params: Mapping[str, torch.Tensor],
+    remat: Remat | None,
+    remat_units: frozenset[str],
+) -> Iterator[None]:
+    """For the block: the trace's hooks on the units' modules and the parameters, and the
+    rematerialised units' forwards, as the train step's runtime installs them. Removed after."""
+    handles: list[Any] = []
+    replaced: dict[nn.Module, Callable[..., Any]] = {}
+    try:
+        for unit in plan.units:
+            for spec in unit.params:
+                if spec.requires_grad:
+                    hook = functools.partial(trace.gradient_done, unit.name)
+                    handles.append(params[spec.name].register_post_accumulate_grad_hook(hook))
+            if unit.name == ROOT:
+                continue
+            for path in unit.modules:
+                target = module.get_submodule(path)
+                handles.append(target.register_forward_pre_hook(functools.partial(trace.enter, unit.name)))
+                handles.append(target.register_forward_hook(trace.leave))
+        for name in remat_units:
+            assert remat is not None
+            target = module.get_submodule(name)
+            # The unit's parameters are the region's inputs (the fake ones functional_call puts in place).
+            region = functools.partial(trace.region, name, target.forward)
+            replaced[target] = _remat_with_state(region, [target], remat.policy, name)
+        with _forwards_replaced(replaced):
+            yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def estimate_activations(
@@ -192,134 +308,42 @@ def estimate_activations(
         raise TypeError(
             f"estimate_activations wants the Functional from functionalize(module), got {type(fn).__name__}"
         )
-    module = fn.module
     chosen = Remat.of(remat)
-    remat_units = chosen.selects(plan, module) if chosen is not None else frozenset()
+    remat_units = chosen.selects(plan, fn.module) if chosen is not None else frozenset()
     device = _device(batch)
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    mode = FakeTensorMode()
 
     def fake(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "meta":
-            return torch.empty(t.shape, dtype=t.dtype, device=device)
-        return mode.from_tensor(t)
-
-    running: list[str] = []  # units whose forward (or recomputation) is running, innermost last
-    phase = ["forward"]
-    saved: dict[str, int] = {}
-    recompute: dict[str, int] = {}
-    first_saver: dict[int, str] = {}
-    pending: dict[str, int] = {}  # trainable parameters per unit still without a gradient
-    reduced: set[str] = set()
-    in_backward: list[str] = []  # the unit whose backward runs now (recomputation included)
-    stages: dict[tuple[frozenset[str], str | None], int] = {}
-
-    def where() -> str:
-        return running[-1] if running else (ROOT if phase[0] == "model" else LOSS)
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st._cdata not in excluded and st._cdata not in first_saver:
-            first_saver[st._cdata] = where()
-            saved[where()] = saved.get(where(), 0) + st.nbytes()
-        return t
-
-    def on_sample(current: int) -> None:
-        key = (frozenset(reduced), in_backward[-1] if in_backward else None)
-        stages[key] = max(stages.get(key, 0), current)
+        return torch.empty(t.shape, dtype=t.dtype, device=device) if t.device.type == "meta" else mode.from_tensor(t)
 
     with mode:
-        params = {}
-        for unit in plan.units:
-            for spec in unit.all_params:
-                p = torch.empty(spec.shape, dtype=spec.dtype, device=device)
-                params[spec.name] = p.requires_grad_(spec.requires_grad)
+        params = {
+            spec.name: torch.empty(spec.shape, dtype=spec.dtype, device=device).requires_grad_(spec.requires_grad)
+            for spec in plan.params
+        }
         buffers = {k: fake(v) for k, v in fn.buffers.items()}
         fake_batch = torch_pytree.tree_map(lambda x: fake(x) if isinstance(x, torch.Tensor) else x, batch)
-    excluded = {p.untyped_storage()._cdata for p in params.values()}
-    live = _Live(excluded, on_sample)
-
-    handles: list[Any] = []
-    for unit in plan.units:
-        if unit.params:
-            pending[unit.name] = sum(1 for spec in unit.params if spec.requires_grad)
-
-            def done(p: torch.Tensor, name: str = unit.name) -> None:
-                p.grad = None  # the step reduce-scatters it and lets it go: the plan's part
-                if not in_backward or in_backward[-1] != name:
-                    in_backward.append(name)
-                pending[name] -= 1
-                if pending[name] == 0:
-                    reduced.add(name)
-                    in_backward.remove(name)
-
-            handles += [params[s.name].register_post_accumulate_grad_hook(done) for s in unit.params if s.requires_grad]
-
-    def region(name: str, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if phase[0] != "backward":
-            return original(*args, **kwargs)
-        before = live.current
-        running.append(name)
-        if name in pending and pending[name] and (not in_backward or in_backward[-1] != name):
-            in_backward.append(name)
-        try:
-            out = original(*args, **kwargs)
-        finally:
-            running.pop()
-        live.sample("recompute")
-        recompute[name] = max(recompute.get(name, 0), live.current - before)
-        return out
-
-    # As the train step's runtime does: the unit's forward, rematerialised with the unit's
-    # parameters as the region's inputs (here the fake ones functional_call puts in place).
-    replaced: dict[nn.Module, Callable[..., Any]] = {}
-    for name in remat_units:
-        assert chosen is not None
-        target = module.get_submodule(name)
-        replaced[target] = _remat_with_state(
-            functools.partial(region, name, target.forward), [target], chosen.policy, name
-        )
-
-    for unit in plan.units:
-        if unit.name == ROOT:
-            continue
-        for path in unit.modules:
-            target = module.get_submodule(path)
-            handles.append(target.register_forward_pre_hook(functools.partial(_enter, running, unit.name)))
-            handles.append(target.register_forward_hook(functools.partial(_leave, running)))
-
-    def model(*args: Any, **kwargs: Any) -> Any:
-        phase[0] = "model"
-        try:
-            return fn(params, buffers, *args, **kwargs)
-        finally:
-            phase[0] = "loss"
-
-    try:
-        with mode, live, route_torch_checkpoint(), _forwards_replaced(replaced):
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = loss_fn(model, fake_batch)
-            phase[0] = live.phase = "backward"
-            live.sample("end of forward")
-            end_of_forward = live.current
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-                raise ValueError(
-                    "estimate_activations: loss_fn must return a scalar tensor that depends on the parameters, "
-                    f"got {type(loss).__name__} {getattr(loss, 'shape', '')}"
-                )
-            loss.backward()
-            del loss
-    finally:
-        for h in handles:
-            h.remove()
-    names = [u.name for u in plan.units]
-    names = [*([ROOT] if ROOT not in names and ROOT in saved else []), *names, LOSS]
-    units = tuple(UnitActivations(n, saved.get(n, 0), recompute.get(n, 0)) for n in names)
+    trace = _Trace(plan, params)
+    live = trace.live
+    with mode, live, route_torch_checkpoint(), _installed(trace, plan, fn.module, params, chosen, remat_units):
+        with torch.autograd.graph.saved_tensors_hooks(trace.pack, lambda t: t):
+            loss = loss_fn(trace.model(fn, params, buffers), fake_batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise ValueError(
+                "estimate_activations: loss_fn must return a scalar tensor that depends on the parameters, "
+                f"got {type(loss).__name__} {getattr(loss, 'shape', '')}"
+            )
+        live.phase = "backward"
+        live.sample("end of forward")
+        end_of_forward = live.current
+        loss.backward()
+        del loss
     return ActivationEstimate(
         saved=end_of_forward,
         peak=live.peak,
         peak_op=live.peak_op,
         peak_in=live.peak_in,
-        stages=tuple(ActivationStage(r, u, n) for (r, u), n in stages.items()),
-        units=units,
+        stages=tuple(ActivationStage(r, u, n) for (r, u), n in trace.stages.items()),
+        units=trace.units(plan),
         remat=remat_units,
     )
