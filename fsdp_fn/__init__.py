@@ -9,6 +9,7 @@ step   = train_step(fn, loss_fn, adamw())      # torch.func composes them into o
 loss, grads = value_and_grad(fn, loss_fn)(params, buffers, batch)   # gradients as sharded values
 """
 
+from fsdp_fn._activations import ActivationEstimate, ActivationStage, UnitActivations, estimate_activations
 from fsdp_fn._collectives import Collective, CommLog, all_gather, comm_log, reduce_scatter_sum
 from fsdp_fn._errors import DivergenceError, RankFailure
 from fsdp_fn._functional import Functional, functionalize
@@ -41,6 +42,7 @@ __all__ = [
     "ROOT",
     "CATEGORIES",
     "AccumulateState",
+    "ActivationEstimate",
     "AdamWState",
     "ApplyIfFiniteState",
     "GradientTransformation",
@@ -64,17 +66,20 @@ __all__ = [
     "Plan",
     "Policy",
     "SGDState",
+    "ActivationStage",
     "Schedule",
     "Sharded",
     "TrainState",
     "TrainStep",
     "Unit",
+    "UnitActivations",
     "UnitState",
     "adamw",
     "all_gather",
     "apply_sharded",
     "clip_grad_norm_",
     "comm_log",
+    "estimate_activations",
     "estimate_memory",
     "from_torch",
     "functionalize",

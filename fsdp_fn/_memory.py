@@ -27,6 +27,7 @@ from typing import Any
 
 import optree
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
@@ -35,6 +36,7 @@ from torch.utils._python_dispatch import (
 )
 
 from fsdp_fn import _labels
+from fsdp_fn._activations import ActivationEstimate
 from fsdp_fn._plan import ROOT, Plan
 from fsdp_fn._tree import NAMESPACE
 
@@ -69,7 +71,7 @@ def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
             if isinstance(inner, torch.Tensor):
                 yield from _storages(inner)
         return
-    if t.device.type == "meta":
+    if t.device.type == "meta" or isinstance(t, FakeTensor):  # shapes only, no data (estimate_activations)
         return
     try:
         st = t.untyped_storage()
@@ -195,17 +197,29 @@ class MemoryMeter(TorchDispatchMode):
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Per-rank bytes a train step needs besides activations, predicted from the plan."""
+    """Per-rank bytes of a train step, predicted before anything is allocated.
+
+    The plan's part: ``params``, ``grads``, ``optimizer``, ``gathered``, ``full_grad``,
+    each at its own peak. With an ``ActivationEstimate``: ``activations`` (activations
+    and temporaries at their peak, from one fake step) and ``with_gradients``: activations
+    plus the gradients alive with them (shards of the units already reduced, the full
+    gradient of the unit whose backward runs), at the moment that sum peaks.
+    """
 
     params: int  # sharded parameters (padding included)
     grads: int  # gradient shards alive at once
     optimizer: int  # optimizer state
     gathered: int  # gathered parameters in flight at most
     full_grad: int  # full (unsharded) unit gradients alive while they are reduce-scattered
+    activations: int = 0  # activations and temporaries at their peak (0: not estimated)
+    with_gradients: int = 0  # activations + gradients alive with them, at their joint peak
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.gathered + self.full_grad
+        """The step's peak: shards and gathered units throughout, plus the larger of the
+        activations' joint peak with the gradients and the end of backward (every gradient
+        shard, a unit's full gradient). Without activations: the sum of the plan's parts."""
+        return self.params + self.optimizer + self.gathered + max(self.with_gradients, self.grads + self.full_grad)
 
 
 def estimate_memory(
@@ -215,12 +229,16 @@ def estimate_memory(
     optimizer_slots: int = 2,
     update_in_backward: bool = False,
     units_in_flight: int = 1,
+    activations: ActivationEstimate | None = None,
 ) -> MemoryEstimate:
     """Predict a step's per-rank memory from the plan alone, before anything is allocated.
 
     ``optimizer_slots``: shard-sized state tensors per parameter (AdamW 2, SGD with
     momentum 1, plain SGD 0). The root unit, when there is one, stays gathered for the
     whole step; at most ``units_in_flight`` other units are gathered at once.
+    ``activations``: ``estimate_activations(fn, loss_fn, batch, plan, remat=...)`` on
+    this rank's batch, for the activations (rematerialisation included). Nothing is
+    allocated, nothing is communicated.
 
     >>> from torch import nn
     >>> from fsdp_fn import make_plan
@@ -234,6 +252,16 @@ def estimate_memory(
     root = next((u.gather_bytes(world) for u in plan.units if u.name == ROOT), 0)
     largest_shard = max(shard_bytes.values())
     counters = 4 * sum(len(u.params) for u in plan.units)  # one float32 step count per trainable parameter
+    with_gradients = 0
+    for stage in activations.stages if activations is not None else ():
+        reduced = [shard_bytes[n] for n in stage.reduced if n in shard_bytes]
+        shards = max(reduced, default=0) if update_in_backward else sum(reduced)
+        full = (
+            plan.unit(stage.running).padded_numel(world) * plan.unit(stage.running).dtype.itemsize
+            if stage.running is not None
+            else 0
+        )
+        with_gradients = max(with_gradients, stage.peak + shards + full)
     return MemoryEstimate(
         params=params,
         grads=largest_shard if update_in_backward else params,
@@ -241,4 +269,6 @@ def estimate_memory(
         gathered=root + sum(others[:units_in_flight]),
         # With update_in_backward one reduce-scatter stays in flight behind the next unit's backward.
         full_grad=(2 if update_in_backward else 1) * max(u.gather_bytes(world) for u in plan.units),
+        activations=activations.peak if activations is not None else 0,
+        with_gradients=with_gradients,
     )
