@@ -28,6 +28,7 @@ setting, e.g. ``System("fsdp2", {"checkpoint": True})`` for activation checkpoin
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -47,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import fsdp_fn as ff
-from examples.gpt import GPT, Block, GPTConfig, lm_loss, stdlib_text, token_batches
+from examples.gpt import GPT, Block, GPTConfig, lm_loss, lm_loss_chunked, stdlib_text, token_batches
 from fsdp_fn.testing import RankPool
 
 
@@ -84,8 +85,18 @@ SYSTEMS: dict[str, System] = {
         {"split_root": True, "update_in_backward": True, "remat": ff.Remat()},
         "fsdp_fn, full remat + split_root + update_in_backward",
     ),
+    "fsdp_fn+remat+levers+chunked": System(
+        "fsdp_fn",
+        {"split_root": True, "update_in_backward": True, "remat": ff.Remat(), "chunks": 8},
+        "fsdp_fn, full remat + split_root + update_in_backward + the loss head in 8 chunks (chunked_cross_entropy)",
+    ),
     "fsdp2+ac": System(
         "fsdp2", {"checkpoint": True}, "FSDP2 at its defaults + activation checkpointing on every block"
+    ),
+    "fsdp2+ac+chunked": System(
+        "fsdp2",
+        {"checkpoint": True, "chunks": 8},
+        "FSDP2 + activation checkpointing on every block + the loss head in 8 chunks (chunked_cross_entropy)",
     ),
     "fsdp1": System("fsdp1", {}, "FSDP1, one FlatParameter per block and the root"),
     "ddp": System("ddp", {}, "DDP, gradient_as_bucket_view"),
@@ -98,6 +109,8 @@ PAIRS = (
     ("fsdp_fn+remat", "fsdp2+ac"),
     ("fsdp_fn+selective", "fsdp2+ac"),
     ("fsdp_fn+remat+levers", "fsdp2+ac"),
+    ("fsdp_fn+remat+levers+chunked", "fsdp2+ac"),
+    ("fsdp_fn+remat+levers+chunked", "fsdp2+ac+chunked"),
 )
 # The default rows of each table: the small batch (parameters dominate) and the realistic
 # one (sequence 256, batch 8 per rank: activations dominate, so remat rows join).
@@ -108,8 +121,10 @@ TABLES = {
         "fsdp_fn+remat",
         "fsdp_fn+selective",
         "fsdp_fn+remat+levers",
+        "fsdp_fn+remat+levers+chunked",
         "fsdp2",
         "fsdp2+ac",
+        "fsdp2+ac+chunked",
         "single",
     ),
 }
@@ -229,7 +244,7 @@ def _device(cfg: Config) -> torch.device:
 
 def _build_fsdp_fn(cfg: Config, group: Any, **options: Any) -> Built:
     """fsdp_fn: ``split_root`` goes to ``make_plan`` (its default where absent), ``remat`` to
-    ``train_step``, the rest are ``Schedule`` fields."""
+    ``train_step``, ``chunks`` to the loss (``lm_loss_chunked``), the rest are ``Schedule`` fields."""
     device = _device(cfg)
     torch.manual_seed(0)
     # The same initial weights as the other systems; the module itself lives on meta, so
@@ -242,9 +257,9 @@ def _build_fsdp_fn(cfg: Config, group: Any, **options: Any) -> Built:
     params = ff.shard(dict(full.named_parameters()), plan, group)
     buffers = dict(full.named_buffers())
     del full
-    remat = options.pop("remat", None)
+    remat, loss_fn = options.pop("remat", None), _loss(options.pop("chunks", 0))
     schedule = ff.Schedule(**options)
-    train = ff.train_step(ff.functionalize(model), lm_loss, ff.adamw(lr=cfg.lr), schedule=schedule, remat=remat)
+    train = ff.train_step(ff.functionalize(model), loss_fn, ff.adamw(lr=cfg.lr), schedule=schedule, remat=remat)
     holder = {"state": train.init(params, buffers)}
 
     def step(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -261,7 +276,14 @@ def _build_fsdp_fn(cfg: Config, group: Any, **options: Any) -> Built:
     return Built(step, lambda meter: meter.tag(holder["state"], "state"), tracker, model)
 
 
-def _build_torch(kind: str, cfg: Config, group: Any, torchtitan: bool = False, checkpoint: bool = False) -> Built:
+def _loss(chunks: int) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """The bench's loss: whole, or (``chunks`` > 0) the loss head that many rows at a time."""
+    return functools.partial(lm_loss_chunked, chunks=chunks) if chunks else lm_loss
+
+
+def _build_torch(
+    kind: str, cfg: Config, group: Any, torchtitan: bool = False, checkpoint: bool = False, chunks: int = 0
+) -> Built:
     device = _device(cfg)
     torch.manual_seed(0)
     model = GPT(cfg.gpt()).to(device)
@@ -298,6 +320,7 @@ def _build_torch(kind: str, cfg: Config, group: Any, torchtitan: bool = False, c
     else:
         wrapped = model
     opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr, foreach=True)
+    loss_fn = _loss(chunks)
     world = group.size() if group is not None else 1
     sharded = kind in ("fsdp1", "fsdp2") and world > 1
 
@@ -316,7 +339,7 @@ def _build_torch(kind: str, cfg: Config, group: Any, torchtitan: bool = False, c
 
     def step(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         opt.zero_grad(set_to_none=True)
-        loss = lm_loss(wrapped, batch)
+        loss = loss_fn(wrapped, batch)
         loss.backward()
         grads = [p.grad for p in wrapped.parameters() if p.grad is not None]
         if kind == "ddp":  # views of DDP's gradient buckets, which outlive zero_grad(set_to_none=True)

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdp_fn import chunked_cross_entropy
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -65,11 +67,15 @@ class GPT(nn.Module):
             else:
                 nn.init.zeros_(p)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, chunks: int = 8) -> torch.Tensor:
+        """The logits; with ``targets``, the next-token loss instead, computed over ``chunks``
+        slices of the rows so that the whole logits never exist (``chunked_cross_entropy``)."""
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
             x = block(x)
+        if targets is not None:
+            return chunked_cross_entropy(self.ln_f(x), self.head, targets, chunks=chunks)
         return self.head(self.ln_f(x))
 
 
@@ -77,6 +83,12 @@ def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:  # type: ignore[no-unty
     """Next-token cross-entropy; ``batch`` is (B, T+1) tokens."""
     logits = model(batch[:, :-1])
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+def lm_loss_chunked(model, batch: torch.Tensor, chunks: int = 8) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """``lm_loss`` with the loss computed inside the model, ``chunks`` slices of the rows at a
+    time: the same loss and gradients, without the (B*T, vocab) logits and their gradient."""
+    return model(batch[:, :-1], batch[:, 1:], chunks=chunks)  # type: ignore[no-any-return]
 
 
 def stdlib_text(max_bytes: int = 4 << 20) -> bytes:

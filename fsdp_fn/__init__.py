@@ -16,6 +16,7 @@ from fsdp_fn._functional import Functional, functionalize
 from fsdp_fn._gather import gather_for
 from fsdp_fn._grad import value_and_grad
 from fsdp_fn._init import init_shards
+from fsdp_fn._losses import chunked_cross_entropy
 from fsdp_fn._memory import CATEGORIES, MemoryEstimate, MemoryMeter, estimate_memory
 from fsdp_fn._optim import AdamWState, Optimizer, SGDState, adamw, from_torch, sgd, tree_leaves, tree_map
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Policy, Unit, layer_policy, make_plan, size_policy
@@ -77,6 +78,7 @@ __all__ = [
     "adamw",
     "all_gather",
     "apply_sharded",
+    "chunked_cross_entropy",
     "clip_grad_norm_",
     "comm_log",
     "estimate_activations",

@@ -36,7 +36,13 @@ def test_compare_runs_and_every_system_matches_one_process():
 
 def test_realistic_table_runs_every_remat_row_against_one_process_and_torchs_tracker():
     out = _run("compare.py", "--table", "realistic", "--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "1")
-    for system in ("fsdp_fn+remat", "fsdp_fn+selective", "fsdp_fn+remat+levers", "fsdp2+ac"):
+    for system in (
+        "fsdp_fn+remat",
+        "fsdp_fn+selective",
+        "fsdp_fn+remat+levers+chunked",
+        "fsdp2+ac",
+        "fsdp2+ac+chunked",
+    ):
         row = rf"^\s*{re.escape(system)}: max relative difference to one process.*grad norm ([0-9.e+-]+)"
         diff = re.search(row, out, re.M)
         assert diff is not None and float(diff.group(1)) < 1e-5, out
