@@ -253,6 +253,11 @@ class Runtime:
         if self.schedule.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             self._prefetch_backward(use)
 
+    def before_grad(self, use: GatheredUnit) -> None:
+        # The reduction left in flight behind this backward ends here, before the new flat
+        # gradient exists: the previous unit's full gradient and this one's never live at once.
+        self.sink.drain()
+
     def after_backward(self, use: GatheredUnit, full: torch.Tensor) -> None:
         if self.schedule.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self._prefetch_backward(use)

@@ -77,7 +77,11 @@ class GradSink:
         while len(self.pending) > keep:
             unit, finish = self.pending.popleft()
             with torch._C._DisableFuncTorch(), torch.no_grad():
-                self._deliver(unit, finish())
+                shard = finish()
+                # The reduction's closure holds the full gradient and the received shards: let them
+                # go before delivering (with update_in_backward the optimizer steps the unit now).
+                del finish
+                self._deliver(unit, shard)
 
     def _deliver(self, unit: str, grad: torch.Tensor) -> None:
         total = self.totals.get(unit)
@@ -93,8 +97,8 @@ class GradSink:
         plan = self.params.plan
         for name in list(self.deferred):
             with torch._C._DisableFuncTorch(), torch.no_grad():
-                finish = reduce_unit(self.params, plan.unit(name), self.deferred.pop(name), self.schedule)
-                self._deliver(name, finish())
+                shard = reduce_unit(self.params, plan.unit(name), self.deferred.pop(name), self.schedule)()
+                self._deliver(name, shard)
 
     def received_masks(self) -> dict[str, tuple[bool, ...]]:
         return {u: tuple(m) for u, m in self.received.items()}
