@@ -111,6 +111,12 @@ class GatheredUnit:
         self.received = [False] * len(unit.params)
         self.offsets = unit.offsets  # where each trainable parameter starts in the flat buffer
         self.grad: torch.Tensor | None = None  # the trainable part's flat gradient, filled by the backward
+        # A unit run by its own module gets its gradients within that module's backward: each is
+        # written into the flat gradient as it comes. The root's (or one gathered by several
+        # modules) come spread over the whole backward: they are held as autograd made them and
+        # written when the last is in, so the flat buffer does not live the whole backward.
+        self.write_at_once = unit.name != ROOT and not unit.hooks
+        self.held: dict[int, torch.Tensor] = {}
         # Only non-root units whose gather allocates take a buffer that counts against the limit.
         self.counted = unit.name != ROOT and not all(p.in_place for p in self.parts)
 
@@ -153,8 +159,18 @@ class GatheredUnit:
         self.state = UnitState.SHARDED
 
     def add_grad(self, index: int, grad: torch.Tensor) -> None:
-        """Write parameter ``index``'s gradient into its slice of the flat gradient (allocated
-        at the first one); autograd's own tensor can then go at once."""
+        """Parameter ``index``'s gradient, from its backward: written into its slice of the flat
+        gradient (allocated at the first one), so autograd's own tensor goes at once; or held
+        until ``take_grad`` (see ``write_at_once``)."""
+        if self.write_at_once:
+            self._write(index, grad, add=self.received[index])  # a second gradient for this use: summed
+        else:
+            held = self.held.get(index)
+            with torch._C._DisableFuncTorch(), torch.no_grad():
+                self.held[index] = grad if held is None else held + grad
+        self.received[index] = True
+
+    def _write(self, index: int, grad: torch.Tensor, add: bool = False) -> None:
         spec = self.unit.params[index]
         with torch._C._DisableFuncTorch(), torch.no_grad():
             if self.grad is None:
@@ -163,14 +179,16 @@ class GatheredUnit:
                     self.grad = torch.empty(self._grad_numel(), dtype=self.parts[0].dtype, device=self.parts[0].device)
             at = self.offsets[index]
             piece = self.grad[at : at + spec.numel].view(spec.shape)
-            if self.received[index]:  # a second gradient for the same use: sum, as autograd would
+            if add:
                 piece.add_(grad)
             else:
                 piece.copy_(grad)
-        self.received[index] = True
 
     def take_grad(self) -> torch.Tensor:
         """The flat gradient, complete: zero where the backward reached no parameter (and in the padding)."""
+        while self.held:
+            index = next(iter(self.held))
+            self._write(index, self.held.pop(index))
         with torch._C._DisableFuncTorch(), torch.no_grad():
             flat = self.grad
             if flat is None:
