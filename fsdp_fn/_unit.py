@@ -22,7 +22,7 @@ import torch
 from torch.autograd.function import FunctionCtx
 
 from fsdp_fn._collectives import all_gather_into
-from fsdp_fn._labels import label
+from fsdp_fn._labels import label, retag
 from fsdp_fn._plan import ROOT, Unit
 from fsdp_fn._shard import unit_views
 
@@ -87,9 +87,13 @@ class Owner(Protocol):
     """What a gathered use needs from the call that runs it (the runtime), as callbacks.
 
     ``inflight`` counts the non-root unit buffers allocated now (the prefetch limit).
+    ``adds_during_backward``: the owner may add into a full gradient it was handed while
+    the backward still runs (summing uses without reducing them), so autograd's own
+    tensor must never be handed on as one.
     """
 
     inflight: int
+    adds_during_backward: bool
 
     def before_backward(self, use: GatheredUnit) -> None:
         """The use's storage is refilled and its backward is about to run."""
@@ -117,6 +121,7 @@ class GatheredUnit:
         # written when the last is in, so the flat buffer does not live the whole backward.
         self.write_at_once = unit.name != ROOT and not unit.hooks
         self.held: dict[int, torch.Tensor] = {}
+        self.taken = False  # the flat gradient is autograd's own tensor (see _may_take)
         # Only non-root units whose gather allocates take a buffer that counts against the limit.
         self.counted = unit.name != ROOT and not all(p.in_place for p in self.parts)
 
@@ -175,14 +180,43 @@ class GatheredUnit:
         with torch._C._DisableFuncTorch(), torch.no_grad():
             if self.grad is None:
                 self.owner.before_grad(self)
+                if self._may_take(grad):
+                    # The unit's one parameter fills the flat gradient: take autograd's tensor as it
+                    # is, no copy. (It may be shared with another path of the backward, so it is
+                    # only ever read: the reduce-scatter sends it and sums into received buffers.)
+                    self.grad, self.taken = grad.view(-1), True
+                    retag(self.grad, "grads")
+                    return
                 with label("grads"):
                     self.grad = torch.empty(self._grad_numel(), dtype=self.parts[0].dtype, device=self.parts[0].device)
+                self.taken = False
+            if self.taken:  # never written into: a second gradient makes a new sum
+                self.grad = self.grad + grad.reshape(-1)
+                self.taken = False
+                return
             at = self.offsets[index]
             piece = self.grad[at : at + spec.numel].view(spec.shape)
             if add:
                 piece.add_(grad)
             else:
                 piece.copy_(grad)
+
+    def _may_take(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` can be the flat gradient itself: the unit's only parameter, no padding,
+        a dense tensor that owns its whole storage, more than one rank (one rank's reduction hands
+        the flat gradient on as the shard), and an owner that never adds into it during backward."""
+        part = self.parts[0]
+        return (
+            len(self.unit.params) == 1
+            and grad.numel() == self._grad_numel()
+            and int(part.group.size()) > 1
+            and not self.owner.adds_during_backward
+            and grad.dtype == part.dtype
+            and grad.device == part.device
+            and grad.is_contiguous()
+            and grad.storage_offset() == 0
+            and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+        )
 
     def take_grad(self) -> torch.Tensor:
         """The flat gradient, complete: zero where the backward reached no parameter (and in the padding)."""
@@ -258,7 +292,7 @@ class GatherUnit(torch.autograd.Function):
         full = rec.take_grad()
         if grad is not None:  # the buffer itself was used beyond its parameters' views
             with torch._C._DisableFuncTorch(), torch.no_grad():
-                full.add_(plain(grad))
+                full = full + plain(grad)
         rec.release()
         rec.owner.after_backward(rec, full)
         shard = rec.shard
