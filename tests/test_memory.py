@@ -303,3 +303,45 @@ def test_one_full_unit_gradient_at_a_time(pool):
     # previous unit's full gradient when the next one's is allocated (two at once).
     for grads, full, shard in pool.run(_grads_peak_in_backward, world=2):
         assert grads <= full + shard, (grads, full, shard)
+
+
+class _Shift(nn.Module):
+    """One parameter added to an input of its own shape: autograd hands the same gradient
+    tensor to the input's path and to the parameter (the unit may take it as its flat gradient)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.p
+
+
+def _shared_gradient_grads(group, accumulate):
+    torch.manual_seed(0)
+    shift = _Shift(8)
+    model = nn.Sequential(nn.Linear(8, 8), shift, nn.Tanh(), nn.Linear(8, 8), shift, nn.Tanh())  # used twice
+    x = torch.randn(8)  # unbatched: x + p has p's shape, so no reduction makes a fresh gradient
+    loss_fn = lambda m, b: m(b).square().sum()  # noqa: E731
+    reference = torch.autograd.grad(loss_fn(model, x), list(model.parameters()))
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([_Shift]))
+    if accumulate is None:
+        _, grads = ff.value_and_grad(fn, loss_fn)(ff.shard(fn.params, plan, group), fn.buffers, x)
+        got = ff.unshard(grads)
+    else:  # SGD with lr 1 from zero-initialised copies: the step moves each parameter by -grad
+        step = ff.train_step(fn, loss_fn, ff.sgd(lr=1.0), accumulation=2, accumulate=accumulate)
+        state = step.init(ff.shard(fn.params, plan, group))
+        before = ff.unshard(state.params)
+        state, _ = step(state, [x, x])
+        got = {k: before[k] - v for k, v in ff.unshard(state.params).items()}
+    names = [n for n, _ in model.named_parameters()]
+    return max((got[n] - r).abs().max().item() for n, r in zip(names, reference, strict=True))
+
+
+@pytest.mark.parametrize("accumulate", [None, "sharded", "full"])
+def test_a_gradient_shared_with_another_path_stays_exact(pool, accumulate):
+    # Catches: a one-parameter unit taking autograd's gradient tensor as its flat gradient and
+    # then writing into it while the input's path (or a second use) still reads it.
+    for diff in pool.run(_shared_gradient_grads, accumulate, world=2):
+        assert diff < 1e-6
