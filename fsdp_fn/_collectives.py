@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
 from fsdp_fn import _guard
-from fsdp_fn._labels import label
+from fsdp_fn._labels import label, retag
 
 
 @dataclass(frozen=True)
@@ -175,8 +175,9 @@ def reduce_scatter_start(
 ) -> Callable[[], torch.Tensor]:
     """Issue a reduce-scatter without waiting; call the result to wait and get this rank's shard.
 
-    Memory: one shard, plus (pairwise) ``W-1`` received shards until the result is taken;
-    ``full`` stays alive until then. The sum runs in rank order on every rank.
+    Memory: (pairwise) ``W-1`` received shards, one of which becomes the result, so no
+    shard more; ``full`` stays alive until the result is taken. The sum runs in rank order
+    on every rank.
     """
     world, rank = group.size(), group.rank()
     record("reduce_scatter", unit, full.numel(), full.dtype, group)
@@ -197,22 +198,23 @@ def reduce_scatter_start(
 
             return finish_native
         chunks = list(full.chunk(world))
-        with label("comm"):
-            received = full.new_empty(world - 1, n)
-        others = [j for j in range(world) if j != rank]
-        into: list[torch.Tensor | None] = [None] * world
-        for k, j in enumerate(others):
-            into[j] = received[k]
+        with label("comm"):  # one buffer per peer: the sum lands in one of them, the others go
+            into: list[torch.Tensor | None] = [None if j == rank else full.new_empty(n) for j in range(world)]
         pending = _exchange(group, [None if j == rank else c for j, c in enumerate(chunks)], into, what)
 
         def finish() -> torch.Tensor:
             pending.wait()
-            with torch._C._DisableFuncTorch(), label("grads"):
-                parts: list[torch.Tensor] = [chunks[rank], *received]
-                parts.insert(rank, parts.pop(0))  # in rank order: every rank sums the same way
-                out = parts[0].clone()
-                for part in parts[1:]:
+            with torch._C._DisableFuncTorch():
+                parts = [chunks[rank] if t is None else t for t in into]  # in rank order: every rank sums alike
+                into.clear()
+                # The first sum goes into whichever of the two is a received buffer (a + b is b + a
+                # exactly); the rest add on in rank order.
+                first, second = parts[0], parts[1]
+                out = second.add_(first) if rank == 0 else first.add_(second)
+                for part in parts[2:]:
                     out.add_(part)
+                del parts, first, second
+                retag(out, "grads")
                 return out.mul_(scale) if scale != 1.0 else out
 
         return finish

@@ -118,6 +118,7 @@ class Runtime:
         self.records: list[GatheredUnit] = []  # every gathered use that may get a backward, in forward order
         self.prefetched: dict[str, GatheredUnit] = {}
         self.inflight = 0  # non-root unit buffers allocated now
+        self.adds_during_backward = self.sink.deferred is not None  # summing full gradients (accumulate="full")
         self.running: list[str] = []  # units whose forward is in progress, innermost last
         self.order: list[str] = []  # units in the order their forward ran
         self.live: dict[tuple[str, int], list[GatheredUnit | None]] = {}  # uses whose forward is running
@@ -252,6 +253,11 @@ class Runtime:
     def before_backward(self, use: GatheredUnit) -> None:
         if self.schedule.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             self._prefetch_backward(use)
+
+    def before_grad(self, use: GatheredUnit) -> None:
+        # The reduction left in flight behind this backward ends here, before the new flat
+        # gradient exists: the previous unit's full gradient and this one's never live at once.
+        self.sink.drain()
 
     def after_backward(self, use: GatheredUnit, full: torch.Tensor) -> None:
         if self.schedule.backward_prefetch is BackwardPrefetch.BACKWARD_POST:

@@ -1,7 +1,7 @@
 """The gradient sink: where a unit's full gradient goes once its backward has run.
 
-Reduce (a reduce-scatter issued at once, one left in flight behind the next unit's
-backward), defer (accumulating micro-batches without reducing), deliver (the shards of
+Reduce (a reduce-scatter issued at once, left in flight until the next unit's first
+gradient arrives), defer (accumulating micro-batches without reducing), deliver (the shards of
 every use of a unit summed; a unit handed on the moment its last use is reduced) and
 drain (wait for what is left at the end of backward). Replicas (hybrid sharding) average
 their shards here, in ``reduce_unit``: the one place gradients cross ranks.
@@ -24,14 +24,15 @@ from fsdp_fn._shard import Sharded
 class GradSink:
     """Where a unit's full gradient goes when its backward has run (lean path).
 
-    ``push`` issues the unit's reduce-scatter without waiting (one stays in flight behind
-    the next unit's backward) and the shards of every use of a unit are summed; with
+    ``push`` issues the unit's reduce-scatter without waiting (the runtime ``drain``s it
+    when the next unit's first gradient arrives, before that unit's flat gradient is
+    allocated) and the shards of every use of a unit are summed; with
     ``defer`` (accumulating micro-batches without reducing) the full gradients are summed
     instead and reduced once by ``reduce_deferred``. ``on_unit(unit, grad, received)`` is
     called the moment a unit's last reachable use is reduced (``expect`` says how many
     uses the loss reaches); otherwise ``drain()`` then ``grads()`` hand them over at the end.
     Memory: one gradient shard per unit (or one full gradient per unit with ``defer``),
-    plus the full gradients of the reductions in flight.
+    plus the full gradient of the reduction in flight (and ``W-1`` received shards).
     """
 
     def __init__(
@@ -77,7 +78,11 @@ class GradSink:
         while len(self.pending) > keep:
             unit, finish = self.pending.popleft()
             with torch._C._DisableFuncTorch(), torch.no_grad():
-                self._deliver(unit, finish())
+                shard = finish()
+                # The reduction's closure holds the full gradient and the received shards: let them
+                # go before delivering (with update_in_backward the optimizer steps the unit now).
+                del finish
+                self._deliver(unit, shard)
 
     def _deliver(self, unit: str, grad: torch.Tensor) -> None:
         total = self.totals.get(unit)
@@ -93,8 +98,8 @@ class GradSink:
         plan = self.params.plan
         for name in list(self.deferred):
             with torch._C._DisableFuncTorch(), torch.no_grad():
-                finish = reduce_unit(self.params, plan.unit(name), self.deferred.pop(name), self.schedule)
-                self._deliver(name, finish())
+                shard = reduce_unit(self.params, plan.unit(name), self.deferred.pop(name), self.schedule)()
+                self._deliver(name, shard)
 
     def received_masks(self) -> dict[str, tuple[bool, ...]]:
         return {u: tuple(m) for u, m in self.received.items()}

@@ -5,9 +5,12 @@ full parameters, the unit's parameters are views into it. FREED (post-forward): 
 buffer's storage is released (``untyped_storage().resize_(0)``); autograd's saved tensors
 still alias it. GATHERED again (pre-backward): an identity ``autograd.Function`` on the
 unit's outputs refills it before the unit's backward runs. SHARDED (post-backward): the
-full gradient goes to the owner, the buffer is dropped. Inside ``torch.func`` saved-tensor
-hooks are refused, which is why freeing works on storage. This file knows nothing of the
-runtime: what a use needs from the call that runs it comes in as an ``Owner``.
+full gradient goes to the owner, the buffer is dropped. Each parameter's gradient is
+written into its slice of one flat gradient buffer the moment autograd produces it, so a
+unit's full gradient exists once, never also as per-parameter tensors. Inside
+``torch.func`` saved-tensor hooks are refused, which is why freeing works on storage. This
+file knows nothing of the runtime: what a use needs from the call that runs it comes in as
+an ``Owner``.
 """
 
 from __future__ import annotations
@@ -84,12 +87,19 @@ class Owner(Protocol):
     """What a gathered use needs from the call that runs it (the runtime), as callbacks.
 
     ``inflight`` counts the non-root unit buffers allocated now (the prefetch limit).
+    ``adds_during_backward``: the owner may add into a full gradient it was handed while
+    the backward still runs (summing uses without reducing them), so autograd's own
+    tensor must never be handed on as one.
     """
 
     inflight: int
+    adds_during_backward: bool
 
     def before_backward(self, use: GatheredUnit) -> None:
         """The use's storage is refilled and its backward is about to run."""
+
+    def before_grad(self, use: GatheredUnit) -> None:
+        """The use's first parameter gradient is here; its flat gradient is about to be allocated."""
 
     def after_backward(self, use: GatheredUnit, full: torch.Tensor) -> None:
         """The use's backward has run: ``full`` is its full (trainable) gradient."""
@@ -103,6 +113,15 @@ class GatheredUnit:
         self.unit, self.parts, self.owner = unit, parts, owner
         self.state = UnitState.SHARDED
         self.received = [False] * len(unit.params)
+        self.offsets = unit.offsets  # where each trainable parameter starts in the flat buffer
+        self.grad: torch.Tensor | None = None  # the trainable part's flat gradient, filled by the backward
+        # A unit run by its own module gets its gradients within that module's backward: each is
+        # written into the flat gradient as it comes. The root's (or one gathered by several
+        # modules) come spread over the whole backward: they are held as autograd made them and
+        # written when the last is in, so the flat buffer does not live the whole backward.
+        self.write_at_once = unit.name != ROOT and not unit.hooks
+        self.held: dict[int, torch.Tensor] = {}
+        self.taken = False  # the flat gradient is autograd's own tensor (see _may_take)
         # Only non-root units whose gather allocates take a buffer that counts against the limit.
         self.counted = unit.name != ROOT and not all(p.in_place for p in self.parts)
 
@@ -144,13 +163,98 @@ class GatheredUnit:
             part.buffer = None
         self.state = UnitState.SHARDED
 
+    def add_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Parameter ``index``'s gradient, from its backward: written into its slice of the flat
+        gradient (allocated at the first one), so autograd's own tensor goes at once; or held
+        until ``take_grad`` (see ``write_at_once``)."""
+        if self.write_at_once:
+            self._write(index, grad, add=self.received[index])  # a second gradient for this use: summed
+        else:
+            held = self.held.get(index)
+            with torch._C._DisableFuncTorch(), torch.no_grad():
+                self.held[index] = grad if held is None else held + grad
+        self.received[index] = True
+
+    def _write(self, index: int, grad: torch.Tensor, add: bool = False) -> None:
+        spec = self.unit.params[index]
+        with torch._C._DisableFuncTorch(), torch.no_grad():
+            if self.grad is None:
+                self.owner.before_grad(self)
+                if self._may_take(grad):
+                    # The unit's one parameter fills the flat gradient: take autograd's tensor as it
+                    # is, no copy. (It may be shared with another path of the backward, so it is
+                    # only ever read: the reduce-scatter sends it and sums into received buffers.)
+                    self.grad, self.taken = grad.view(-1), True
+                    retag(self.grad, "grads")
+                    return
+                with label("grads"):
+                    self.grad = torch.empty(self._grad_numel(), dtype=self.parts[0].dtype, device=self.parts[0].device)
+                self.taken = False
+            if self.taken:  # never written into: a second gradient makes a new sum
+                self.grad = self.grad + grad.reshape(-1)
+                self.taken = False
+                return
+            at = self.offsets[index]
+            piece = self.grad[at : at + spec.numel].view(spec.shape)
+            if add:
+                piece.add_(grad)
+            else:
+                piece.copy_(grad)
+
+    def _may_take(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` can be the flat gradient itself: the unit's only parameter, no padding,
+        a dense tensor that owns its whole storage, more than one rank (one rank's reduction hands
+        the flat gradient on as the shard), and an owner that never adds into it during backward."""
+        part = self.parts[0]
+        return (
+            len(self.unit.params) == 1
+            and grad.numel() == self._grad_numel()
+            and int(part.group.size()) > 1
+            and not self.owner.adds_during_backward
+            and grad.dtype == part.dtype
+            and grad.device == part.device
+            and grad.is_contiguous()
+            and grad.storage_offset() == 0
+            and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+        )
+
+    def take_grad(self) -> torch.Tensor:
+        """The flat gradient, complete: zero where the backward reached no parameter (and in the padding)."""
+        while self.held:
+            index = next(iter(self.held))
+            self._write(index, self.held.pop(index))
+        with torch._C._DisableFuncTorch(), torch.no_grad():
+            flat = self.grad
+            if flat is None:
+                with label("grads"):
+                    flat = torch.zeros(self._grad_numel(), dtype=self.parts[0].dtype, device=self.parts[0].device)
+            else:
+                for at, spec, got in zip(self.offsets, self.unit.params, self.received, strict=True):
+                    if not got:
+                        flat[at : at + spec.numel].zero_()
+                flat[self.unit.numel :].zero_()
+        self.grad = None
+        return flat
+
+    def _grad_numel(self) -> int:
+        part = self.parts[0]
+        return part.shard.numel() * int(part.group.size())
+
     def views(self, trainable: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The unit's parameters: views into ``trainable`` (autograd's output), each marked so
-        the backward records whether it reached that parameter; frozen ones from their buffer."""
-        out = unit_views(self.unit, trainable)
+        """The unit's parameters: views into ``trainable`` (autograd's output), each one's gradient
+        written into the flat gradient by its own backward; frozen ones from their buffer."""
         if torch.is_grad_enabled():
+            out = {}
             for i, spec in enumerate(self.unit.params):
-                out[spec.name] = _MarkReached.apply(out[spec.name], self, i)
+                view = out[spec.name] = _ParamView.apply(trainable, self, i)
+                if view.grad_fn is not None:
+                    # Run as soon as the gradient is ready, as autograd runs AccumulateGrad: created
+                    # before the unit's ops, the node would otherwise wait for the unit's whole
+                    # backward (the engine runs ready nodes latest-created first), holding every
+                    # parameter's gradient until then.
+                    view.grad_fn._set_sequence_nr(_AS_SOON_AS_READY)
+        else:
+            out = unit_views(self.unit, trainable)
         for part in self.parts[1:]:
             assert part.buffer is not None
             out.update(unit_views(part.part, part.buffer))
@@ -172,9 +276,12 @@ class GatherUnit(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
         ctx.fsdp_fn_use = inputs[1]  # type: ignore[attr-defined]
+        # The parameters' views send their gradients into the use's flat gradient and give
+        # autograd none: backward gets None here, not a zero-filled full-size buffer.
+        ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor, None]:
         rec: GatheredUnit = ctx.fsdp_fn_use
         if torch.is_grad_enabled():
             raise RuntimeError(
@@ -182,8 +289,10 @@ class GatherUnit(torch.autograd.Function):
                 "lean gathering is not supported: its reduce-scatter is not differentiable; use apply_sharded or "
                 "value_and_grad inside your transform (their gathers compose with every torch.func transform)"
             )
-        full = plain(grad)
-        retag(full, "grads")
+        full = rec.take_grad()
+        if grad is not None:  # the buffer itself was used beyond its parameters' views
+            with torch._C._DisableFuncTorch(), torch.no_grad():
+                full = full + plain(grad)
         rec.release()
         rec.owner.after_backward(rec, full)
         shard = rec.shard
@@ -191,21 +300,29 @@ class GatherUnit(torch.autograd.Function):
         return torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.shape), None
 
 
-class _MarkReached(torch.autograd.Function):
-    """Identity on one parameter's view; its backward records that the loss reached the parameter."""
+_AS_SOON_AS_READY = 2**64 - 1  # the sequence number autograd gives AccumulateGrad nodes
+
+
+class _ParamView(torch.autograd.Function):
+    """One parameter of a gathered use: a view into the flat buffer. Its backward writes the
+    parameter's gradient into the use's flat gradient and returns none to autograd."""
 
     @staticmethod
-    def forward(view: torch.Tensor, rec: GatheredUnit, index: int) -> torch.Tensor:
-        return view.view_as(view)
+    def forward(flat: torch.Tensor, rec: GatheredUnit, index: int) -> torch.Tensor:
+        spec = rec.unit.params[index]
+        at = rec.offsets[index]
+        return flat[at : at + spec.numel].view(spec.shape)
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
         ctx.rec, ctx.index = inputs[1], inputs[2]  # type: ignore[attr-defined]
+        ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        ctx.rec.received[ctx.index] = True
-        return grad, None, None
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, None, None]:
+        if grad is not None:
+            ctx.rec.add_grad(ctx.index, plain(grad))
+        return None, None, None
 
 
 class RefillBeforeBackward(torch.autograd.Function):

@@ -255,3 +255,95 @@ def test_forward_prefetch_gathers_the_next_unit_while_one_runs(pool):
     peak_on, root, block = on
     assert peak_on == root + 2 * block  # the running block and the next one
     assert off[0] == root + block  # without forward prefetch: one block at a time
+
+
+# --- a unit's gradient lives once -----------------------------------------------------------------
+
+
+class _Stack(nn.Sequential):
+    """A unit of its own (the root's gradients are held until its backward ends: they come spread out)."""
+
+
+def _backward_extra(group, width=64, layers=4):
+    """Peak bytes of one lean value_and_grad on a unit made of bias-free Linears (batch 1:
+    activations are a few hundred bytes), beyond the shards and the gathered unit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Stack(*(nn.Linear(width, width, bias=False) for _ in range(layers))))
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([_Stack])), group)
+    grad_fn = ff.value_and_grad(fn, lambda m, x: m(x).square().sum())
+    x = torch.randn(1, width)
+    grad_fn(params, fn.buffers, x)  # warm
+    with ff.MemoryMeter() as meter:
+        meter.tag(params, "params")
+        _, grads = grad_fn(params, fn.buffers, x)
+    peak = meter.peak()
+    unit = params.plan.unit("0")
+    assert params.plan.unit_names == ("0",), params.plan.unit_names
+    return peak["total"] - peak["params"] - peak["gathered"], unit.gather_bytes(group.size()), width * width * 4
+
+
+def test_a_units_gradient_lives_once(pool):
+    # Catches: per-parameter gradients kept until the unit's backward ends and then
+    # concatenated into the flat buffer its reduce-scatter sends (the gradient twice).
+    for extra, full, largest in pool.run(_backward_extra, world=2):
+        # The flat gradient, plus the larger of one parameter's gradient (being written into
+        # it) and the reduce-scatter's received half; a few KiB for activations.
+        assert extra <= full + max(largest, full // 2) + 4096, (extra, full)
+
+
+def _grads_peak_in_backward(group):
+    out = _measured_step(group, update_in_backward=True)
+    plan, world = out["plan"], group.size()
+    full = max(u.gather_bytes(world) for u in plan.units)
+    shard = max(u.shard_numel(world) for u in plan.units) * 4
+    return out["peaks"]["grads"], full, shard
+
+
+def test_one_full_unit_gradient_at_a_time(pool):
+    # Catches: the reduction left in flight behind the next unit's backward still holding the
+    # previous unit's full gradient when the next one's is allocated (two at once).
+    for grads, full, shard in pool.run(_grads_peak_in_backward, world=2):
+        assert grads <= full + shard, (grads, full, shard)
+
+
+class _Shift(nn.Module):
+    """One parameter added to an input of its own shape: autograd hands the same gradient
+    tensor to the input's path and to the parameter (the unit may take it as its flat gradient)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.p
+
+
+def _shared_gradient_grads(group, accumulate):
+    torch.manual_seed(0)
+    shift = _Shift(8)
+    model = nn.Sequential(nn.Linear(8, 8), shift, nn.Tanh(), nn.Linear(8, 8), shift, nn.Tanh())  # used twice
+    x = torch.randn(8)  # unbatched: x + p has p's shape, so no reduction makes a fresh gradient
+    loss_fn = lambda m, b: m(b).square().sum()  # noqa: E731
+    reference = torch.autograd.grad(loss_fn(model, x), list(model.parameters()))
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([_Shift]))
+    if accumulate is None:
+        _, grads = ff.value_and_grad(fn, loss_fn)(ff.shard(fn.params, plan, group), fn.buffers, x)
+        got = ff.unshard(grads)
+    else:  # SGD with lr 1 from zero-initialised copies: the step moves each parameter by -grad
+        step = ff.train_step(fn, loss_fn, ff.sgd(lr=1.0), accumulation=2, accumulate=accumulate)
+        state = step.init(ff.shard(fn.params, plan, group))
+        before = ff.unshard(state.params)
+        state, _ = step(state, [x, x])
+        got = {k: before[k] - v for k, v in ff.unshard(state.params).items()}
+    names = [n for n, _ in model.named_parameters()]
+    return max((got[n] - r).abs().max().item() for n, r in zip(names, reference, strict=True))
+
+
+@pytest.mark.parametrize("accumulate", [None, "sharded", "full"])
+def test_a_gradient_shared_with_another_path_stays_exact(pool, accumulate):
+    # Catches: a one-parameter unit taking autograd's gradient tensor as its flat gradient and
+    # then writing into it while the input's path (or a second use) still reads it.
+    for diff in pool.run(_shared_gradient_grads, accumulate, world=2):
+        assert diff < 1e-6
