@@ -118,7 +118,7 @@ class Runtime:
         self.records: list[GatheredUnit] = []  # every gathered use that may get a backward, in forward order
         self.prefetched: dict[str, GatheredUnit] = {}
         self.inflight = 0  # non-root unit buffers allocated now
-        self.adds_during_backward = self.sink.deferred is not None  # summing full gradients (accumulate="full")
+        self.adds_during_backward = self.sink.deferred is not None  # full gradients summed over micro-batches
         self.running: list[str] = []  # units whose forward is in progress, innermost last
         self.order: list[str] = []  # units in the order their forward ran
         self.live: dict[tuple[str, int], list[GatheredUnit | None]] = {}  # uses whose forward is running
