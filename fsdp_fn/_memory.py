@@ -267,8 +267,9 @@ def estimate_memory(
         grads=largest_shard if update_in_backward else params,
         optimizer=optimizer_slots * params + counters,
         gathered=root + sum(others[:units_in_flight]),
-        # With update_in_backward one reduce-scatter stays in flight behind the next unit's backward.
-        full_grad=(2 if update_in_backward else 1) * max(u.gather_bytes(world) for u in plan.units),
+        # One full unit gradient at a time: a unit's reduction ends before the next unit's
+        # flat gradient is allocated (with update_in_backward too).
+        full_grad=max(u.gather_bytes(world) for u in plan.units),
         activations=activations.peak if activations is not None else 0,
         with_gradients=with_gradients,
     )
