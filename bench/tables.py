@@ -13,7 +13,16 @@ from typing import Any
 
 MIB = 2**20
 CATEGORIES = ("params", "gathered", "grads", "optimizer", "comm", "activations")
-PEERS = {"fsdp_fn": "fsdp2", "fsdp_fn+split_root": "fsdp2", "fsdp_fn+levers": "fsdp2+tuned"}
+# Each fsdp_fn row against the FSDP2 row that does the same work (bench/compare.py's PAIRS).
+PEERS = {
+    "fsdp_fn": "fsdp2",
+    "fsdp_fn+split_root": "fsdp2",
+    "fsdp_fn+levers": "fsdp2+tuned",
+    "fsdp_fn+remat": "fsdp2+ac",
+    "fsdp_fn+selective": "fsdp2+ac",
+    "fsdp_fn+remat+levers": "fsdp2+ac",
+    "fsdp_fn+remat+levers+chunked": "fsdp2+ac+chunked",
+}
 
 
 def _peer(name: str, systems: dict[str, Any]) -> str | None:
@@ -59,8 +68,8 @@ def memory_table(report: dict[str, Any]) -> str:
     rows = [
         f"| system [{report['platform']}, W={report['world']}] | "
         + " | ".join(CATEGORIES)
-        + " | **total** | torch's tracker | x its FSDP2 |",
-        "|---|" + "---|" * (len(CATEGORIES) + 3),
+        + " | **total** | torch's tracker | x its FSDP2 | peak during |",
+        "|---|" + "---|" * (len(CATEGORIES) + 4),
     ]
     for name, s in systems.items():
         peak = s.get("peak_bytes") or {}
@@ -69,7 +78,8 @@ def memory_table(report: dict[str, Any]) -> str:
         rows.append(
             f"| {name} | "
             + " | ".join(f"{peak.get(c, 0) / MIB:.1f}" for c in CATEGORIES)
-            + f" | **{peak.get('total', 0) / MIB:.1f}** | {(s.get('torch_tracker_peak_bytes') or 0) / MIB:.1f} | {ratio} |"
+            + f" | **{peak.get('total', 0) / MIB:.1f}** | {(s.get('torch_tracker_peak_bytes') or 0) / MIB:.1f} | {ratio} "
+            + f"| `{(s.get('peak_op') or '-').split(' (')[0]}` |"
         )
     return "\n".join(rows)
 
