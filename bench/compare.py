@@ -93,6 +93,11 @@ SYSTEMS: dict[str, System] = {
     "fsdp2+ac": System(
         "fsdp2", {"checkpoint": True}, "FSDP2 at its defaults + activation checkpointing on every block"
     ),
+    "fsdp2+tuned+ac": System(
+        "fsdp2",
+        {"torchtitan": True, "checkpoint": True},
+        "FSDP2 as torchtitan, with activation checkpointing on every block",
+    ),
     "fsdp2+ac+chunked": System(
         "fsdp2",
         {"checkpoint": True, "chunks": 8},
@@ -111,6 +116,7 @@ PAIRS = (
     ("fsdp_fn+remat+levers", "fsdp2+ac"),
     ("fsdp_fn+remat+levers+chunked", "fsdp2+ac"),
     ("fsdp_fn+remat+levers+chunked", "fsdp2+ac+chunked"),
+    ("fsdp_fn+remat+levers", "fsdp2+tuned+ac"),
 )
 # The default rows of each table: the small batch (parameters dominate) and the realistic
 # one (sequence 256, batch 8 per rank: activations dominate, so remat rows join).
