@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 import threading
 import types
@@ -121,6 +122,118 @@ class _Replay(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# --- early stop: what the recomputation may leave out -------------------------------------------
+
+# Operators whose backward reads none of their inputs' or outputs' values (only shapes), and
+# those that read some inputs (by position) but not their outputs. Any other operator is
+# assumed to read every input and output: leaving out less is always safe.
+# Views cost nothing and always run; their order relative to other operators may differ
+# between a forward without grad and the recomputation with it (``linear``'s ``t`` and ``view``).
+_VIEWS = frozenset(
+    {
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.t.default,
+        aten.transpose.int,
+        aten.split.Tensor,
+        aten.permute.default,
+        aten.expand.default,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.slice.Tensor,
+        aten.select.int,
+        aten.alias.default,
+    }
+)
+_READS_NOTHING = _VIEWS | {aten.add.Tensor, aten.sub.Tensor}
+_READS_INPUTS = {aten.addmm.default: (1, 2), aten.mm.default: (0, 1)}
+
+
+class _Trace(TorchDispatchMode):
+    """Forward of a fully rematerialised region: each operator, which earlier operators its
+    tensor inputs came from, and its outputs' layout (no tensor is held)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[Any, list[list[int]], Any]] = []  # (op, producers of each input, output layout)
+        self.producer: dict[int, int] = {}  # id(tensor) -> index of the op that made it (the latest with that id)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "prim":  # metadata queries (fake tensors): not operators of the region
+            return out
+        inputs = [
+            [self.producer[id(t)]] if isinstance(t, torch.Tensor) and id(t) in self.producer else []
+            for t in torch_pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        ]
+        layout = torch_pytree.tree_map_only(torch.Tensor, lambda t: (t.shape, t.stride(), t.dtype, t.device), out)
+        index = len(self.ops)
+        self.ops.append((func, inputs, layout))
+        for t in torch_pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.producer[id(t)] = index
+        return out
+
+    def tail(self) -> tuple[list[tuple[Any, Any]], int] | None:
+        """The region's operators other than views (each with its outputs' layout) and how
+        many of them run before the tail whose outputs no backward reads: from there on, the
+        recomputation may return empty tensors (torch's early stop). ``None``: no such tail."""
+        must: set[int] = set()
+        for i, (op, inputs, _) in enumerate(self.ops):
+            random = torch.Tag.nondeterministic_seeded in op.tags
+            if op._schema.is_mutable or random or (op not in _READS_NOTHING and op not in _READS_INPUTS):
+                must.add(i)  # reads its outputs (or may): it runs, and so does what feeds it
+                must.update(p for ps in inputs for p in ps)
+            elif op in _READS_INPUTS:
+                must.update(p for k in _READS_INPUTS[op] if k < len(inputs) for p in inputs[k])
+        todo = list(must)
+        while todo:  # what a running operator reads must run too
+            for p in (p for ps in self.ops[todo.pop()][1] for p in ps):
+                if p not in must:
+                    must.add(p)
+                    todo.append(p)
+        start = max(must, default=-1) + 1
+        kept = [(op, layout) for op, _, layout in self.ops if op not in _VIEWS]
+        before = sum(op not in _VIEWS for op, _, _ in self.ops[:start])
+        return (kept, before) if before < len(kept) else None
+
+
+class _SkipTail(TorchDispatchMode):
+    """Recomputation: run the operators up to the tail as the forward did; for the tail,
+    whose outputs no backward reads, return empty tensors of the same layout. Views always
+    run (counted apart: their order may differ)."""
+
+    def __init__(self, ops: Sequence[tuple[Any, Any]], start: int) -> None:
+        super().__init__()
+        self.ops, self.start, self.at, self.same = ops, start, 0, True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        if func in _VIEWS or func.namespace == "prim":  # views; metadata queries (fake tensors)
+            return func(*args, **(kwargs or {}))
+        at, self.at = self.at, self.at + 1
+        expected = self.ops[at][0] if at < len(self.ops) else None
+        if at < self.start:
+            self.same = self.same and expected == func
+            return func(*args, **(kwargs or {}))
+        if not self.same:  # the recomputation went another way than the forward: skip nothing
+            return func(*args, **(kwargs or {}))
+        if expected != func:
+            raise RematError(
+                f"remat: the recomputation ran {func} where the forward ran {expected} (operator #{at}), after "
+                "the operators the backward reads: the region must run the same operators when it is recomputed"
+            )
+        return torch_pytree.tree_map(
+            lambda m: (
+                torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3])
+                if isinstance(m, tuple) and len(m) == 4 and isinstance(m[0], torch.Size)
+                else m
+            ),
+            self.ops[at][1],
+            is_leaf=lambda m: isinstance(m, tuple) and len(m) == 4 and isinstance(m[0], torch.Size),
+        )
+
+
 def _versions(out: Any) -> tuple[int, ...]:
     return tuple(t._version for t in torch_pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
 
@@ -175,6 +288,7 @@ class _Call:
         # The policy's kept results: their tensors (until autograd has saved them) and the rest.
         self.kept_tensors: list[torch.Tensor] = []
         self.kept_layout: list[tuple[Any, Any, list[Any], tuple[int, ...]]] = []  # (op, spec, leaves, versions)
+        self.skip: tuple[list[Any], int] | None = None  # full remat: the forward's operators, where the tail starts
 
     def keep(self, kept: list[tuple[Any, Any, tuple[int, ...]]]) -> None:
         for op, out, versions in kept:
@@ -239,10 +353,13 @@ class _Remat(torch.autograd.Function):
     @staticmethod
     def forward(call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         call.save_rng()
-        record = _Record(call.policy)
-        with _CapturedCheck(tensors, call.where), record if call.policy.ops else contextlib.nullcontext():
+        record = _Record(call.policy) if call.policy.ops else _Trace()
+        with _CapturedCheck(tensors, call.where), record:
             outs = call.run(tensors)
-        call.keep(record.kept)
+        if isinstance(record, _Record):
+            call.keep(record.kept)
+        elif os.environ.get("FSDP_FN_REMAT_EARLY_STOP", "1") == "1":
+            call.skip = record.tail()
         inputs = {id(t) for t in tensors}
         # An input returned as-is cannot be both returned and saved: return a view of it.
         return tuple(o.view_as(o) if id(o) in inputs else o for o in outs)
@@ -274,7 +391,10 @@ class _Remat(torch.autograd.Function):
             tensors = list(inputs)
             for i, t in zip(wanted, diff, strict=True):
                 tensors[i] = t
-            with _Replay(call.policy, kept) if kept else contextlib.nullcontext():
+            mode: Any = (
+                _Replay(call.policy, kept) if kept else _SkipTail(*call.skip) if call.skip else contextlib.nullcontext()
+            )
+            with mode:
                 outs = call.run(tensors)
             return tuple(outs[j] for j in used)
 

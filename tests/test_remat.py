@@ -299,34 +299,53 @@ def test_recomputation_that_diverges_is_named() -> None:
 # --- saving policies ---------------------------------------------------------------------------------------
 
 
+def _blocks_rematerialised(model: GPT, idx: torch.Tensor, policy: ff.SavePolicy | None) -> tuple[int, int, Any]:
+    """(activation bytes kept by the forward, matrix products run by the backward, gradients)
+    with every block of ``model`` rematerialised under ``policy`` (``None``: not at all)."""
+    blocks, params = list(model.blocks), detached(model)
+    originals = [b.forward for b in blocks]
+    if policy is not None:
+        for b in blocks:  # this instance's forward, rematerialised with its parameters
+            b.forward = ff.remat(b.forward, policy)  # type: ignore[method-assign]
+    try:
+        with ff.MemoryMeter() as meter:
+            logits, pull = vjp(lambda p: functional_call(model, p, (idx,)), params)
+            kept = meter.current["activations"]
+        with OpCount() as ops:
+            grads = pull(torch.ones_like(logits))
+    finally:
+        for b, fwd in zip(blocks, originals, strict=True):
+            b.forward = fwd  # type: ignore[method-assign]
+    return kept, ops.dots(), grads
+
+
 def test_save_dots_keeps_more_and_recomputes_fewer_dots() -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, seq=32, d_model=32, n_heads=4, n_layers=2))
-    params, idx = detached(model), torch.randint(0, 64, (4, 32))
-    blocks = list(model.blocks)
-
-    def step(policy: ff.SavePolicy | None) -> tuple[int, int, Any]:
-        originals = [b.forward for b in blocks]
-        if policy is not None:
-            for b in blocks:  # this instance's forward, rematerialised with its parameters
-                b.forward = ff.remat(b.forward, policy)  # type: ignore[method-assign]
-        try:
-            with ff.MemoryMeter() as meter:
-                logits, pull = vjp(lambda p: functional_call(model, p, (idx,)), params)
-                kept = meter.current["activations"]
-            with OpCount() as ops:
-                grads = pull(torch.ones_like(logits))
-        finally:
-            for b, fwd in zip(blocks, originals, strict=True):
-                b.forward = fwd  # type: ignore[method-assign]
-        return kept, ops.dots(), grads
-
+    idx = torch.randint(0, 64, (4, 32))
+    step = functools.partial(_blocks_rematerialised, model, idx)
     none_kept, none_dots, none_grads = step(None)
     full_kept, full_dots, full_grads = step(ff.save_nothing)
     dots_kept, dots_dots, dots_grads = step(ff.save_dots)
     assert full_kept < dots_kept < none_kept
     assert none_dots == dots_dots < full_dots  # every dot kept: the recomputation runs none
     assert equal(none_grads, full_grads) and equal(none_grads, dots_grads)
+
+
+def test_full_remat_stops_early_as_torch_checkpoint_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Catches: a recomputation that runs operators no backward reads (each block's last matrix
+    # product and residual add), and an early stop that leaves out a value a backward reads.
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, seq=32, d_model=32, n_heads=4, n_layers=3))
+    idx = torch.randint(0, 64, (4, 32))
+    _, none_dots, none_grads = _blocks_rematerialised(model, idx, None)
+    _, stopped_dots, stopped_grads = _blocks_rematerialised(model, idx, ff.save_nothing)
+    monkeypatch.setenv("FSDP_FN_REMAT_EARLY_STOP", "0")
+    _, whole_dots, whole_grads = _blocks_rematerialised(model, idx, ff.save_nothing)
+    blocks = len(model.blocks)
+    assert whole_dots == none_dots + 4 * blocks  # qkv, attention's projection, the MLP's two
+    assert stopped_dots == none_dots + 3 * blocks  # the MLP's down-projection is left out
+    assert equal(none_grads, stopped_grads) and equal(none_grads, whole_grads)
 
 
 def test_result_modified_in_place_is_recomputed_not_reused() -> None:
