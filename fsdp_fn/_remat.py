@@ -344,9 +344,10 @@ class _Call:
 
 
 class _Remat(torch.autograd.Function):
-    """Forward: run the region, keep its inputs (and the policy's results). Backward:
-    recompute it under ``torch.func.vjp`` with the forward's RNG state and pull back.
-    Forward mode (``jvp``): ``torch.func.jvp`` of the region. ``vmap``: generated."""
+    """Forward: run the region, keep its inputs (and the policy's results; with no policy,
+    trace its operators). Backward: recompute it under ``torch.func.vjp`` with the
+    forward's RNG state (stopping early: the tail no backward reads returns empty tensors)
+    and pull back. Forward mode (``jvp``): ``torch.func.jvp`` of the region. ``vmap``: generated."""
 
     generate_vmap_rule = True
 
