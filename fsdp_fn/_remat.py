@@ -149,6 +149,23 @@ _READS_NOTHING = _VIEWS | {aten.add.Tensor, aten.sub.Tensor}
 _READS_INPUTS = {aten.addmm.default: (1, 2), aten.mm.default: (0, 1)}
 
 
+@dataclass(frozen=True)
+class _Empty:
+    """The layout of an operator's output: an uninitialised tensor like it stands in for it."""
+
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @staticmethod
+    def like(t: torch.Tensor) -> _Empty:
+        return _Empty(t.shape, t.stride(), t.dtype, t.device)
+
+    def make(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+
+
 class _Trace(TorchDispatchMode):
     """Forward of a fully rematerialised region: each operator, which earlier operators its
     tensor inputs came from, and its outputs' layout (no tensor is held)."""
@@ -167,7 +184,7 @@ class _Trace(TorchDispatchMode):
             for t in torch_pytree.tree_leaves((args, kwargs))
             if isinstance(t, torch.Tensor)
         ]
-        layout = torch_pytree.tree_map_only(torch.Tensor, lambda t: (t.shape, t.stride(), t.dtype, t.device), out)
+        layout = torch_pytree.tree_map_only(torch.Tensor, _Empty.like, out)
         index = len(self.ops)
         self.ops.append((func, inputs, layout))
         for t in torch_pytree.tree_leaves(out):
@@ -223,15 +240,7 @@ class _SkipTail(TorchDispatchMode):
                 f"remat: the recomputation ran {func} where the forward ran {expected} (operator #{at}), after "
                 "the operators the backward reads: the region must run the same operators when it is recomputed"
             )
-        return torch_pytree.tree_map(
-            lambda m: (
-                torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3])
-                if isinstance(m, tuple) and len(m) == 4 and isinstance(m[0], torch.Size)
-                else m
-            ),
-            self.ops[at][1],
-            is_leaf=lambda m: isinstance(m, tuple) and len(m) == 4 and isinstance(m[0], torch.Size),
-        )
+        return torch_pytree.tree_map_only(_Empty, _Empty.make, self.ops[at][1])
 
 
 def _versions(out: Any) -> tuple[int, ...]:
