@@ -149,7 +149,9 @@ def all_gather_into(
     world, rank = group.size(), group.rank()
     record("all_gather", unit, out.numel(), out.dtype, group)
     what = _guard.describe("all_gather", unit)
-    with torch._C._DisableFuncTorch():
+    # A unit's buffer is gathered again for its backward, into tensors autograd saved in
+    # forward: the same values, so the write must not count as an in-place change of them.
+    with torch._C._DisableFuncTorch(), torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
         if world == 1:
             out.copy_(shard)
             return None
@@ -182,7 +184,7 @@ def reduce_scatter_start(
     world, rank = group.size(), group.rank()
     record("reduce_scatter", unit, full.numel(), full.dtype, group)
     what = _guard.describe("reduce_scatter", unit)
-    with torch._C._DisableFuncTorch():
+    with torch._C._DisableFuncTorch(), torch.no_grad():
         full = full.contiguous()
         if world == 1:  # nothing to reduce: no copy either
             alone = full.view(-1) if scale == 1.0 else full * scale
@@ -204,7 +206,7 @@ def reduce_scatter_start(
 
         def finish() -> torch.Tensor:
             pending.wait()
-            with torch._C._DisableFuncTorch():
+            with torch._C._DisableFuncTorch(), torch.no_grad():
                 parts = [chunks[rank] if t is None else t for t in into]  # in rank order: every rank sums alike
                 into.clear()
                 # The first sum goes into whichever of the two is a received buffer (a + b is b + a
