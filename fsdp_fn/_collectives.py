@@ -151,7 +151,7 @@ def all_gather_into(
     what = _guard.describe("all_gather", unit)
     # A unit's buffer is gathered again for its backward, into tensors autograd saved in
     # forward: the same values, so the write must not count as an in-place change of them.
-    with torch._C._DisableFuncTorch(), torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+    with torch._C._DisableFuncTorch(), torch.no_grad(), torch.autograd.grad_mode._unsafe_preserve_version_counter(out):
         if world == 1:
             out.copy_(shard)
             return None

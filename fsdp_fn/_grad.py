@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -72,7 +72,7 @@ def lean_pass(
     torch.autograd.grad(loss, leaves, allow_unused=True)
     runtime.sink.drain()  # the reduce-scatters still in flight, before anything reads a gradient
     runtime.release_all()
-    return cast(torch.Tensor, loss.detach())
+    return loss.detach()
 
 
 def _differentiated_outside(params: Sharded) -> bool:
