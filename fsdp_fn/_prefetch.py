@@ -1,11 +1,13 @@
 """The prefetch policy: which unit to gather next, ahead of use, within the in-flight limit.
 
 Forward: the units run in the order they ran in the previous step (``ForwardOrder``), so
-the unit after this one there is gathered while this one computes. Backward: the uses
-are refilled in reverse forward order (``refill_next``). Either way a gather starts only
-while fewer than ``Schedule.max_inflight`` non-root units hold gathered buffers; the unit
-that ran last in the previous step is kept gathered after its forward (it is the first
-needed in backward).
+the units after this one there are gathered while this one computes. Backward: the uses
+are refilled in reverse forward order (``refill_next``). Either way prefetching goes
+ahead, in order, while the gathered buffers fit ``Schedule.max_inflight`` times the
+largest unit's (``may_start``): two blocks at the default, or a block and the small units
+around it, so a small unit (a norm, a position embedding) never leaves the next block's
+gather only its own short compute to hide behind. The unit that ran last in the previous
+step is kept gathered after its forward (it is the first needed in backward).
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ class ForwardOrder:
     def first(self) -> str | None:
         return self.previous[0] if self.previous else None
 
-    def advance(self, name: str) -> str | None:
-        """``name`` runs now: the unit expected after it (``None`` off the previous order)."""
+    def advance(self, name: str) -> list[str]:
+        """``name`` runs now: the units expected after it, in order (none off the previous order)."""
         try:
             self.at = self.previous.index(name, self.at + 1)
         except ValueError:
-            return None
-        return self.previous[self.at + 1] if self.at + 1 < len(self.previous) else None
+            return []
+        return self.previous[self.at + 1 :]
 
     def keep_gathered(self, name: str, schedule: Schedule) -> bool:
         """Whether ``name`` stays gathered after its forward: always without
@@ -43,9 +45,9 @@ class ForwardOrder:
         return bool(self.previous) and self.at == len(self.previous) - 1 and self.previous[-1] == name
 
 
-def may_start(inflight: int, schedule: Schedule) -> bool:
-    """Whether one more unit may be gathered now."""
-    return inflight < schedule.max_inflight
+def may_start(inflight: int, nbytes: int, limit: int) -> bool:
+    """Whether a unit of ``nbytes`` may be gathered now, with ``inflight`` bytes gathered already."""
+    return inflight + nbytes <= limit
 
 
 def refill_next(uses: Sequence[GatheredUnit], current: GatheredUnit) -> GatheredUnit | None:

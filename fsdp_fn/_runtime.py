@@ -117,7 +117,22 @@ class Runtime:
         self.uses: dict[str, int] = {}  # gathered uses per unit in this forward
         self.records: list[GatheredUnit] = []  # every gathered use that may get a backward, in forward order
         self.prefetched: dict[str, GatheredUnit] = {}
-        self.inflight = 0  # non-root unit buffers allocated now
+        self.inflight = 0  # bytes of non-root unit buffers allocated now
+        # Prefetching may hold max_inflight times the largest unit's gathered bytes.
+        world, gather_dtype = params.group.size(), self.schedule.gather_dtype
+        largest = max(
+            (
+                sum(
+                    part.padded_numel(world) * gather_dtype(part.dtype).itemsize
+                    for part in (u, u.frozen_part)
+                    if part.params
+                )
+                for u in self.plan.units
+                if u.name != ROOT
+            ),
+            default=0,
+        )
+        self.inflight_limit = self.schedule.max_inflight * largest
         self.adds_during_backward = self.sink.deferred is not None  # full gradients summed over micro-batches
         self.running: list[str] = []  # units whose forward is in progress, innermost last
         self.order: list[str] = []  # units in the order their forward ran
@@ -208,15 +223,16 @@ class Runtime:
             FlatPart(part, plain(shard), group, gather_dtype(part.dtype), self.device or shard.device)
             for part, shard in shards_of(self.params, unit)
         ]
-        rec = GatheredUnit(unit, parts, self)
-        self.records.append(rec)
-        return rec
+        return GatheredUnit(unit, parts, self)
 
     def _gather(self, unit: Unit) -> tuple[GatheredUnit | None, dict[str, torch.Tensor]]:
         self.uses[unit.name] = self.uses.get(unit.name, 0) + 1
         if self.composable:
             return None, self._gather_composable(unit)
-        rec = self.prefetched.pop(unit.name, None) or self._new_record(unit)
+        rec = self.prefetched.pop(unit.name, None)
+        if rec is None:
+            rec = self._new_record(unit)
+            self.records.append(rec)
         full = GatherUnit.apply(check_shard(self.params, unit), rec)
         return rec, rec.views(full)
 
@@ -233,20 +249,26 @@ class Runtime:
             out.update(unit_views(part, full))
         return out
 
-    def _prefetch(self, name: str | None) -> None:
-        """Start gathering ``name`` (the unit expected to run next) if the limit allows."""
-        if self.composable or name is None or name in self.prefetched or not may_start(self.inflight, self.schedule):
+    def _prefetch(self, names: Sequence[str]) -> None:
+        """Start gathering ``names`` (the units expected to run next), in order, while they fit the limit."""
+        if self.composable:
             return
-        rec = self._new_record(self.plan.unit(name))
-        rec.start()
-        self.prefetched[name] = rec
+        for name in names:
+            if name in self.prefetched:
+                continue
+            rec = self._new_record(self.plan.unit(name))
+            if not may_start(self.inflight, rec.nbytes, self.inflight_limit):
+                return
+            self.records.append(rec)
+            rec.start()
+            self.prefetched[name] = rec
 
     def _prefetch_backward(self, rec: GatheredUnit) -> None:
-        """Start refilling the use whose backward comes next (the previous one in forward order)."""
-        if may_start(self.inflight, self.schedule):
-            upcoming = refill_next(self.records, rec)
-            if upcoming is not None:
-                upcoming.start()
+        """Start refilling the uses whose backward comes next (earlier ones in forward order) while they fit."""
+        upcoming = refill_next(self.records, rec)
+        while upcoming is not None and may_start(self.inflight, upcoming.nbytes, self.inflight_limit):
+            upcoming.start()
+            upcoming = refill_next(self.records, upcoming)
 
     # --- the Owner of gathered uses (_unit.py) ---------------------------------------------------
 
@@ -335,7 +357,7 @@ class Runtime:
                 tensors.update({p.name: _NotGathered(p, unit.name) for p in unit.all_params})
         tensors.update(_lift(buffers))
         if self.schedule.forward_prefetch:
-            self._prefetch(self.forward_order.first)
+            self._prefetch([self.forward_order.first] if self.forward_order.first else [])
 
         handles = []
         swapped: list[tuple[nn.Module, str, Any]] = []

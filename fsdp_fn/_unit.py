@@ -86,7 +86,7 @@ class FlatPart:
 class Owner(Protocol):
     """What a gathered use needs from the call that runs it (the runtime), as callbacks.
 
-    ``inflight`` counts the non-root unit buffers allocated now (the prefetch limit).
+    ``inflight`` counts the bytes of non-root unit buffers allocated now (the prefetch limit).
     ``adds_during_backward``: the owner may add into a full gradient it was handed while
     the backward still runs (summing uses without reducing them), so autograd's own
     tensor must never be handed on as one.
@@ -123,7 +123,8 @@ class GatheredUnit:
         self.held: dict[int, torch.Tensor] = {}
         self.taken = False  # the flat gradient is autograd's own tensor (see _may_take)
         # Only non-root units whose gather allocates take a buffer that counts against the limit.
-        self.counted = unit.name != ROOT and not all(p.in_place for p in self.parts)
+        counted = unit.name != ROOT and not all(p.in_place for p in self.parts)
+        self.nbytes = sum(p.shard.numel() * int(p.group.size()) * p.dtype.itemsize for p in parts) if counted else 0
 
     @property
     def shard(self) -> torch.Tensor:
@@ -138,7 +139,7 @@ class GatheredUnit:
             for part in self.parts:
                 part.start()
         self.state = UnitState.GATHERED
-        self.owner.inflight += self.counted
+        self.owner.inflight += self.nbytes
 
     def wait(self) -> None:
         for part in self.parts:
@@ -150,7 +151,7 @@ class GatheredUnit:
             return  # nothing was allocated
         for part in self.parts:
             part.drop()
-        self.owner.inflight -= self.counted
+        self.owner.inflight -= self.nbytes
         self.state = UnitState.FREED
 
     def release(self) -> None:
@@ -158,7 +159,7 @@ class GatheredUnit:
         if self.state is UnitState.GATHERED:
             for part in self.parts:
                 part.drop()
-            self.owner.inflight -= self.counted
+            self.owner.inflight -= self.nbytes
         for part in self.parts:
             part.buffer = None
         self.state = UnitState.SHARDED

@@ -83,6 +83,41 @@ def test_update_in_backward_keeps_gradient_shards_to_one_unit(pool):
     assert lean["peaks"]["grads"] < plain["peaks"]["grads"]
 
 
+def _issued_before_the_norm(group):
+    from examples.gpt import lm_loss
+
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=True)
+    step = ff.train_step(fn, lm_loss, ff.adamw())
+    state = step.init(ff.shard(fn.params, plan, group))
+    tokens = torch.randint(0, CFG.vocab, (2 * world, CFG.seq + 1), generator=torch.Generator().manual_seed(0))
+    state, _ = step(state, local_part(tokens, rank, world))  # the previous step's order guides the prefetch
+    seen: list[list[str | None]] = []
+    with ff.comm_log() as log, ff.MemoryMeter() as meter:
+        meter.tag(state, "state")
+        # Registered before the step's own hooks, so it runs before the final norm is gathered.
+        hook = model.ln_f.register_forward_pre_hook(lambda m, a: seen.append([c.unit for c in log.of("all_gather")]))
+        try:
+            step(state, local_part(tokens, rank, world))
+        finally:
+            hook.remove()
+    largest = max(u.gather_bytes(world) for u in plan.units)
+    return seen[0], meter.category_peaks()["gathered"], largest
+
+
+def test_forward_prefetch_looks_past_a_small_unit(pool):
+    # The final norm is tiny: while the last block runs, the head after it is gathered too,
+    # so its gather hides behind the block rather than behind the norm alone. Catches a
+    # prefetch that counts units instead of bytes (two units in flight: block and norm).
+    before_norm, gathered_peak, largest = pool.run(_issued_before_the_norm, world=2)[0]
+    last = f"blocks.{CFG.n_layers - 1}"
+    assert before_norm[-3:] == [last, "ln_f", "head"]
+    assert gathered_peak <= 2 * largest  # still within max_inflight (2) times the largest unit
+
+
 def test_split_root_lowers_gathered_peak(pool):
     whole = pool.run(_measured_step, world=2, prefetch=False)[0]
     split = pool.run(_measured_step, world=2, split_root=True, prefetch=False)[0]
