@@ -118,7 +118,8 @@ class Schedule:
     its backward (one all-gather less per unit, more memory: ZeRO-2 / ``SHARD_GRAD_OP``).
     ``backward_prefetch`` (``BACKWARD_PRE``, ``BACKWARD_POST``, ``None``) and
     ``forward_prefetch`` issue the next unit's all-gather early, overlapping it with
-    compute; ``max_inflight`` caps the non-root units gathered at once (prefetch included).
+    compute; ``max_inflight`` caps the gathered non-root units at that many times the
+    largest one's bytes (prefetch included), so prefetching goes on past small units.
     ``mixed_precision`` (``MixedPrecision``) and ``cpu_offload`` (``CPUOffload``).
 
     Updates: ``update_in_backward=True`` steps each unit's optimizer as soon as its
@@ -136,7 +137,7 @@ class Schedule:
     reshard_after_forward: bool = True
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
     forward_prefetch: bool = True
-    max_inflight: int = 2  # non-root units gathered at once, prefetches included
+    max_inflight: int = 2  # gathered bytes at once, in largest non-root units, prefetches included
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
     cpu_offload: CPUOffload | None = None
     update_in_backward: bool = False
