@@ -281,12 +281,15 @@ class Runtime:
         # gradient exists: the previous unit's full gradient and this one's never live at once.
         self.sink.drain()
 
+    def spare_grad(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        return self.sink.take_spare(numel, dtype, device)
+
     def after_backward(self, use: GatheredUnit, full: torch.Tensor) -> None:
         if self.schedule.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self._prefetch_backward(use)
         if use in self.records:
             self.records.remove(use)  # done: backward prefetch looks only at uses still to come
-        self.sink.push(use.unit, full, use.received)
+        self.sink.push(use.unit, full, use.received, reusable=not use.taken)
 
     def _after_forward(self, rec: GatheredUnit | None, output: Any, reshard: bool) -> Any:
         if rec is None or not reshard:

@@ -50,14 +50,19 @@ class GradSink:
         self.received: dict[str, list[bool]] = {}
         self.expected: dict[str, int] = {}
         self.arrived: collections.Counter[str] = collections.Counter()
-        self.pending: collections.deque[tuple[str, Callable[[], torch.Tensor]]] = collections.deque()
+        self.pending: collections.deque[tuple[str, Callable[[], torch.Tensor], torch.Tensor | None]] = (
+            collections.deque()
+        )
+        # The full gradient of the reduction that ended last, free now: the next unit's flat
+        # gradient of the same size is written into it (no fresh allocation to fault in).
+        self.spare: torch.Tensor | None = None
         self.delivered: list[str] = []  # units handed to on_unit, in order
 
     def expect(self, uses: Mapping[str, int]) -> None:
         """How many gathered uses of each unit the loss reaches (the others never get a backward)."""
         self.expected = dict(uses)
 
-    def push(self, unit: Unit, full: torch.Tensor, received: Sequence[bool]) -> None:
+    def push(self, unit: Unit, full: torch.Tensor, received: Sequence[bool], reusable: bool = False) -> None:
         mask = self.received.setdefault(unit.name, [False] * len(unit.params))
         for i, got in enumerate(received):
             mask[i] = mask[i] or got
@@ -70,18 +75,30 @@ class GradSink:
                     total.add_(full)
                 return
             with label("grads"):
-                self.pending.append((unit.name, reduce_unit(self.params, unit, full, self.schedule)))
+                self.pending.append(
+                    (unit.name, reduce_unit(self.params, unit, full, self.schedule), full if reusable else None)
+                )
         self.drain(keep=1)
+
+    def take_spare(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """The last reduced full gradient if it has exactly this size (else it is let go)."""
+        spare, self.spare = self.spare, None
+        if spare is not None and spare.numel() == numel and spare.dtype == dtype and spare.device == device:
+            return spare
+        return None
 
     def drain(self, keep: int = 0) -> None:
         """Wait for reduce-scatters (oldest first) until ``keep`` are left in flight."""
         while len(self.pending) > keep:
-            unit, finish = self.pending.popleft()
+            unit, finish, full = self.pending.popleft()
             with torch._C._DisableFuncTorch(), torch.no_grad():
                 shard = finish()
                 # The reduction's closure holds the full gradient and the received shards: let them
                 # go before delivering (with update_in_backward the optimizer steps the unit now).
                 del finish
+                if full is not None and full.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr():
+                    self.spare = full
+                del full
                 self._deliver(unit, shard)
 
     def _deliver(self, unit: str, grad: torch.Tensor) -> None:

@@ -7,7 +7,8 @@ still alias it. GATHERED again (pre-backward): an identity ``autograd.Function``
 unit's outputs refills it before the unit's backward runs. SHARDED (post-backward): the
 full gradient goes to the owner, the buffer is dropped. Each parameter's gradient is
 written into its slice of one flat gradient buffer the moment autograd produces it, so a
-unit's full gradient exists once, never also as per-parameter tensors. Inside
+unit's full gradient exists once, never also as per-parameter tensors; that buffer is the
+previous unit's, once its reduce-scatter ended, when the sizes match (``Owner.spare_grad``). Inside
 ``torch.func`` saved-tensor hooks are refused, which is why freeing works on storage. This
 file knows nothing of the runtime: what a use needs from the call that runs it comes in as
 an ``Owner``.
@@ -101,6 +102,9 @@ class Owner(Protocol):
     def before_grad(self, use: GatheredUnit) -> None:
         """The use's first parameter gradient is here; its flat gradient is about to be allocated."""
 
+    def spare_grad(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """A free full gradient buffer of exactly this size to write into, if the owner has one."""
+
     def after_backward(self, use: GatheredUnit, full: torch.Tensor) -> None:
         """The use's backward has run: ``full`` is its full (trainable) gradient."""
 
@@ -188,8 +192,11 @@ class GatheredUnit:
                     self.grad, self.taken = grad.view(-1), True
                     retag(self.grad, "grads")
                     return
-                with label("grads"):
-                    self.grad = torch.empty(self._grad_numel(), dtype=self.parts[0].dtype, device=self.parts[0].device)
+                numel, part = self._grad_numel(), self.parts[0]
+                self.grad = self.owner.spare_grad(numel, part.dtype, part.device)
+                if self.grad is None:
+                    with label("grads"):
+                        self.grad = torch.empty(numel, dtype=part.dtype, device=part.device)
                 self.taken = False
             if self.taken:  # never written into: a second gradient makes a new sum
                 self.grad = self.grad + grad.reshape(-1)

@@ -299,6 +299,41 @@ class _Stack(nn.Sequential):
     """A unit of its own (the root's gradients are held until its backward ends: they come spread out)."""
 
 
+def _grad_buffers_allocated(group):
+    """How many full-gradient buffers of a block's size one train step allocates."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fsdp_fn._labels import current
+
+    world, rank = group.size(), group.rank()
+    plan, step, state = gpt_state(group, CFG, split_root=True)
+    block = plan.unit("blocks.0").padded_numel(world)
+    tokens = torch.randint(0, CFG.vocab, (2 * world, CFG.seq + 1), generator=torch.Generator().manual_seed(0))
+    batch = local_part(tokens, rank, world)
+    state, _ = step(state, batch)
+    allocated = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.empty.memory_format and current() == "grads" and out.numel() == block:
+                allocated.append(out.numel())
+            return out
+
+    with Count():
+        step(state, batch)
+    return len(allocated), CFG.n_layers
+
+
+def test_blocks_write_their_gradients_into_one_buffer(pool):
+    # A block's full gradient is free once its reduce-scatter ends, just before the next
+    # block's is needed: the next one is written into it, so a step allocates (and the
+    # CPU faults in) one block-sized gradient buffer, not one per block.
+    allocated, blocks = pool.run(_grad_buffers_allocated, world=2)[0]
+    assert blocks > 2
+    assert allocated == 1
+
+
 def _backward_extra(group, width=64, layers=4):
     """Peak bytes of one lean value_and_grad on a unit made of bias-free Linears (batch 1:
     activations are a few hundred bytes), beyond the shards and the gathered unit."""
