@@ -1,13 +1,13 @@
 """The prefetch policy: which unit to gather next, ahead of use, within the in-flight limit.
 
 Forward: the units run in the order they ran in the previous step (``ForwardOrder``), so
-the units after this one there are gathered while this one computes. Backward: the uses
-are refilled in reverse forward order (``refill_next``). Either way prefetching goes
-ahead, in order, while the gathered buffers fit ``Schedule.max_inflight`` times the
-largest unit's (``may_start``): two blocks at the default, or a block and the small units
-around it, so a small unit (a norm, a position embedding) never leaves the next block's
-gather only its own short compute to hide behind. The unit that ran last in the previous
-step is kept gathered after its forward (it is the first needed in backward).
+the units after this one there are gathered while this one computes, in order, while the
+gathered buffers fit ``Schedule.max_inflight`` times the largest unit's (``may_start``):
+two blocks at the default, or a block and the small units after it, so a small unit (a
+norm) never leaves the next unit's gather (the head's) only its own short compute to hide
+behind. Backward: the use whose backward comes next is refilled (``refill_next``), one
+ahead, within the same limit. The unit that ran last in the previous step is kept
+gathered after its forward (it is the first needed in backward).
 """
 
 from __future__ import annotations

@@ -264,11 +264,13 @@ class Runtime:
             self.prefetched[name] = rec
 
     def _prefetch_backward(self, rec: GatheredUnit) -> None:
-        """Start refilling the uses whose backward comes next (earlier ones in forward order) while they fit."""
+        """Start refilling the use whose backward comes next (the previous one in forward order).
+
+        One use ahead only: backward starts where memory peaks (the loss's gradient, the
+        head's), and a second block refilled there raised the peak (6 MiB at W=4)."""
         upcoming = refill_next(self.records, rec)
-        while upcoming is not None and may_start(self.inflight, upcoming.nbytes, self.inflight_limit):
+        if upcoming is not None and may_start(self.inflight, upcoming.nbytes, self.inflight_limit):
             upcoming.start()
-            upcoming = refill_next(self.records, upcoming)
 
     # --- the Owner of gathered uses (_unit.py) ---------------------------------------------------
 

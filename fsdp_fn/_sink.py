@@ -96,7 +96,10 @@ class GradSink:
                 # The reduction's closure holds the full gradient and the received shards: let them
                 # go before delivering (with update_in_backward the optimizer steps the unit now).
                 del finish
-                if full is not None and full.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr():
+                # Kept for the next unit, unless the optimizer runs now (update_in_backward): its
+                # temporaries would then meet this buffer at the step's peak.
+                reused = full is not None and full.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr()
+                if reused and self.on_unit is None:
                     self.spare = full
                 del full
                 self._deliver(unit, shard)

@@ -1,0 +1,150 @@
+"""Where a step's time goes, per rank: forward + backward, optimizer, waits, main-thread CPU.
+
+Runs fsdp_fn (defaults) or DDP (``gradient_as_bucket_view``, ``AdamW(foreach=True)``) on
+the bench GPT of ``bench/compare.py`` and reports, per rank, the median over the timed
+steps of: the step's wall time, its forward + backward and optimizer parts, the main
+thread's CPU time (``time.thread_time``: what the step computes itself, not what gloo's
+threads or the other ranks take from the cores), and for fsdp_fn the time its waits on
+collectives blocked (each wait named with ``--waits``). ``--top N`` adds torch's
+profiler's N most expensive operators on rank 0 (self CPU, grouped by input shape).
+
+    python bench/step_profile.py fsdp_fn --world 2
+    python bench/step_profile.py ddp --world 2
+    python bench/step_profile.py fsdp_fn --world 2 --waits --top 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import pathlib
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import fsdp_fn as ff
+from examples.gpt import GPT, Block, GPTConfig, lm_loss
+from fsdp_fn import _guard
+from fsdp_fn.testing import RankPool
+
+
+def _timed(name: str, fn: Any, into: dict[str, list[float]]) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        into[name].append(time.perf_counter() - t0)
+        return out
+
+    return call
+
+
+def profile_rank(group: Any, system: str, steps: int, warmup: int, top: int) -> dict[str, Any]:
+    rank = group.rank()
+    cfg = GPTConfig(vocab=8192, seq=128, d_model=512, n_layers=8, n_heads=8)
+    torch.manual_seed(0)
+    full = GPT(cfg)
+    parts: dict[str, list[float]] = collections.defaultdict(list)
+    waits: list[tuple[str, float]] = []
+    if system == "fsdp_fn":
+        import fsdp_fn._step as step_module
+
+        original_wait = _guard.Guard.wait
+
+        def wait(self: Any, works: Any, what: str) -> None:
+            t0 = time.perf_counter()
+            original_wait(self, works, what)
+            waits.append((what, time.perf_counter() - t0))
+
+        _guard.Guard.wait = wait  # type: ignore[method-assign]
+        step_module.lean_pass = _timed("forward+backward", step_module.lean_pass, parts)
+        with torch.device("meta"):
+            model = GPT(cfg)
+        plan = ff.make_plan(model, ff.layer_policy([Block]))
+        opt = ff.adamw(lr=3e-4)
+        opt = opt._replace(update=_timed("optimizer", opt.update, parts))
+        train = ff.train_step(ff.functionalize(model), lm_loss, opt)
+        holder = {"state": train.init(ff.shard(dict(full.named_parameters()), plan, group), dict(full.named_buffers()))}
+
+        def step(batch: torch.Tensor) -> None:
+            holder["state"], _ = train(holder["state"], batch)
+
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(full, process_group=group, gradient_as_bucket_view=True)
+        torch_opt = torch.optim.AdamW(ddp.parameters(), lr=3e-4, foreach=True)
+        forward_backward = _timed("forward+backward", lambda b: lm_loss(ddp, b).backward(), parts)
+        optimizer_step = _timed("optimizer", torch_opt.step, parts)
+
+        def step(batch: torch.Tensor) -> None:
+            torch_opt.zero_grad(set_to_none=True)
+            forward_backward(batch)
+            optimizer_step()
+
+    generator = torch.Generator().manual_seed(rank)
+    walls, cpus, waited = [], [], []
+    per_wait: dict[tuple[int, str], list[float]] = collections.defaultdict(list)
+    for k in range(warmup + steps):
+        batch = torch.randint(0, cfg.vocab, (2, cfg.seq + 1), generator=generator)
+        dist.barrier(group=group)
+        waits.clear()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        step(batch)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.thread_time() - c0)
+        waited.append(sum(d for _, d in waits))
+        if k >= warmup:
+            for i, (what, d) in enumerate(waits):
+                per_wait[(i, what)].append(d)
+    result: dict[str, Any] = {
+        "rank": rank,
+        "step": statistics.median(walls[warmup:]),
+        "main thread CPU": statistics.median(cpus[warmup:]),
+        "waits": statistics.median(waited[warmup:]),
+        **{name: statistics.median(times[warmup:]) for name, times in parts.items()},
+        "each wait": [(what, statistics.median(d)) for (_, what), d in sorted(per_wait.items())],
+    }
+    if top:
+        from torch.profiler import profile
+
+        with profile(record_shapes=True) as prof:
+            for _ in range(3):
+                dist.barrier(group=group)
+                step(torch.randint(0, cfg.vocab, (2, cfg.seq + 1), generator=generator))
+        if rank == 0:
+            result["top"] = prof.key_averages(group_by_input_shape=True).table(
+                sort_by="self_cpu_time_total", row_limit=top
+            )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("system", choices=("fsdp_fn", "ddp"))
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--waits", action="store_true", help="list every wait of a step (median per wait)")
+    parser.add_argument("--top", type=int, default=0, help="torch profiler's top operators on rank 0")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with RankPool(args.world, threads=1, timeout=3600, warnings_as_errors=False) as pool:
+        results = pool.run(profile_rank, args.system, args.steps, args.warmup, args.top, world=args.world)
+    print(f"[CPU, gloo] {args.system}, W={args.world}: seconds per step, median over {args.steps} steps")
+    for r in results:
+        fields = ("step", "forward+backward", "optimizer", "main thread CPU", "waits")
+        print(f"  rank {r['rank']}: " + ", ".join(f"{f} {r[f]:.3f}" for f in fields if f in r))
+    if args.waits:
+        for what, d in results[0]["each wait"]:
+            print(f"    rank 0 waited {d * 1e3:6.1f} ms on the {what}")
+    if args.top:
+        print(results[0]["top"])
+
+
+if __name__ == "__main__":
+    main()
