@@ -6,6 +6,7 @@ calls. The reference is one process, torch.optim, the global batch; a parameter 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -88,9 +89,26 @@ def _no_head(m, x, y):
     return m(x, head=False).square().mean()  # out.* gets no gradient
 
 
+def _vmapped(m, x, y):
+    # Per-example losses with torch.func inside the loss: the step's own pass is plain
+    # autograd, and a transform over the model's output composes with it.
+    per_example = torch.func.vmap(lambda out, target: (out - target).square().mean())(m(x), y)
+    return per_example.mean()
+
+
 TERMS = {
     f.__name__.lstrip("_"): f
-    for f in (_plain, _nograd_extra, _discarded, _detached_branch, _first_block_only, _ungated, _repeated, _no_head)
+    for f in (
+        _plain,
+        _nograd_extra,
+        _discarded,
+        _detached_branch,
+        _first_block_only,
+        _ungated,
+        _repeated,
+        _no_head,
+        _vmapped,
+    )
 }
 
 
@@ -121,10 +139,12 @@ def _batches(world, steps=3):
     return [(torch.randn(4 * world, 5, generator=g), torch.randn(4 * world, 3, generator=g)) for _ in range(steps)]
 
 
-def _run(group, names, step_kw, split_root=False):
+def _run(group, names, step_kw, split_root=False, under_no_grad=False):
     """Train sharded with the loss built from ``names``; compare with the reference on every rank.
 
-    ``step_kw``: ``Schedule`` fields, and ``clip`` for a chain that clips first."""
+    ``step_kw``: ``Schedule`` fields, and ``clip`` for a chain that clips first.
+    ``under_no_grad``: every step is called inside ``torch.no_grad()`` (an evaluation loop's
+    habit); the step still differentiates its loss."""
     world, rank = group.size(), group.rank()
     torch.manual_seed(0)
     model = Net()
@@ -143,7 +163,8 @@ def _run(group, names, step_kw, split_root=False):
         local = tuple(t.chunk(world)[rank] for t in b)
         if micro > 1:  # the same examples as micro-batches
             local = [tuple(t.chunk(micro)[i] for t in local) for i in range(micro)]
-        state, metrics = step(state, local)
+        with torch.no_grad() if under_no_grad else contextlib.nullcontext():
+            state, metrics = step(state, local)
         norms.append(metrics["grad_norm"].item())
     full = ff.unshard(state.params)
     ref_norms, ref_params = _reference(model, make_loss(names), batches, 0.05)
@@ -162,6 +183,11 @@ def _check(results):
         assert norm < 1e-5, norm
         assert param < 1e-5, param
         assert untouched
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_step_under_no_grad_with_a_vmapped_loss(pool, world):
+    _check(pool.run(_run, ["vmapped", "nograd_extra"], {}, under_no_grad=True, world=world))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
