@@ -4,8 +4,9 @@ Runs fsdp_fn (defaults) or DDP (``gradient_as_bucket_view``, ``AdamW(foreach=Tru
 the bench GPT of ``bench/compare.py`` and reports, per rank, the median over the timed
 steps of: the step's wall time, its forward + backward and optimizer parts, the main
 thread's CPU time (``time.thread_time``: what the step computes itself, not what gloo's
-threads or the other ranks take from the cores), and for fsdp_fn the time its waits on
-collectives blocked (each wait named with ``--waits``). ``--top N`` adds torch's
+threads or the other ranks take from the cores), the process's minor page faults (memory
+touched for the first time since the allocator took it from the system), and for fsdp_fn
+the time its waits on collectives blocked (each wait named with ``--waits``). ``--top N`` adds torch's
 profiler's N most expensive operators on rank 0 (self CPU, grouped by input shape).
 
     python bench/step_profile.py fsdp_fn --world 2
@@ -19,6 +20,7 @@ import argparse
 import collections
 import os
 import pathlib
+import resource
 import statistics
 import sys
 import time
@@ -87,16 +89,18 @@ def profile_rank(group: Any, system: str, steps: int, warmup: int, top: int) -> 
             optimizer_step()
 
     generator = torch.Generator().manual_seed(rank)
-    walls, cpus, waited = [], [], []
+    walls, cpus, waited, faults = [], [], [], []
     per_wait: dict[tuple[int, str], list[float]] = collections.defaultdict(list)
     for k in range(warmup + steps):
         batch = torch.randint(0, cfg.vocab, (2, cfg.seq + 1), generator=generator)
         dist.barrier(group=group)
         waits.clear()
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0, c0 = time.perf_counter(), time.thread_time()
         step(batch)
         walls.append(time.perf_counter() - t0)
         cpus.append(time.thread_time() - c0)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         waited.append(sum(d for _, d in waits))
         if k >= warmup:
             for i, (what, d) in enumerate(waits):
@@ -106,6 +110,7 @@ def profile_rank(group: Any, system: str, steps: int, warmup: int, top: int) -> 
         "step": statistics.median(walls[warmup:]),
         "main thread CPU": statistics.median(cpus[warmup:]),
         "waits": statistics.median(waited[warmup:]),
+        "page faults": statistics.median(faults[warmup:]),
         **{name: statistics.median(times[warmup:]) for name, times in parts.items()},
         "each wait": [(what, statistics.median(d)) for (_, what), d in sorted(per_wait.items())],
     }
@@ -138,7 +143,11 @@ def main() -> None:
     print(f"[CPU, gloo] {args.system}, W={args.world}: seconds per step, median over {args.steps} steps")
     for r in results:
         fields = ("step", "forward+backward", "optimizer", "main thread CPU", "waits")
-        print(f"  rank {r['rank']}: " + ", ".join(f"{f} {r[f]:.3f}" for f in fields if f in r))
+        print(
+            f"  rank {r['rank']}: "
+            + ", ".join(f"{f} {r[f]:.3f}" for f in fields if f in r)
+            + f"; {r['page faults']:.0f} page faults"
+        )
     if args.waits:
         for what, d in results[0]["each wait"]:
             print(f"    rank 0 waited {d * 1e3:6.1f} ms on the {what}")
