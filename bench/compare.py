@@ -18,6 +18,7 @@ loss and the global gradient norm against one process on the global batch.
     python bench/compare.py --world 4 --json out/w4.json
     python bench/compare.py --table realistic                # seq 256, batch 8 per rank, remat rows
     python bench/compare.py --collectives native             # fsdp_fn on gloo's own collectives
+    python bench/compare.py --systems fsdp_fn,ddp,ddp-bucket_view   # DDP tuned (bucket views) and at its defaults
     python bench/compare.py --d-model 128 --layers 2 --vocab 512 --steps 2 --warmup 1 --reps 1   # quick
     python bench/compare.py --device cuda --world 8 --peak-tflops 67 --json out/cuda.json        # NCCL, MFU
 
@@ -105,6 +106,9 @@ SYSTEMS: dict[str, System] = {
     ),
     "fsdp1": System("fsdp1", {}, "FSDP1, one FlatParameter per block and the root"),
     "ddp": System("ddp", {}, "DDP, gradient_as_bucket_view"),
+    "ddp-bucket_view": System(
+        "ddp", {"bucket_view": False}, "DDP at its defaults: gradients copied into its all-reduce buckets"
+    ),
     "single": System("single", {}, "one process on the global batch"),
 }
 # The pairs compared in the headline: (fsdp_fn row, FSDP2 row).
@@ -288,7 +292,13 @@ def _loss(chunks: int) -> Callable[[Any, torch.Tensor], torch.Tensor]:
 
 
 def _build_torch(
-    kind: str, cfg: Config, group: Any, torchtitan: bool = False, checkpoint: bool = False, chunks: int = 0
+    kind: str,
+    cfg: Config,
+    group: Any,
+    torchtitan: bool = False,
+    checkpoint: bool = False,
+    chunks: int = 0,
+    bucket_view: bool = True,
 ) -> Built:
     device = _device(cfg)
     torch.manual_seed(0)
@@ -322,7 +332,9 @@ def _build_torch(
             model, process_group=group, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device
         )
     elif kind == "ddp":
-        wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=True)
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            model, process_group=group, gradient_as_bucket_view=bucket_view
+        )
     else:
         wrapped = model
     opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr, foreach=True)
@@ -348,7 +360,7 @@ def _build_torch(
         loss = loss_fn(wrapped, batch)
         loss.backward()
         grads = [p.grad for p in wrapped.parameters() if p.grad is not None]
-        if kind == "ddp":  # views of DDP's gradient buckets, which outlive zero_grad(set_to_none=True)
+        if kind == "ddp" and bucket_view:  # views of DDP's gradient buckets, which outlive zero_grad(set_to_none=True)
             buckets[:] = grads
         for meter in ff._labels.active:
             meter.tag(grads, "grads")
