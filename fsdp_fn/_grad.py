@@ -71,7 +71,6 @@ def lean_pass(
     # autograd.grad, not backward: the shards' own results (zeros that own no memory) are dropped, not accumulated.
     torch.autograd.grad(loss, leaves, allow_unused=True)
     runtime.sink.drain()  # the reduce-scatters still in flight, before anything reads a gradient
-    runtime.sink.spare = None
     runtime.release_all()
     return loss.detach()
 

@@ -118,21 +118,18 @@ class Runtime:
         self.records: list[GatheredUnit] = []  # every gathered use that may get a backward, in forward order
         self.prefetched: dict[str, GatheredUnit] = {}
         self.inflight = 0  # bytes of non-root unit buffers allocated now
-        # Prefetching may hold max_inflight times the largest unit's gathered bytes.
+        # Each non-root unit's gathered bytes; prefetching may hold max_inflight times the largest.
         world, gather_dtype = params.group.size(), self.schedule.gather_dtype
-        largest = max(
-            (
-                sum(
-                    part.padded_numel(world) * gather_dtype(part.dtype).itemsize
-                    for part in (u, u.frozen_part)
-                    if part.params
-                )
-                for u in self.plan.units
-                if u.name != ROOT
-            ),
-            default=0,
-        )
-        self.inflight_limit = self.schedule.max_inflight * largest
+        self.unit_bytes = {
+            u.name: sum(
+                part.padded_numel(world) * gather_dtype(part.dtype).itemsize
+                for part in (u, u.frozen_part)
+                if part.params
+            )
+            for u in self.plan.units
+            if u.name != ROOT
+        }
+        self.inflight_limit = self.schedule.max_inflight * max(self.unit_bytes.values(), default=0)
         self.adds_during_backward = self.sink.deferred is not None  # full gradients summed over micro-batches
         self.running: list[str] = []  # units whose forward is in progress, innermost last
         self.order: list[str] = []  # units in the order their forward ran
@@ -256,9 +253,9 @@ class Runtime:
         for name in names:
             if name in self.prefetched:
                 continue
-            rec = self._new_record(self.plan.unit(name))
-            if not may_start(self.inflight, rec.nbytes, self.inflight_limit):
+            if not may_start(self.inflight, self.unit_bytes.get(name, 0), self.inflight_limit):
                 return
+            rec = self._new_record(self.plan.unit(name))
             self.records.append(rec)
             rec.start()
             self.prefetched[name] = rec
@@ -341,6 +338,7 @@ class Runtime:
         for rec in self.records:
             rec.release()
         self.records.clear()
+        self.sink.spare = None  # no flat gradient comes after backward
 
     # --- running ------------------------------------------------------------------------------------
 

@@ -233,9 +233,13 @@ class GatheredUnit:
             self._write(index, self.held.pop(index))
         with torch._C._DisableFuncTorch(), torch.no_grad():
             flat = self.grad
-            if flat is None:
-                with label("grads"):
-                    flat = torch.zeros(self._grad_numel(), dtype=self.parts[0].dtype, device=self.parts[0].device)
+            if flat is None:  # the backward reached no parameter of this use
+                numel, part = self._grad_numel(), self.parts[0]
+                flat = self.owner.spare_grad(numel, part.dtype, part.device)
+                if flat is None:
+                    with label("grads"):
+                        flat = torch.empty(numel, dtype=part.dtype, device=part.device)
+                flat.zero_()
             else:
                 for at, spec, got in zip(self.offsets, self.unit.params, self.received, strict=True):
                     if not got:
