@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -143,9 +143,19 @@ def _exchange(
 
 
 def all_gather_into(
-    out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, unit: str | None, *, async_op: bool = False
+    out: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    unit: str | None,
+    *,
+    async_op: bool = False,
+    own: Sequence[tuple[int, int]] | None = None,
 ) -> Any:
-    """``out`` (W * n) <- every rank's ``shard`` (n), in rank order. ``async_op``: returns what to ``wait()`` on."""
+    """``out`` (W * n) <- every rank's ``shard`` (n), in rank order. ``async_op``: returns what to ``wait()`` on.
+
+    ``own``: the ``[lo, hi)`` pieces of this rank's slot to fill from ``shard`` when the gather is
+    pairwise (the rest of that slot is left as it is: the caller reads it from ``shard``); by
+    default all of it."""
     world, rank = group.size(), group.rank()
     record("all_gather", unit, out.numel(), out.dtype, group)
     what = _guard.describe("all_gather", unit)
@@ -163,7 +173,9 @@ def all_gather_into(
                 [None if j == rank else c for j, c in enumerate(chunks)],
                 what,
             )
-            chunks[rank].copy_(shard)
+            mine = chunks[rank]
+            for lo, hi in [(0, shard.numel())] if own is None else own:
+                mine[lo:hi].copy_(shard[lo:hi])
         else:
             pending = Pending([dist.all_gather_single(out, shard, group=group, async_op=True)], what, (out, shard))
         if not async_op:

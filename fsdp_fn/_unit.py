@@ -55,6 +55,23 @@ class FlatPart:
         self.buffer: torch.Tensor | None = None
         self.work: Any = None
         self._source: torch.Tensor | None = None  # the cast/copied shard, alive while its gather runs
+        # A parameter that lies wholly in this rank's shard is a view of the shard itself, so the
+        # gather copies into its own slot of the buffer only the pieces of the parameters that cross
+        # the slot's edges (at most two), not the whole shard: one copy of the shard (and the first
+        # touch of its pages) less per gather. Not when the gather casts or moves the shard.
+        world, self.offsets = group.size(), part.offsets
+        self.in_shard = [False] * len(part.params)
+        self.own_pieces: list[tuple[int, int]] | None = None
+        if not self.in_place and world > 1 and shard.dtype == dtype and shard.device == device:
+            self.own_pieces = []
+            for i, lo, hi in part.local_ranges(world, group.rank()):
+                numel = part.params[i].numel
+                if numel and hi - lo == numel:
+                    self.in_shard[i] = True
+                elif hi > lo:
+                    self.own_pieces.append((lo, hi))
+        self._detached = shard.detach()
+        self._start = part.shard_numel(world) * group.rank() if world > 1 else 0
 
     def start(self) -> None:
         if self.in_place:
@@ -71,7 +88,22 @@ class FlatPart:
             with label("comm"):
                 source = source.to(device=self.device, dtype=self.dtype, non_blocking=True)
         self._source = source
-        self.work = all_gather_into(self.buffer, source, self.group, self.part.name, async_op=True)
+        self.work = all_gather_into(self.buffer, source, self.group, self.part.name, async_op=True, own=self.own_pieces)
+
+    def view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``: a view into ``flat`` (this part's gathered buffer), or into the
+        shard when it lies wholly there (its values were never copied into ``flat``)."""
+        spec, at = self.part.params[index], self.offsets[index]
+        if self.in_shard[index]:
+            at -= self._start
+            return self._detached[at : at + spec.numel].view(spec.shape)
+        return flat[at : at + spec.numel].view(spec.shape)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every parameter of the part, as ``view`` makes it."""
+        if not any(self.in_shard):
+            return unit_views(self.part, flat)
+        return {spec.name: self.view(flat, i) for i, spec in enumerate(self.part.params)}
 
     def wait(self) -> None:
         if self.work is not None:
@@ -266,10 +298,10 @@ class GatheredUnit:
                     # parameter's gradient until then.
                     view.grad_fn._set_sequence_nr(_AS_SOON_AS_READY)
         else:
-            out = unit_views(self.unit, trainable)
+            out = self.parts[0].views(trainable)
         for part in self.parts[1:]:
             assert part.buffer is not None
-            out.update(unit_views(part.part, part.buffer))
+            out.update(part.views(part.buffer))
         return out
 
 
@@ -321,9 +353,7 @@ class _ParamView(torch.autograd.Function):
 
     @staticmethod
     def forward(flat: torch.Tensor, rec: GatheredUnit, index: int) -> torch.Tensor:
-        spec = rec.unit.params[index]
-        at = rec.offsets[index]
-        return flat[at : at + spec.numel].view(spec.shape)
+        return rec.parts[0].view(flat, index)
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:

@@ -334,6 +334,42 @@ def test_blocks_write_their_gradients_into_one_buffer(pool):
     assert allocated == 1
 
 
+def _copied_from_shard(group):
+    """Elements one train step copies out of block 0's shard, and what the pieces of its
+    parameters that cross this rank's slot edges add up to (copied once per gather: forward
+    and backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    world, rank = group.size(), group.rank()
+    plan, step, state = gpt_state(group, CFG, split_root=True)
+    unit = plan.unit("blocks.0")
+    tokens = torch.randint(0, CFG.vocab, (2 * world, CFG.seq + 1), generator=torch.Generator().manual_seed(0))
+    batch = local_part(tokens, rank, world)
+    state, _ = step(state, batch)
+    shard = state.params["blocks.0"].untyped_storage().data_ptr()
+    copied = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default and args[1].untyped_storage().data_ptr() == shard:
+                copied.append(args[1].numel())
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step(state, batch)
+    crossing = sum(hi - lo for i, lo, hi in unit.local_ranges(world, rank) if 0 < hi - lo < unit.params[i].numel)
+    return sum(copied), 2 * crossing, unit.shard_numel(world)
+
+
+def test_a_gather_copies_only_the_parameters_crossing_the_slot_edges(pool):
+    # A parameter wholly in this rank's shard is a view of the shard: the gather does not
+    # copy the shard into the rank's own slot of the buffer, only the pieces of the (at most
+    # two) parameters that cross the slot's edges. Catches the whole shard copied per gather.
+    for world in (2, 3):
+        for copied, crossing, shard in pool.run(_copied_from_shard, world=world):
+            assert copied == crossing < shard, (world, copied, crossing, shard)
+
+
 def _backward_extra(group, width=64, layers=4):
     """Peak bytes of one lean value_and_grad on a unit made of bias-free Linears (batch 1:
     activations are a few hundred bytes), beyond the shards and the gathered unit."""
