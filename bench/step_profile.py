@@ -4,7 +4,8 @@ Runs fsdp_fn (defaults) or DDP (``gradient_as_bucket_view``, ``AdamW(foreach=Tru
 the bench GPT of ``bench/compare.py`` and reports, per rank, the median over the timed
 steps of: the step's wall time, its forward + backward and optimizer parts, the main
 thread's CPU time (``time.thread_time``: what the step computes itself, not what gloo's
-threads or the other ranks take from the cores), the process's minor page faults (memory
+threads or the other ranks take from the cores), the process's CPU time (every thread:
+with the cores saturated, the step's wall time follows the sum over ranks), the process's minor page faults (memory
 touched for the first time since the allocator took it from the system), and for fsdp_fn
 the time its waits on collectives blocked (each wait named with ``--waits``). ``--top N`` adds torch's
 profiler's N most expensive operators on rank 0 (self CPU, grouped by input shape).
@@ -89,17 +90,18 @@ def profile_rank(group: Any, system: str, steps: int, warmup: int, top: int) -> 
             optimizer_step()
 
     generator = torch.Generator().manual_seed(rank)
-    walls, cpus, waited, faults = [], [], [], []
+    walls, cpus, process_cpus, waited, faults = [], [], [], [], []
     per_wait: dict[tuple[int, str], list[float]] = collections.defaultdict(list)
     for k in range(warmup + steps):
         batch = torch.randint(0, cfg.vocab, (2, cfg.seq + 1), generator=generator)
         dist.barrier(group=group)
         waits.clear()
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         step(batch)
         walls.append(time.perf_counter() - t0)
         cpus.append(time.thread_time() - c0)
+        process_cpus.append(time.process_time() - p0)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         waited.append(sum(d for _, d in waits))
         if k >= warmup:
@@ -109,6 +111,7 @@ def profile_rank(group: Any, system: str, steps: int, warmup: int, top: int) -> 
         "rank": rank,
         "step": statistics.median(walls[warmup:]),
         "main thread CPU": statistics.median(cpus[warmup:]),
+        "process CPU": statistics.median(process_cpus[warmup:]),
         "waits": statistics.median(waited[warmup:]),
         "page faults": statistics.median(faults[warmup:]),
         **{name: statistics.median(times[warmup:]) for name, times in parts.items()},
@@ -142,7 +145,7 @@ def main() -> None:
         results = pool.run(profile_rank, args.system, args.steps, args.warmup, args.top, world=args.world)
     print(f"[CPU, gloo] {args.system}, W={args.world}: seconds per step, median over {args.steps} steps")
     for r in results:
-        fields = ("step", "forward+backward", "optimizer", "main thread CPU", "waits")
+        fields = ("step", "forward+backward", "optimizer", "main thread CPU", "process CPU", "waits")
         print(
             f"  rank {r['rank']}: "
             + ", ".join(f"{f} {r[f]:.3f}" for f in fields if f in r)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -65,12 +65,16 @@ class Unit:
     but never reduced and has no optimizer state. ``hooks`` lists the modules whose
     forward gathers the unit; empty means the module the unit is named after. A tied
     parameter used by modules in different units is a unit of its own, gathered by each.
+    ``lookup``: the unit is one plain ``nn.Embedding``, whose backward reads the indices and
+    not the table, so the table is not gathered again for backward (a hint about how the
+    module runs, not part of the layout: not serialised, not compared).
     """
 
     name: str  # module path; ROOT for the root unit; a parameter name for a shared tied parameter
     params: tuple[ParamSpec, ...]
     frozen: tuple[ParamSpec, ...] = ()
     hooks: tuple[str, ...] = ()
+    lookup: bool = field(default=False, compare=False)
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -267,6 +271,17 @@ def layer_policy(layer_classes: Iterable[type[nn.Module]]) -> Policy:
     return policy
 
 
+def _is_lookup(module: nn.Module, path: str, specs: list[ParamSpec]) -> bool:
+    """Whether ``module`` is a plain ``nn.Embedding`` whose only parameter is its trainable,
+    untied table: ``nn.Embedding.forward`` (not overridden), so its backward reads only the
+    indices (autograd saves the table's row count, not the table)."""
+    return (
+        type(module).forward is nn.Embedding.forward
+        and "forward" not in module.__dict__
+        and [(s.name, s.requires_grad, s.aliases) for s in specs] == [(f"{path}.weight", True, ())]
+    )
+
+
 def _has_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
@@ -428,6 +443,7 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
                 tuple(s for s in specs if s.requires_grad),
                 tuple(s for s in specs if not s.requires_grad),
                 shared.get(name, ()),
+                lookup=name != ROOT and name not in shared and _is_lookup(module.get_submodule(name), name, specs),
             )
         )
     for u in units:

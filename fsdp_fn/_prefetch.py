@@ -51,8 +51,9 @@ def may_start(inflight: int, nbytes: int, limit: int) -> bool:
 
 
 def refill_next(uses: Sequence[GatheredUnit], current: GatheredUnit) -> GatheredUnit | None:
-    """The use whose backward comes after ``current``'s: the last freed one before it in forward order."""
+    """The use whose backward comes after ``current``'s: the last freed one before it in forward
+    order that its backward refills (a lookup's backward reads no parameter)."""
     if current not in uses:
         return None
     at = list(uses).index(current)
-    return next((u for u in reversed(uses[:at]) if u.state is UnitState.FREED), None)
+    return next((u for u in reversed(uses[:at]) if u.state is UnitState.FREED and u.refill), None)

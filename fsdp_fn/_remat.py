@@ -143,6 +143,7 @@ _VIEWS = frozenset(
         aten.slice.Tensor,
         aten.select.int,
         aten.alias.default,
+        aten.detach.default,  # plain autograd's recomputation may alias a tensor it saves
     }
 )
 _READS_NOTHING = _VIEWS | {aten.add.Tensor, aten.sub.Tensor}
@@ -408,9 +409,28 @@ class _Remat(torch.autograd.Function):
                 outs = call.run(tensors)
             return tuple(outs[j] for j in used)
 
-        with call.replay_rng():
-            _, pull = torch.func.vjp(region, *(inputs[i] for i in wanted))[:2]
-        for i, g in zip(wanted, pull(tuple(grads[j] for j in used)), strict=True):
+        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+        if not any(wrapped(t) for t in (*inputs, *(grads[j] for j in used))):
+            # Plain autograd (a train step, a .backward()): an input the region's outputs do
+            # not reach gets no gradient (None), as without remat, so an unused parameter is
+            # not stepped; torch.func's vjp would hand it zeros.
+            # With create_graph the recomputation starts from the inputs themselves, so the
+            # gradients stay differentiable through them.
+            create = torch.is_grad_enabled()
+            with call.replay_rng(), torch.enable_grad():
+                diff = [inputs[i] if create else inputs[i].detach().requires_grad_() for i in wanted]
+                outs = region(*diff)
+                reached = [(o, grads[j]) for o, j in zip(outs, used, strict=True) if o.requires_grad]
+                if not reached:
+                    return tuple(result)
+                pulled = torch.autograd.grad(
+                    [o for o, _ in reached], diff, [g for _, g in reached], allow_unused=True, create_graph=create
+                )
+        else:
+            with call.replay_rng():
+                _, pull = torch.func.vjp(region, *(inputs[i] for i in wanted))[:2]
+            pulled = pull(tuple(grads[j] for j in used))
+        for i, g in zip(wanted, pulled, strict=True):
             result[1 + i] = g
         return tuple(result)
 

@@ -163,6 +163,16 @@ class Runtime:
         for name in self.remat_units:
             self._check_rematerialisable(self.plan.unit(name), "train_step(remat=...)")
         self.forced: set[str] = set()  # units a routed torch checkpoint region rematerialises now
+        # Lookup units (a plain nn.Embedding) whose module carries no hook of the user's: their
+        # backward reads no parameter, so their buffer is not gathered again for it.
+        global_hooks = nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
+        self.lookups = {
+            u.name
+            for u in self.plan.units
+            if u.lookup
+            and not global_hooks
+            and not (module.get_submodule(u.name)._forward_hooks or module.get_submodule(u.name)._forward_pre_hooks)
+        }
 
     # --- rematerialisation -------------------------------------------------------------------------
 
@@ -290,13 +300,25 @@ class Runtime:
             self.records.remove(use)  # done: backward prefetch looks only at uses still to come
         self.sink.push(use.unit, full, use.received, reusable=not use.taken)
 
-    def _after_forward(self, rec: GatheredUnit | None, output: Any, reshard: bool) -> Any:
+    def _backward_reads(self, unit: Unit) -> bool:
+        """Whether this use's backward may read its gathered parameters: not for a lookup unit
+        run plainly (not rematerialised: it would run again in backward; a region around
+        other modules cannot hold a unit; under no transform, which may rewrite the lookup)."""
+        return not (
+            unit.name in self.lookups
+            and unit.name not in self.remat_units
+            and unit.name not in self.forced
+            and torch._C._functorch.maybe_current_level() is None
+        )
+
+    def _after_forward(self, rec: GatheredUnit | None, output: Any, reshard: bool, refill: bool = True) -> Any:
         if rec is None or not reshard:
             return output
         leaves, spec = torch_pytree.tree_flatten(output)
         idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
         rec.free()
-        if idx:
+        rec.refill = refill
+        if idx and refill:
             refilled = RefillBeforeBackward.apply(rec, *(leaves[i] for i in idx))
             for i, t in zip(idx, refilled, strict=True):
                 leaves[i] = t
@@ -440,7 +462,7 @@ class Runtime:
                 owner._parameters[attr] = original
             self.running.pop()
             reshard = not self.forward_order.keep_gathered(unit.name, self.schedule)
-            return self._after_forward(self.live[key].pop(), output, reshard)
+            return self._after_forward(self.live[key].pop(), output, reshard, self._backward_reads(unit))
 
         return hook
 

@@ -158,6 +158,7 @@ class GatheredUnit:
         self.write_at_once = unit.name != ROOT and not unit.hooks
         self.held: dict[int, torch.Tensor] = {}
         self.taken = False  # the flat gradient is autograd's own tensor (see _may_take)
+        self.refill = True  # freed after forward, gathered again for backward (not a lookup's)
         # Only non-root units whose gather allocates take a buffer that counts against the limit.
         counted = unit.name != ROOT and not all(p.in_place for p in self.parts)
         self.nbytes = sum(p.shard.numel() * int(p.group.size()) * p.dtype.itemsize for p in parts) if counted else 0

@@ -56,12 +56,15 @@ def test_step_issues_exactly_the_predicted_collectives(pool, world, split_root, 
             # Bytes: 3 x (W-1)/W x parameter bytes (gather, gather again in backward, reduce-scatter),
             # less one gather per unit kept gathered, derived from the plan alone: every unit with
             # reshard_after_forward=False; otherwise the root, and from the second step on the unit
-            # that runs last (its backward comes first).
+            # that runs last (its backward comes first), and the embeddings (their backward reads
+            # the token ids, not the table), units of their own when the root is split.
             # Catches: a unit re-gathered that need not be, a kept unit that is freed, a wrong byte count.
+            embeddings = {"wte", "wpe"} if split_root else set()
+            assert {u.name for u in plan.units if u.lookup} == embeddings
             if variant == "keep_gathered":
                 kept_units = set(plan.unit_names)
             else:
-                kept_units = {u for u in plan.unit_names if u == ff.ROOT}
+                kept_units = {u for u in plan.unit_names if u == ff.ROOT} | embeddings
                 if k > 0:
                     kept_units.add([u for u in plan.unit_names if u != ff.ROOT][-1])
             param_bytes = sum(u.padded_numel(world) * 4 for u in plan.units)

@@ -142,7 +142,7 @@ def _batches(world, steps=3):
 def _run(group, names, step_kw, split_root=False, under_no_grad=False):
     """Train sharded with the loss built from ``names``; compare with the reference on every rank.
 
-    ``step_kw``: ``Schedule`` fields, and ``clip`` for a chain that clips first.
+    ``step_kw``: ``Schedule`` fields, ``clip`` for a chain that clips first, ``remat`` for train_step.
     ``under_no_grad``: every step is called inside ``torch.no_grad()`` (an evaluation loop's
     habit); the step still differentiates its loss."""
     world, rank = group.size(), group.rank()
@@ -150,11 +150,11 @@ def _run(group, names, step_kw, split_root=False, under_no_grad=False):
     model = Net()
     fn = ff.functionalize(model)
     plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=split_root)
-    schedule = {k: v for k, v in step_kw.items() if k != "clip"}
+    schedule = {k: v for k, v in step_kw.items() if k not in ("clip", "remat")}
     opt = ff.adamw(lr=0.05, weight_decay=0.1)
     if "clip" in step_kw:
         opt = ff.chain(ff.clip_by_global_norm(step_kw["clip"]), opt)
-    step = ff.train_step(fn, make_loss(names), opt, schedule=ff.Schedule(**schedule))
+    step = ff.train_step(fn, make_loss(names), opt, schedule=ff.Schedule(**schedule), remat=step_kw.get("remat"))
     state = step.init(ff.shard(fn.params, plan, group))
     batches = _batches(world)
     norms = []
@@ -205,8 +205,9 @@ def test_issue_example_no_grad_metric_keeps_the_gradients(pool, world):
         {"clip": 1e9},
         {"micro_batches": 2},
         {"micro_batches": 2, "reduce_each_micro_batch": False},
+        {"remat": True},  # a recomputed block: its unused parameters get no gradient either
     ],
-    ids=["default", "update_in_backward", "keep_gathered", "clip", "accumulate_sharded", "accumulate_full"],
+    ids=["default", "update_in_backward", "keep_gathered", "clip", "accumulate_sharded", "accumulate_full", "remat"],
 )
 def test_units_and_parameters_without_gradient_are_not_stepped(pool, step_kw):
     """Unused parameters, a skipped block, an unused head: skipped per parameter, in every mode."""
@@ -466,3 +467,98 @@ def _evaluation_forward_gathers(group):
 def test_an_evaluation_forward_gathers_each_unit_once(pool):
     for (plain, with_eval), units in pool.run(_evaluation_forward_gathers, world=2):
         assert with_eval == plain + units  # one all-gather per unit for the no-grad call, none in backward
+
+
+# --- an embedding's table is not gathered again for backward, unless something reads it there ----
+
+
+class _ScaledEmbedding(nn.Embedding):
+    """Its own forward: the output scaled by the table's norm, which backward reads."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.weight.norm()
+
+
+class _TokenNet(nn.Module):
+    def __init__(self, embedding: type[nn.Embedding], checkpointed: bool = False) -> None:
+        super().__init__()
+        self.tok = embedding(11, 6)
+        self.pos = nn.Embedding(4, 6)
+        self.blocks = nn.ModuleList([Block(6), Block(6)])
+        self.out = nn.Linear(6, 3)
+        self.checkpointed = checkpointed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:  # the model checkpoints its token embedding: recomputed in backward
+            x = torch.utils.checkpoint.checkpoint(self.tok, ids, use_reentrant=False)
+        else:
+            x = self.tok(ids)
+        x = x + self.pos(torch.arange(ids.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x).mean(1)
+
+
+def _read_by_weight_norm(module, args, output):
+    return output * module.weight.norm()
+
+
+def _token_model(variant: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = _TokenNet(_ScaledEmbedding if variant == "own_forward" else nn.Embedding, variant == "checkpointed")
+    if variant == "hooked":
+        model.tok.register_forward_hook(_read_by_weight_norm)
+    return model
+
+
+def _token_loss(model, batch):
+    ids, y = batch
+    return F.mse_loss(model(ids), y)
+
+
+def _embedding_backward(group, variant):
+    """(grad-norm and parameter differences to torch, the plan's lookup units, the units the
+    second step gathers again for backward)."""
+    world, rank = group.size(), group.rank()
+    model = _token_model(variant)
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=True)
+    step = ff.train_step(fn, _token_loss, ff.adamw(lr=0.05, weight_decay=0.1), remat=variant == "remat")
+    state = step.init(ff.shard(fn.params, plan, group))
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 11, (4 * world, 4), generator=g), torch.randn(4 * world, 3, generator=g))] * 2
+    norms = []
+    for b in batches:
+        with ff.comm_log() as log:
+            state, metrics = step(state, tuple(t.chunk(world)[rank] for t in b))
+        norms.append(metrics["grad_norm"].item())
+    forward = len(plan.units)
+    regathered = {c.unit for c in log.records[forward:] if c.op == "all_gather" and c.unit is not None}
+    ref_norms, ref_params = _reference(_token_model(variant), _token_loss, batches, 0.05)
+    full = ff.unshard(state.params)
+    return (
+        max(rel(a, b) for a, b in zip(norms, ref_norms, strict=True)),
+        max((full[k] - v).abs().max().item() for k, v in ref_params.items()),
+        {u.name for u in plan.units if u.lookup},
+        regathered & {"tok", "pos"},
+    )
+
+
+@pytest.mark.parametrize(
+    ("variant", "lookups", "regathered"),
+    [
+        ("plain", {"tok", "pos"}, set()),  # each reads only its token ids in backward
+        ("own_forward", {"pos"}, {"tok"}),  # a forward of its own: not known to leave the table alone
+        ("hooked", {"tok", "pos"}, {"tok"}),  # a hook of the user's reads the table in backward
+        ("checkpointed", {"tok", "pos"}, {"tok"}),  # the model's checkpoint recomputes it in backward
+        ("remat", {"tok", "pos"}, {"tok", "pos"}),  # train_step(remat=True) recomputes them too
+    ],
+)
+def test_an_embedding_is_gathered_again_for_backward_only_when_backward_reads_it(pool, variant, lookups, regathered):
+    # Catches: the table skipped by backward while something reads it there (a freed buffer
+    # read, or garbage: parity fails), and a plain lookup gathered again for nothing.
+    for norm, param, plan_lookups, again in pool.run(_embedding_backward, variant, world=2):
+        assert norm < 1e-5, norm
+        assert param < 1e-5, param
+        assert plan_lookups == lookups
+        assert again == regathered

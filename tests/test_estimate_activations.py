@@ -13,7 +13,6 @@ CFG = GPTConfig(vocab=512, seq=64, d_model=64, n_layers=3, n_heads=4)
 BATCH = 8  # per rank
 REMAT = {"none": None, "full": ff.Remat(), "save_dots": ff.Remat(policy=ff.save_dots)}
 TOLERANCE = 0.02  # activations: estimate within 2% of the meter (measured: equal to the byte)
-TOTAL_OVER = 0.05  # total: at least the measured peak, at most 5% above it
 
 
 def _estimate_and_measure(group, remat: str) -> dict[str, object]:
@@ -32,7 +31,13 @@ def _estimate_and_measure(group, remat: str) -> dict[str, object]:
     with ff.MemoryMeter() as meter:
         meter.tag(state, "state")
         state, _ = step(state, batch)
-    return {"estimate": estimate, "activations": meter.category_peaks()["activations"], "total": meter.peak()["total"]}
+    peak = meter.peak()
+    return {
+        "estimate": estimate,
+        "activations": meter.category_peaks()["activations"],
+        "total": peak["total"],
+        "gathered": peak["gathered"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +50,10 @@ def test_activation_estimate_agrees_with_the_meter(runs, remat):
     for rank in runs[remat]:
         estimated, measured = rank["estimate"].activations, rank["activations"]
         assert abs(estimated - measured) <= TOLERANCE * measured, (remat, estimated, measured)
-        # The step's total: no lower than the meter's peak, and close to it.
-        assert rank["total"] <= rank["estimate"].total <= (1 + TOTAL_OVER) * rank["total"], remat
+        # The step's total: no lower than the meter's peak, and above it only by the gathered
+        # units the estimate allows in flight (``units_in_flight``) but the peak does not hold.
+        over = rank["estimate"].total - rank["total"]
+        assert 0 <= over <= rank["estimate"].gathered - rank["gathered"], (remat, over)
 
 
 def test_remat_lowers_the_estimate_as_the_meter_says(runs):
