@@ -355,9 +355,11 @@ class _Call:
 
 class _Remat(torch.autograd.Function):
     """Forward: run the region, keep its inputs (and the policy's results; with no policy,
-    trace its operators). Backward: recompute it under ``torch.func.vjp`` with the
-    forward's RNG state (stopping early: the tail no backward reads returns empty tensors)
-    and pull back. Forward mode (``jvp``): ``torch.func.jvp`` of the region. ``vmap``: generated."""
+    trace its operators). Backward: recompute it with the forward's RNG state (stopping
+    early: the tail no backward reads returns empty tensors) and pull back, with autograd
+    under plain autograd (an input the outputs never reach gets no gradient), with
+    ``torch.func.vjp`` under a transform. Forward mode (``jvp``): ``torch.func.jvp`` of the
+    region. ``vmap``: generated."""
 
     generate_vmap_rule = True
 

@@ -311,7 +311,7 @@ class Runtime:
             and torch._C._functorch.maybe_current_level() is None
         )
 
-    def _after_forward(self, rec: GatheredUnit | None, output: Any, reshard: bool, refill: bool = True) -> Any:
+    def _after_forward(self, rec: GatheredUnit | None, output: Any, reshard: bool, refill: bool) -> Any:
         if rec is None or not reshard:
             return output
         leaves, spec = torch_pytree.tree_flatten(output)

@@ -225,12 +225,7 @@ class GatheredUnit:
                     self.grad, self.taken = grad.view(-1), True
                     retag(self.grad, "grads")
                     return
-                numel, part = self._grad_numel(), self.parts[0]
-                self.grad = self.owner.spare_grad(numel, part.dtype, part.device)
-                if self.grad is None:
-                    with label("grads"):
-                        self.grad = torch.empty(numel, dtype=part.dtype, device=part.device)
-                self.taken = False
+                self.grad, self.taken = self._new_grad(), False
             if self.taken:  # never written into: a second gradient makes a new sum
                 self.grad = self.grad + grad.reshape(-1)
                 self.taken = False
@@ -267,12 +262,7 @@ class GatheredUnit:
         with torch._C._DisableFuncTorch(), torch.no_grad():
             flat = self.grad
             if flat is None:  # the backward reached no parameter of this use
-                numel, part = self._grad_numel(), self.parts[0]
-                flat = self.owner.spare_grad(numel, part.dtype, part.device)
-                if flat is None:
-                    with label("grads"):
-                        flat = torch.empty(numel, dtype=part.dtype, device=part.device)
-                flat.zero_()
+                flat = self._new_grad().zero_()
             else:
                 for at, spec, got in zip(self.offsets, self.unit.params, self.received, strict=True):
                     if not got:
@@ -280,6 +270,15 @@ class GatheredUnit:
                 flat[self.unit.numel :].zero_()
         self.grad = None
         return flat
+
+    def _new_grad(self) -> torch.Tensor:
+        """An uninitialised flat gradient: the owner's spare buffer of this size, else a new one."""
+        numel, part = self._grad_numel(), self.parts[0]
+        grad = self.owner.spare_grad(numel, part.dtype, part.device)
+        if grad is None:
+            with label("grads"):
+                grad = torch.empty(numel, dtype=part.dtype, device=part.device)
+        return grad
 
     def _grad_numel(self) -> int:
         part = self.parts[0]
