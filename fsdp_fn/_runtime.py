@@ -117,6 +117,7 @@ class Runtime:
         self.uses: dict[str, int] = {}  # gathered uses per unit in this forward
         self.records: list[GatheredUnit] = []  # every gathered use that may get a backward, in forward order
         self.prefetched: dict[str, GatheredUnit] = {}
+        self.prefetched_after: set[int] = set()  # uses that started the refill of the use after them
         self.inflight = 0  # bytes of non-root unit buffers allocated now
         # Each non-root unit's gathered bytes; prefetching may hold max_inflight times the largest.
         world, gather_dtype = params.group.size(), self.schedule.gather_dtype
@@ -271,30 +272,44 @@ class Runtime:
             self.prefetched[name] = rec
 
     def _prefetch_backward(self, rec: GatheredUnit) -> None:
-        """Start refilling the use whose backward comes next (the previous one in forward order).
+        """Start refilling the use whose backward comes next (the previous one in forward order),
+        once per use.
 
         One use ahead only: backward starts where memory peaks (the loss's gradient, the
         head's), and a second block refilled there raised the peak (6 MiB at W=4)."""
+        if id(rec) in self.prefetched_after:
+            return
         upcoming = refill_next(self.records, rec)
         if upcoming is not None and may_start(self.inflight, upcoming.nbytes, self.inflight_limit):
             upcoming.start()
+            self.prefetched_after.add(id(rec))
 
     # --- the Owner of gathered uses (_unit.py) ---------------------------------------------------
 
     def before_backward(self, use: GatheredUnit) -> None:
-        if self.schedule.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+        # A use that gets no gradient, or holds its gradients until its backward ends (the root,
+        # a shared unit), reaches before_grad late or never: it refills the next use now.
+        if self.schedule.backward_prefetch is BackwardPrefetch.BACKWARD_PRE and not (
+            use.unit.params and use.write_at_once
+        ):
             self._prefetch_backward(use)
 
     def before_grad(self, use: GatheredUnit) -> None:
         # The reduction left in flight behind this backward ends here, before the new flat
         # gradient exists: the previous unit's full gradient and this one's never live at once.
         self.sink.drain()
+        # BACKWARD_PRE refills the next use now, not when this backward starts: the reduction's
+        # buffers (its full gradient, the received shards) are gone, so they never meet the
+        # refilled unit at the top of this backward, where memory peaks; and a unit kept
+        # gathered after forward (which is not refilled) starts the prefetch too.
+        if self.schedule.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            self._prefetch_backward(use)
 
     def spare_grad(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         return self.sink.take_spare(numel, dtype, device)
 
     def after_backward(self, use: GatheredUnit, full: torch.Tensor) -> None:
-        if self.schedule.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+        if self.schedule.backward_prefetch is not None:  # BACKWARD_PRE: if no gradient came first
             self._prefetch_backward(use)
         if use in self.records:
             self.records.remove(use)  # done: backward prefetch looks only at uses still to come

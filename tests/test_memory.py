@@ -454,3 +454,59 @@ def test_a_gradient_shared_with_another_path_stays_exact(pool, accumulate):
     # then writing into it while the input's path (or a second use) still reads it.
     for diff in pool.run(_shared_gradient_grads, accumulate, world=2):
         assert diff < 1e-6
+
+
+# --- backward prefetch: the next unit is refilled once the last reduction has landed -----------
+
+
+def _backward_overlaps(group, kind):
+    """During one train step: the samples where a reduction's buffers (its received shards) live
+    together with two blocks gathered, and the uses whose refill backward had to start itself."""
+    import inspect
+
+    from examples.gpt import lm_loss
+    from fsdp_fn import _unit
+
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=True)
+    schedule = ff.Schedule(update_in_backward=kind == "update_in_backward")
+    remat = ff.Remat() if kind == "remat" else None
+    step = ff.train_step(fn, lm_loss, ff.adamw(), schedule=schedule, remat=remat)
+    state = step.init(ff.shard(fn.params, plan, group))
+    tokens = torch.randint(0, CFG.vocab, (2 * world, CFG.seq + 1), generator=torch.Generator().manual_seed(0))
+    batch = local_part(tokens, rank, world)
+    state, _ = step(state, batch)
+    on_demand: list[str] = []
+    original = inspect.getattr_static(_unit.RefillBeforeBackward, "backward")
+
+    def backward(ctx, *grads):
+        if ctx.fsdp_fn_refill.state is _unit.UnitState.FREED:  # not prefetched
+            on_demand.append(ctx.fsdp_fn_refill.unit.name)
+        return original.__func__(ctx, *grads)
+
+    _unit.RefillBeforeBackward.backward = staticmethod(backward)
+    try:
+        with ff.MemoryMeter(timeline=True) as meter:
+            meter.tag(state, "state")
+            step(state, batch)
+    finally:
+        _unit.RefillBeforeBackward.backward = original
+    assert meter.timeline is not None
+    block = plan.unit("blocks.0").gather_bytes(world)
+    together = [what for what, s in meter.timeline if s["comm"] > 0 and s["gathered"] >= 2 * block]
+    return together, on_demand, max(s["comm"] for _, s in meter.timeline)
+
+
+@pytest.mark.parametrize("kind", ["defaults", "update_in_backward", "remat"])
+def test_backward_refills_the_next_unit_once_the_last_reduction_has_landed(pool, kind):
+    # Catches: the next block refilled when this one's backward starts, while the previous
+    # block's reduce-scatter still holds its received shards (at W=4, three of them): the
+    # three at once at the top of the backward, where memory peaks; and a unit kept gathered
+    # after forward (the head) starting no refill, so the one before it waits on its own.
+    for together, on_demand, comm in pool.run(_backward_overlaps, kind, world=3):
+        assert comm > 0  # the reductions' received shards were seen
+        assert together == [], together[:3]
+        assert on_demand == [], on_demand  # every refill was prefetched
