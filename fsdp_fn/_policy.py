@@ -14,7 +14,9 @@ class BackwardPrefetch(enum.Enum):
     """When the next unit's all-gather is issued in backward (the seed's ``backward_prefetch``)."""
 
     BACKWARD_PRE = "pre"
-    """Before computing this unit's gradients: most overlap, two units gathered at once."""
+    """While this unit's gradients are computed: most overlap, two units gathered at once.
+    Issued at the unit's first parameter gradient, once the previous unit's reduce-scatter
+    has landed, so its buffers and the two gathered units never live at once."""
     BACKWARD_POST = "post"
     """After this unit's gradients are computed (and its reduce-scatter issued)."""
 

@@ -6,7 +6,8 @@ gathered buffers fit ``Schedule.max_inflight`` times the largest unit's (``may_s
 two blocks at the default, or a block and the small units after it, so a small unit (a
 norm) never leaves the next unit's gather (the head's) only its own short compute to hide
 behind. Backward: the use whose backward comes next is refilled (``refill_next``), one
-ahead, within the same limit. The unit that ran last in the previous step is kept
+ahead, within the same limit, from this use's first gradient on (the runtime's
+``before_grad``: the previous reduction has landed by then). The unit that ran last in the previous step is kept
 gathered after its forward (it is the first needed in backward).
 """
 
