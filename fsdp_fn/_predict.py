@@ -17,7 +17,13 @@ def metrics_words(plan: Plan) -> int:
 
 
 def predict_collectives(
-    plan: Plan, world: int, schedule: Schedule | None = None, *, first_step: bool = True, replicas: int = 1
+    plan: Plan,
+    world: int,
+    schedule: Schedule | None = None,
+    *,
+    first_step: bool = True,
+    replicas: int = 1,
+    lookup_rows: bool = True,
 ) -> list[Collective]:
     """What one train step issues on each rank, from the plan alone (for units that run in plan order).
 
@@ -31,11 +37,31 @@ def predict_collectives(
     all-gather of ``metrics_words(plan)`` float64 numbers per rank (the step's loss,
     gradient norm, the fingerprint of the collectives it issued and which parameters got
     a gradient), and with replicas an all-reduce of two.
+
+    ``lookup_rows`` (the train step on gloo's pairwise collectives; pass ``False`` for other
+    backends or ``FSDP_FN_COLLECTIVES=native``): a lookup unit's rows are fetched instead,
+    one ``row_fetch`` in forward and one ``row_reduce`` in backward (``numel`` 0: their size
+    follows the indices), unless the schedule casts or moves its shard, micro-batches are
+    summed before reducing, or there are replicas.
     """
     schedule = schedule or Schedule()
     last = [u.name for u in plan.units if u.name != ROOT][-1:]
     out: list[Collective] = []
+    summed = schedule.micro_batches > 1 and not schedule.reduce_each_micro_batch
     for u in plan.units:
+        if (
+            lookup_rows
+            and u.lookup
+            and replicas == 1
+            and not summed
+            and schedule.cpu_offload is None
+            and schedule.gather_dtype(u.dtype) == u.dtype == schedule.reduce_dtype(u.dtype)
+        ):
+            out += [
+                Collective("row_fetch", u.name, 0, u.dtype, world),
+                Collective("row_reduce", u.name, 0, u.dtype, world),
+            ]
+            continue
         resharded = (
             schedule.reshard_after_forward and u.name != ROOT and not u.lookup and (first_step or [u.name] != last)
         )

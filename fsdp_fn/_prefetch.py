@@ -51,10 +51,12 @@ def may_start(inflight: int, nbytes: int, limit: int) -> bool:
     return inflight + nbytes <= limit
 
 
-def refill_next(uses: Sequence[GatheredUnit], current: GatheredUnit) -> GatheredUnit | None:
-    """The use whose backward comes after ``current``'s: the last freed one before it in forward
-    order that its backward refills (a lookup's backward reads no parameter)."""
+def refill_next(uses: Sequence[object], current: object) -> GatheredUnit | None:
+    """The use whose backward comes after ``current``'s: the last freed gathered use before it in
+    forward order that its backward refills (a lookup's backward reads no parameter; its
+    fetched rows are no gathered use)."""
     if current not in uses:
         return None
     at = list(uses).index(current)
-    return next((u for u in reversed(uses[:at]) if u.state is UnitState.FREED and u.refill), None)
+    earlier = (u for u in reversed(uses[:at]) if isinstance(u, GatheredUnit))
+    return next((u for u in earlier if u.state is UnitState.FREED and u.refill), None)

@@ -26,9 +26,10 @@ import torch.utils._pytree as torch_pytree
 from torch import nn
 from torch.func import functional_call
 
-from fsdp_fn._collectives import all_gather
+from fsdp_fn._collectives import all_gather, pairwise
 from fsdp_fn._functional import Functional, parameters_restored, requires_grad_tolerated
 from fsdp_fn._gather import gather_differentiably
+from fsdp_fn._lookup import RowFetch, RowLookup, check_indices
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
 from fsdp_fn._policy import BackwardPrefetch, Schedule
 from fsdp_fn._prefetch import ForwardOrder, may_start, refill_next
@@ -115,7 +116,8 @@ class Runtime:
         self.plan = params.plan
         self.forward_order = ForwardOrder(order_hint)  # forward prefetch follows the last step's order
         self.uses: dict[str, int] = {}  # gathered uses per unit in this forward
-        self.records: list[GatheredUnit] = []  # every gathered use that may get a backward, in forward order
+        # Every use that may get a backward, in forward order: gathered, or a lookup's fetched rows.
+        self.records: list[GatheredUnit | RowFetch] = []
         self.prefetched: dict[str, GatheredUnit] = {}
         self.prefetched_after: set[int] = set()  # uses that started the refill of the use after them
         self.inflight = 0  # bytes of non-root unit buffers allocated now
@@ -174,6 +176,25 @@ class Runtime:
             and not global_hooks
             and not (module.get_submodule(u.name)._forward_hooks or module.get_submodule(u.name)._forward_pre_hooks)
         }
+        # Lookups whose rows are fetched instead of their table gathered (``_lookup.py``): over
+        # gloo's pairwise sends, in the shard's own dtype and place, reduced per micro-batch,
+        # without replicas, not rematerialised, and not renormalising rows or making sparse gradients.
+        unit_of = {u.name: u for u in self.plan.units}
+        self.row_lookups = {
+            name
+            for name in self.lookups
+            if not composable
+            and params.group.size() > 1
+            and pairwise(params.group)
+            and params.layout.replicate is None
+            and offload is None
+            and self.sink.deferred is None
+            and self.schedule.gather_dtype(unit_of[name].dtype) == unit_of[name].dtype
+            and self.schedule.reduce_dtype(unit_of[name].dtype) == unit_of[name].dtype
+            and name not in self.remat_units
+            and module.get_submodule(name).max_norm is None
+            and not module.get_submodule(name).sparse
+        }
 
     # --- rematerialisation -------------------------------------------------------------------------
 
@@ -194,7 +215,10 @@ class Runtime:
                 )
 
     def _forward(self, unit: Unit, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """The unit's forward for this call: rematerialised when asked, otherwise the module's own."""
+        """The unit's forward for this call: rematerialised when asked, a lookup of fetched rows,
+        otherwise the module's own."""
+        if self._fetches_rows(unit):
+            return self._lookup(unit, *args, **kwargs)
         if unit.name in self.forced:
             return _remat_with_state(original, [self.fn.module.get_submodule(unit.name)], save_nothing, unit.name)(
                 *args, **kwargs
@@ -221,6 +245,53 @@ class Runtime:
             return function(*args, **kwargs)
         finally:
             self.forced.difference_update(added)
+
+    # --- lookups of fetched rows ---------------------------------------------------------------------
+
+    def _fetches_rows(self, unit: Unit) -> bool:
+        """Whether this call of ``unit`` fetches its rows (not under a transform, which may rewrite
+        the lookup, nor inside a checkpoint region, which runs it again in backward)."""
+        return (
+            unit.name in self.row_lookups
+            and unit.name not in self.forced
+            and torch._C._functorch.maybe_current_level() is None
+        )
+
+    def _lookup(self, unit: Unit, indices: Any) -> torch.Tensor:
+        """``nn.Embedding.forward`` on the rows its indices name, fetched from their holders."""
+        check_indices(indices, unit)
+        module = self.fn.module.get_submodule(unit.name)
+        assert isinstance(module, nn.Embedding)
+        shard = check_shard(self.params, unit)
+        fetch = RowFetch(unit, plain(shard), self.params.group, self)
+        rows, inverse, distinct = fetch.fetch(indices)
+        if torch.is_grad_enabled():
+            self.records.append(fetch)
+        table = RowLookup.apply(shard, fetch, rows)
+        padding = None
+        if module.padding_idx is not None:
+            at = int(torch.searchsorted(distinct, module.padding_idx))
+            padding = at if at < distinct.numel() and int(distinct[at]) == module.padding_idx else None
+        out = torch.nn.functional.embedding(
+            inverse, table, padding, None, module.norm_type, module.scale_grad_by_freq, False
+        )
+        self.inflight -= self._rows_bytes(unit, (indices,))  # F.embedding keeps no row for backward
+        return out
+
+    def _rows_bytes(self, unit: Unit, args: tuple[Any, ...]) -> int:
+        """The most bytes a lookup's rows take: one row per index, the table at most."""
+        indices = args[0] if args else None
+        count = indices.numel() if isinstance(indices, torch.Tensor) else 0
+        rows, dim = unit.params[0].shape
+        return min(count, rows) * dim * unit.dtype.itemsize
+
+    def after_row_backward(self, fetch: RowFetch, finish: Callable[[], torch.Tensor]) -> None:
+        """A lookup's backward has run: its rows' gradient is on its way to their holders."""
+        if self.schedule.backward_prefetch is not None:
+            self._prefetch_backward(fetch)
+        if fetch in self.records:
+            self.records.remove(fetch)
+        self.sink.push_reduced(fetch.unit, finish, (True,))
 
     # --- gathering ---------------------------------------------------------------------------------
 
@@ -262,7 +333,7 @@ class Runtime:
         if self.composable:
             return
         for name in names:
-            if name in self.prefetched:
+            if name in self.prefetched or name in self.row_lookups:  # a lookup's rows come at its call
                 continue
             if not may_start(self.inflight, self.unit_bytes.get(name, 0), self.inflight_limit):
                 return
@@ -271,7 +342,7 @@ class Runtime:
             rec.start()
             self.prefetched[name] = rec
 
-    def _prefetch_backward(self, rec: GatheredUnit) -> None:
+    def _prefetch_backward(self, rec: GatheredUnit | RowFetch) -> None:
         """Start refilling the use whose backward comes next (the previous one in forward order),
         once per use.
 
@@ -442,8 +513,8 @@ class Runtime:
             self.records.remove(rec)
         self.prefetched.clear()
         if not torch.is_grad_enabled():  # an evaluation call: nothing of it will get a backward
-            for rec in self.records[first_record:]:
-                rec.release()
+            for use in self.records[first_record:]:
+                use.release()
             del self.records[first_record:]
         return precision.cast_output(out)
 
@@ -454,6 +525,15 @@ class Runtime:
 
         def hook(module: nn.Module, args: Any) -> None:
             self.running.append(unit.name)
+            if self._fetches_rows(unit):  # nothing to gather: its forward fetches the rows it reads
+                self.uses[unit.name] = self.uses.get(unit.name, 0) + 1
+                # The rows count against the prefetch limit while they live (at most one per index).
+                self.inflight += self._rows_bytes(unit, args)
+                if self.schedule.forward_prefetch:
+                    self._prefetch(self.forward_order.advance(unit.name))
+                self.order.append(unit.name)
+                self.live.setdefault(key, []).append(None)
+                return
             rec, views = self._gather(unit)
             upcoming = self.forward_order.advance(unit.name)
             if self.schedule.forward_prefetch:
@@ -472,12 +552,16 @@ class Runtime:
         key = (unit.name, id(target))
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            rec = self.live[key].pop()
+            if rec is None and self._fetches_rows(unit):  # fetched rows: nothing was gathered or swapped
+                self.running.pop()
+                return output
             for _ in self.slots[key]:
                 owner, attr, original = swapped.pop()
                 owner._parameters[attr] = original
             self.running.pop()
             reshard = not self.forward_order.keep_gathered(unit.name, self.schedule)
-            return self._after_forward(self.live[key].pop(), output, reshard, self._backward_reads(unit))
+            return self._after_forward(rec, output, reshard, self._backward_reads(unit))
 
         return hook
 

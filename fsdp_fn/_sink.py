@@ -62,10 +62,20 @@ class GradSink:
         """How many gathered uses of each unit the loss reaches (the others never get a backward)."""
         self.expected = dict(uses)
 
-    def push(self, unit: Unit, full: torch.Tensor, received: Sequence[bool], reusable: bool = False) -> None:
+    def _mark(self, unit: Unit, received: Sequence[bool]) -> None:
         mask = self.received.setdefault(unit.name, [False] * len(unit.params))
         for i, got in enumerate(received):
             mask[i] = mask[i] or got
+
+    def push_reduced(self, unit: Unit, finish: Callable[[], torch.Tensor], received: Sequence[bool]) -> None:
+        """A reduction already issued (a lookup's rows' gradient on its way): ``finish()`` waits
+        and gives the gradient shard; left in flight like a reduce-scatter."""
+        self._mark(unit, received)
+        self.pending.append((unit.name, finish, None))
+        self.drain(keep=1)
+
+    def push(self, unit: Unit, full: torch.Tensor, received: Sequence[bool], reusable: bool = False) -> None:
+        self._mark(unit, received)
         with torch._C._DisableFuncTorch(), torch.no_grad():
             if self.deferred is not None:
                 total = self.deferred.get(unit.name)

@@ -50,27 +50,33 @@ def test_step_issues_exactly_the_predicted_collectives(pool, world, split_root, 
         for k, records in enumerate(logs):
             predicted = ff.predict_collectives(plan, world, schedule, first_step=k == 0)
             assert Counter(map(key, records)) == Counter(map(key, predicted))
-            # one collective per unit per phase: forward all-gathers run in plan order
-            forward = [c.unit for c in records if c.op == "all_gather"][: len(plan.units)]
-            assert forward == list(plan.unit_names)
+            # one collective per unit per phase: forward all-gathers run in plan order, and so do
+            # the embeddings' row fetches
+            embeddings = {"wte", "wpe"} if split_root else set()
+            dense = [u for u in plan.units if u.name not in embeddings]
+            forward = [c.unit for c in records if c.op == "all_gather"][: len(dense)]
+            assert forward == [u.name for u in dense]
+            assert [c.unit for c in records if c.op == "row_fetch"] == [u for u in plan.unit_names if u in embeddings]
             # Bytes: 3 x (W-1)/W x parameter bytes (gather, gather again in backward, reduce-scatter),
             # less one gather per unit kept gathered, derived from the plan alone: every unit with
             # reshard_after_forward=False; otherwise the root, and from the second step on the unit
-            # that runs last (its backward comes first), and the embeddings (their backward reads
-            # the token ids, not the table), units of their own when the root is split.
-            # Catches: a unit re-gathered that need not be, a kept unit that is freed, a wrong byte count.
-            embeddings = {"wte", "wpe"} if split_root else set()
+            # that runs last (its backward comes first). The embeddings (units of their own when
+            # the root is split) are never gathered: their rows are fetched and their rows'
+            # gradients sent back (row_fetch, row_reduce: sized by the token ids, not the table).
+            # Catches: a unit re-gathered that need not be, a kept unit that is freed, a wrong byte
+            # count, an embedding's table gathered or reduce-scattered.
             assert {u.name for u in plan.units if u.lookup} == embeddings
+            assert {c.unit for c in records if c.op.startswith("row_")} == embeddings
             if variant == "keep_gathered":
-                kept_units = set(plan.unit_names)
+                kept_units = set(plan.unit_names) - embeddings
             else:
-                kept_units = {u for u in plan.unit_names if u == ff.ROOT} | embeddings
+                kept_units = {u for u in plan.unit_names if u == ff.ROOT}
                 if k > 0:
                     kept_units.add([u for u in plan.unit_names if u != ff.ROOT][-1])
-            param_bytes = sum(u.padded_numel(world) * 4 for u in plan.units)
-            kept = sum(u.padded_numel(world) * 4 for u in plan.units if u.name in kept_units)
+            param_bytes = sum(u.padded_numel(world) * 4 for u in dense)
+            kept = sum(u.padded_numel(world) * 4 for u in dense if u.name in kept_units)
             sent = sum(c.ring_bytes for c in records if c.unit is not None)  # the units, not the metrics
             assert sent == pytest.approx((3 * param_bytes - kept) * (world - 1) / world)
             backward = records[len(plan.units) :]
             backward_gathers = {c.unit for c in backward if c.op == "all_gather" and c.unit is not None}
-            assert backward_gathers == set(plan.unit_names) - kept_units
+            assert backward_gathers == set(plan.unit_names) - kept_units - embeddings

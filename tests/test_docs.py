@@ -23,6 +23,7 @@ NO_EXAMPLES = {
     "fsdp_fn._errors": "exception classes; raised and matched in test_reliability.py and test_errors.py",
     "fsdp_fn._predict": "predict_collectives and estimate_memory: runnable examples in docs/api.md (test below)",
     "fsdp_fn._prefetch": "internal: which unit to gather next",
+    "fsdp_fn._lookup": "internal: a lookup's rows fetched from their holders; needs several ranks (test_lookup.py)",
     "fsdp_fn._runtime": "internal: runs a module over shards; apply_sharded's example is in docs/api.md",
     "fsdp_fn._sink": "internal: where a unit's full gradient goes after its backward",
     "fsdp_fn._unit": "internal: a unit's lifecycle; needs a step around it to show anything",
