@@ -70,7 +70,12 @@ class RowFetch:
 
     def fetch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rows, inverse, distinct): the rows of the distinct indices (``distinct.numel()`` x D),
-        and each index's position among them. Blocks until they arrived."""
+        and each index's position among them. Blocks until they arrived. Outside autograd (the
+        shard is the step's leaf): ``RowLookup`` is the rows' only way back to it."""
+        with torch.no_grad():
+            return self._fetch(indices)
+
+    def _fetch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         world, rank, n = self.world, self.rank, self.shard.numel()
         what = _guard.describe("row_fetch", self.unit.name)
         distinct, inverse = torch.unique(indices.reshape(-1).long(), sorted=True, return_inverse=True)
@@ -105,7 +110,7 @@ class RowFetch:
         world, rank = self.world, self.rank
         what = _guard.describe("row_reduce", self.unit.name)
         record("row_reduce", self.unit.name, 0, self.shard.dtype, self.group)
-        flat = grad.reshape(-1)
+        flat = grad.detach().reshape(-1)
         sends = [None if j == rank or a == b else flat[a:b] for j, (a, b) in enumerate(self.runs)]
         with label("comm"):
             got = [None if not self._served(j) else flat.new_empty(self._served(j)) for j in range(world)]

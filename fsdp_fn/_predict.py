@@ -31,7 +31,7 @@ def predict_collectives(
     part (trainable, frozen): one all-gather in forward in the gather dtype; one more in
     backward when the unit is resharded after forward (never the root; from the second
     step on, not the unit that ran last, which is needed again first; not a ``lookup``
-    unit, whose backward reads no parameter, unless ``remat`` recomputes it). Per use, one
+    unit, whose backward reads no parameter). Per use, one
     reduce-scatter of the trainable part in the reduce dtype and, with ``replicas``
     (hybrid sharding), one all-reduce of the gradient shard across them. Then one
     all-gather of ``metrics_words(plan)`` float64 numbers per rank (the step's loss,

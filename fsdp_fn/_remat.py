@@ -584,7 +584,9 @@ class _Opaque:
 class Remat:
     """Which units a train step rematerialises, and what their forward keeps.
 
-    ``units``: ``True`` for every non-root unit, or a policy with the auto-wrap signature
+    ``units``: ``True`` for every non-root unit but the lookups (a plain ``nn.Embedding``
+    saves only its indices: recomputing it saves nothing and would gather its table again
+    in backward), or a policy with the auto-wrap signature
     ``(module, recurse, unwrapped_params, **kw) -> bool`` asked once per unit with
     ``recurse=False`` and the unit's parameter count. ``policy``: the ``SavePolicy``.
     ``every``: of the selected units, in module order, rematerialise the first and then
@@ -625,12 +627,13 @@ class Remat:
         """The names of the units to rematerialise (no communication, no allocation).
 
         Candidates are the non-root units named after a module (a shared tied parameter's
-        own unit has no forward of its own); a unit inside another selected unit is left
-        out, since recomputing the outer one recomputes it.
+        own unit has no forward of its own) that are no lookup (``Unit.lookup``: nothing to
+        recompute); a unit inside another selected unit is left out, since recomputing the
+        outer one recomputes it.
         """
         chosen = []
         for unit in plan.units:
-            if unit.name == ROOT or unit.hooks:
+            if unit.name == ROOT or unit.hooks or unit.lookup:
                 continue
             try:
                 sub = module.get_submodule(unit.name)

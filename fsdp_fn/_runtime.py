@@ -177,8 +177,9 @@ class Runtime:
             and not (module.get_submodule(u.name)._forward_hooks or module.get_submodule(u.name)._forward_pre_hooks)
         }
         # Lookups whose rows are fetched instead of their table gathered (``_lookup.py``): over
-        # gloo's pairwise sends, in the shard's own dtype and place, reduced per micro-batch,
-        # without replicas, not rematerialised, and not renormalising rows or making sparse gradients.
+        # gloo's pairwise sends, on CPU, in the shard's own dtype and place, reduced per
+        # micro-batch, without replicas, not rematerialised, and not renormalising rows or
+        # making sparse gradients.
         unit_of = {u.name: u for u in self.plan.units}
         self.row_lookups = {
             name
@@ -188,6 +189,7 @@ class Runtime:
             and pairwise(params.group)
             and params.layout.replicate is None
             and offload is None
+            and params[name].device.type == "cpu"  # not yet measured on accelerators
             and self.sink.deferred is None
             and self.schedule.gather_dtype(unit_of[name].dtype) == unit_of[name].dtype
             and self.schedule.reduce_dtype(unit_of[name].dtype) == unit_of[name].dtype

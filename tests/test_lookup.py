@@ -139,7 +139,7 @@ def _bad_indices(group, kind):
         bad = bad.float()
     try:
         step(state, (bad, tags, target))
-    except (IndexError, TypeError) as e:
+    except Exception as e:  # the rank's own error, or another rank's relayed (RankFailure) if it came first
         message = str(e)
     else:
         message = ""

@@ -372,6 +372,11 @@ def test_remat_selects_units() -> None:
     assert ff.Remat().selects(plan, model) == blocks
     assert ff.Remat(every=2).selects(plan, model) == {"blocks.0", "blocks.2"}
     assert ff.Remat(every=3).selects(plan, model) == {"blocks.0", "blocks.3"}
+    # The root split: its units are candidates too, but not the embeddings (lookups save only
+    # their indices, so there is nothing to recompute).
+    split = ff.make_plan(model, ff.layer_policy([Block]), split_root=True)
+    assert {u.name for u in split.units if u.lookup} == {"wte", "wpe"}
+    assert ff.Remat().selects(split, model) == blocks | {"ln_f", "head"}
     # an auto-wrap-signature policy, asked with recurse=False and the unit's parameter count
     asked = []
 
