@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -119,7 +120,8 @@ class Runtime:
         # Every use that may get a backward, in forward order: gathered, or a lookup's fetched rows.
         self.records: list[GatheredUnit | RowFetch] = []
         self.prefetched: dict[str, GatheredUnit] = {}
-        self.prefetched_after: set[int] = set()  # uses that started the refill of the use after them
+        # Uses that started the refill of the use after them (weak: a use gone frees its place).
+        self.prefetched_after: weakref.WeakSet[GatheredUnit | RowFetch] = weakref.WeakSet()
         self.inflight = 0  # bytes of non-root unit buffers allocated now
         # Each non-root unit's gathered bytes; prefetching may hold max_inflight times the largest.
         world, gather_dtype = params.group.size(), self.schedule.gather_dtype
@@ -350,12 +352,12 @@ class Runtime:
 
         One use ahead only: backward starts where memory peaks (the loss's gradient, the
         head's), and a second block refilled there raised the peak (6 MiB at W=4)."""
-        if id(rec) in self.prefetched_after:
+        if rec in self.prefetched_after:
             return
         upcoming = refill_next(self.records, rec)
         if upcoming is not None and may_start(self.inflight, upcoming.nbytes, self.inflight_limit):
             upcoming.start()
-            self.prefetched_after.add(id(rec))
+            self.prefetched_after.add(rec)
 
     # --- the Owner of gathered uses (_unit.py) ---------------------------------------------------
 
