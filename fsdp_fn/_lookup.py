@@ -29,7 +29,23 @@ from fsdp_fn import _guard
 from fsdp_fn._collectives import _exchange, record
 from fsdp_fn._labels import label
 from fsdp_fn._plan import Unit, unit_label
+from fsdp_fn._policy import Schedule
 from fsdp_fn._unit import UnitState
+
+
+def rows_fit(unit: Unit, schedule: Schedule, replicas: int = 1) -> bool:
+    """Whether the schedule lets a lookup unit fetch its rows: its shard used as it is (no
+    cast, no offload), reduced per micro-batch (not summed first), without replicas. The
+    train step adds what only a call knows: gloo's pairwise collectives, CPU shards, no
+    transform, no remat, no hook, no ``max_norm`` or ``sparse``."""
+    summed = schedule.micro_batches > 1 and not schedule.reduce_each_micro_batch
+    return (
+        unit.lookup
+        and replicas == 1
+        and not summed
+        and schedule.cpu_offload is None
+        and schedule.gather_dtype(unit.dtype) == unit.dtype == schedule.reduce_dtype(unit.dtype)
+    )
 
 
 class RowFetch:
@@ -112,8 +128,9 @@ class RowFetch:
         record("row_reduce", self.unit.name, 0, self.shard.dtype, self.group)
         flat = grad.detach().reshape(-1)
         sends = [None if j == rank or a == b else flat[a:b] for j, (a, b) in enumerate(self.runs)]
+        served = [self._served(j) for j in range(world)]
         with label("comm"):
-            got = [None if not self._served(j) else flat.new_empty(self._served(j)) for j in range(world)]
+            got = [flat.new_empty(k) if k else None for k in served]
         pending = _exchange(self.group, sends, got, what)
 
         def finish() -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from fsdp_fn._collectives import Collective
+from fsdp_fn._lookup import rows_fit
 from fsdp_fn._plan import ROOT, Plan
 from fsdp_fn._policy import Schedule
 
@@ -47,16 +48,8 @@ def predict_collectives(
     schedule = schedule or Schedule()
     last = [u.name for u in plan.units if u.name != ROOT][-1:]
     out: list[Collective] = []
-    summed = schedule.micro_batches > 1 and not schedule.reduce_each_micro_batch
     for u in plan.units:
-        if (
-            lookup_rows
-            and u.lookup
-            and replicas == 1
-            and not summed
-            and schedule.cpu_offload is None
-            and schedule.gather_dtype(u.dtype) == u.dtype == schedule.reduce_dtype(u.dtype)
-        ):
+        if lookup_rows and rows_fit(u, schedule, replicas):
             out += [
                 Collective("row_fetch", u.name, 0, u.dtype, world),
                 Collective("row_reduce", u.name, 0, u.dtype, world),

@@ -584,11 +584,11 @@ class _Opaque:
 class Remat:
     """Which units a train step rematerialises, and what their forward keeps.
 
-    ``units``: ``True`` for every non-root unit but the lookups (a plain ``nn.Embedding``
-    saves only its indices: recomputing it saves nothing and would gather its table again
-    in backward), or a policy with the auto-wrap signature
+    ``units``: ``True`` for every non-root unit, or a policy with the auto-wrap signature
     ``(module, recurse, unwrapped_params, **kw) -> bool`` asked once per unit with
-    ``recurse=False`` and the unit's parameter count. ``policy``: the ``SavePolicy``.
+    ``recurse=False`` and the unit's parameter count. Lookups are never selected (a plain
+    ``nn.Embedding`` saves only its indices: recomputing it saves nothing and would gather
+    its table again in backward). ``policy``: the ``SavePolicy``.
     ``every``: of the selected units, in module order, rematerialise the first and then
     every ``every``-th (Hugging Face's ``every_n_layers``).
     """

@@ -30,7 +30,7 @@ from torch.func import functional_call
 from fsdp_fn._collectives import all_gather, pairwise
 from fsdp_fn._functional import Functional, parameters_restored, requires_grad_tolerated
 from fsdp_fn._gather import gather_differentiably
-from fsdp_fn._lookup import RowFetch, RowLookup, check_indices
+from fsdp_fn._lookup import RowFetch, RowLookup, check_indices, rows_fit
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
 from fsdp_fn._policy import BackwardPrefetch, Schedule
 from fsdp_fn._prefetch import ForwardOrder, may_start, refill_next
@@ -182,19 +182,15 @@ class Runtime:
         # gloo's pairwise sends, on CPU, in the shard's own dtype and place, reduced per
         # micro-batch, without replicas, not rematerialised, and not renormalising rows or
         # making sparse gradients.
-        unit_of = {u.name: u for u in self.plan.units}
         self.row_lookups = {
             name
             for name in self.lookups
             if not composable
             and params.group.size() > 1
             and pairwise(params.group)
-            and params.layout.replicate is None
-            and offload is None
+            and rows_fit(self.plan.unit(name), self.schedule, params.layout.replicas)
             and params[name].device.type == "cpu"  # not yet measured on accelerators
             and self.sink.deferred is None
-            and self.schedule.gather_dtype(unit_of[name].dtype) == unit_of[name].dtype
-            and self.schedule.reduce_dtype(unit_of[name].dtype) == unit_of[name].dtype
             and name not in self.remat_units
             and module.get_submodule(name).max_norm is None
             and not module.get_submodule(name).sparse
@@ -291,10 +287,7 @@ class Runtime:
 
     def after_row_backward(self, fetch: RowFetch, finish: Callable[[], torch.Tensor]) -> None:
         """A lookup's backward has run: its rows' gradient is on its way to their holders."""
-        if self.schedule.backward_prefetch is not None:
-            self._prefetch_backward(fetch)
-        if fetch in self.records:
-            self.records.remove(fetch)
+        self._backward_done(fetch)
         self.sink.push_reduced(fetch.unit, finish, (True,))
 
     # --- gathering ---------------------------------------------------------------------------------
@@ -384,11 +377,14 @@ class Runtime:
         return self.sink.take_spare(numel, dtype, device)
 
     def after_backward(self, use: GatheredUnit, full: torch.Tensor) -> None:
+        self._backward_done(use)
+        self.sink.push(use.unit, full, use.received, reusable=not use.taken)
+
+    def _backward_done(self, use: GatheredUnit | RowFetch) -> None:
         if self.schedule.backward_prefetch is not None:  # BACKWARD_PRE: if no gradient came first
             self._prefetch_backward(use)
         if use in self.records:
             self.records.remove(use)  # done: backward prefetch looks only at uses still to come
-        self.sink.push(use.unit, full, use.received, reusable=not use.taken)
 
     def _backward_reads(self, unit: Unit) -> bool:
         """Whether this use's backward may read its gathered parameters: not for a lookup unit
