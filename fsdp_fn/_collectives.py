@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -128,18 +129,77 @@ class Pending:
         self.works, self.keep = [], ()
 
 
+TAG = 0xF5D  # fsdp_fn's point-to-point messages: a user's own sends on the group (tag 0) never match them
+
+
 def _exchange(
     group: dist.ProcessGroup, sends: list[torch.Tensor | None], recvs: list[torch.Tensor | None], what: str
 ) -> Pending:
-    """Send ``sends[j]`` to group rank ``j`` and receive ``recvs[j]`` from it, for every other rank."""
-    ops = []
-    for j, (out, into) in enumerate(zip(sends, recvs, strict=True)):
-        if out is not None:
-            ops.append(dist.P2POp(dist.isend, out, group=group, group_peer=j))
+    """Send ``sends[j]`` to group rank ``j`` and receive ``recvs[j]`` from it, for every other rank.
+
+    The receives are posted here; the sends leave from this process's sender thread, in
+    the order they were asked for. Why: gloo writes a send's payload into the socket on
+    the thread that issues it when the peer's receive is already posted, so the rank that
+    arrived second would copy every payload on its step's thread while the first one
+    waits; on the sender thread the copy runs beside the step, on a core that is
+    otherwise idle (``test_collectives.py::test_sends_leave_from_the_sender_thread``)."""
+    works: list[Any] = []
+    for j, into in enumerate(recvs):
         if into is not None:
-            ops.append(dist.P2POp(dist.irecv, into, group=group, group_peer=j))
+            works.append(dist.irecv(into, group=group, group_src=j, tag=TAG))
+    works += [_QueuedSend(out, group, j) for j, out in enumerate(sends) if out is not None]
     kept = tuple(t for t in (*sends, *recvs) if t is not None)
-    return Pending(dist.batch_isend_irecv(ops) if ops else [], what, kept)
+    return Pending(works, what, kept)
+
+
+class _QueuedSend:
+    """A send handed to the sender thread; ``wait()`` waits until it is issued, then until it is done."""
+
+    def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup, peer: int) -> None:
+        self.tensor, self.group, self.peer = tensor, group, peer
+        self.issued = threading.Event()
+        self.work: Any = None
+        self.error: BaseException | None = None
+        _sender().put(self)
+
+    def issue(self) -> None:
+        try:
+            self.work = dist.isend(self.tensor, group=self.group, group_dst=self.peer, tag=TAG)
+        except BaseException as e:  # raised again by wait(), on the thread that waits
+            self.error = e
+        self.issued.set()
+
+    def wait(self) -> None:
+        self.issued.wait()
+        if self.error is not None:
+            raise self.error
+        self.work.wait()
+        self.tensor = None
+
+
+_sends: queue.SimpleQueue[_QueuedSend] | None = None
+
+
+def _sender() -> queue.SimpleQueue[_QueuedSend]:
+    """This process's queue of sends, served by one daemon thread (started at the first send)."""
+    global _sends
+    if _sends is None:
+        _sends = queue.SimpleQueue()
+        threading.Thread(target=_send_all, args=(_sends,), daemon=True, name="fsdp_fn-send").start()
+    return _sends
+
+
+def _send_all(sends: queue.SimpleQueue[_QueuedSend]) -> None:
+    while True:
+        sends.get().issue()
+
+
+def _forget_sender() -> None:
+    global _sends
+    _sends = None  # a forked child has no sender thread: it starts its own
+
+
+os.register_at_fork(after_in_child=_forget_sender)
 
 
 def all_gather_into(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 
 import optree
 import pytest
@@ -120,6 +121,65 @@ def test_collective_records_count_ring_bytes():
     log = C.CommLog([gather, reduce, gather])
     assert log.of("all_gather") == [gather, gather] and log.of("broadcast") == []
     assert (log.bytes(), log.bytes("all_reduce"), log.ring_bytes()) == (192, 96, 216.0)
+
+
+def _sends_on_the_sender_thread(group):
+    world, rank = group.size(), group.rank()
+    seen = []
+    isend = dist.isend
+
+    def spy(tensor, *args, **kwargs):
+        seen.append((threading.current_thread().name, kwargs.get("tag")))
+        return isend(tensor, *args, **kwargs)
+
+    dist.isend = spy
+    try:
+        shard = torch.arange(6.0) + 10 * rank
+        out = torch.empty(6 * world)
+        pending = C.all_gather_into(out, shard, group, "u", async_op=True)
+        # The user's own point-to-point on the same group, default tag, while ours is in flight.
+        peer = (rank + 1) % world
+        mine, theirs = torch.full((6,), -1.0 - rank), torch.empty(6)
+        user = [
+            dist.isend(mine, group=group, group_dst=peer),
+            dist.irecv(theirs, group=group, group_src=(rank - 1) % world),
+        ]
+        summed = C.reduce_scatter(torch.ones(6 * world) * (rank + 1), group, "u")
+        pending.wait()
+        for w in user:
+            w.wait()
+    finally:
+        dist.isend = isend
+    ours = [s for s in seen if s[1] == C.TAG]
+
+    # A send whose issue fails reaches the thread that waits on it.
+    def refuse(*args, **kwargs):
+        raise RuntimeError("refused")
+
+    dist.isend = refuse
+    try:
+        failed = C._QueuedSend(torch.ones(1), group, (rank + 1) % world)
+        failed.wait()
+        raised = False
+    except RuntimeError as e:
+        raised = str(e) == "refused"
+    finally:
+        dist.isend = isend
+    return (
+        len(ours) == 2 * (world - 1) and all(name == "fsdp_fn-send" for name, _ in ours),
+        torch.equal(out, (torch.arange(6.0) + 10 * torch.arange(world).repeat_interleave(6).view(world, 6)).view(-1)),
+        torch.equal(theirs, torch.full((6,), -1.0 - (rank - 1) % world)),
+        torch.equal(summed, torch.full((6,), world * (world + 1) / 2)),
+        raised,
+    )
+
+
+def test_sends_leave_from_the_sender_thread(pool):
+    # Catches: sends issued on the step's thread (the second rank to arrive would copy every payload
+    # there); fsdp_fn's messages matched with a user's own on the default tag; a send that failed to
+    # issue lost on the sender thread (its waiter would hang).
+    for world in (2, 3):
+        assert all(all(r) for r in pool.run(_sends_on_the_sender_thread, world=world))
 
 
 def _rank_order(group):
