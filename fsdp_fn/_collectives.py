@@ -174,7 +174,6 @@ class _QueuedSend:
         if self.error is not None:
             raise self.error
         self.work.wait()
-        self.tensor = None
 
 
 _sends: queue.SimpleQueue[_QueuedSend] | None = None
