@@ -39,7 +39,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -171,7 +171,29 @@ class CommMeter(TorchDispatchMode):
 
     def __init__(self, world: int) -> None:
         super().__init__()
-        self.world, self.bytes, self.ops = world, 0.0, 0
+        self.world, self.collective_bytes, self.sent_bytes = world, 0.0, 0
+        self._isend: Any = None
+
+    @property
+    def bytes(self) -> float:
+        return self.collective_bytes + self.sent_bytes
+
+    # fsdp_fn's sends leave from its sender thread, out of this (thread-local) mode's sight:
+    # they are counted where they are issued, in ``dist.isend``, on whichever thread.
+    def __enter__(self) -> CommMeter:
+        self._isend = dist.isend
+
+        def isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if self.world > 1:  # sends are issued on one thread: this sum has one writer
+                self.sent_bytes += self._nbytes(tensor)
+            return self._isend(tensor, *args, **kwargs)
+
+        dist.isend = isend
+        return cast(CommMeter, super().__enter__())
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.isend = self._isend
+        super().__exit__(*exc)
 
     @staticmethod
     def _nbytes(x: Any) -> int:
@@ -183,18 +205,15 @@ class CommMeter(TorchDispatchMode):
         name = str(func)
         if not name.startswith("c10d.") or self.world == 1:
             return out
-        self.ops += 1
         share = (self.world - 1) / self.world
-        if name.startswith("c10d.send"):
-            self.bytes += self._nbytes(args[0])
-        elif "recv" in name or "barrier" in name:
+        if name.startswith("c10d.send") or "recv" in name or "barrier" in name:  # sends: counted in isend
             pass
         elif "reduce_scatter" in name:
-            self.bytes += share * self._nbytes(args[1])
+            self.collective_bytes += share * self._nbytes(args[1])
         elif "allreduce" in name:
-            self.bytes += 2 * share * self._nbytes(args[0])
+            self.collective_bytes += 2 * share * self._nbytes(args[0])
         else:  # all-gather, broadcast: the first argument is the full (output) buffer
-            self.bytes += share * self._nbytes(args[0])
+            self.collective_bytes += share * self._nbytes(args[0])
         return out
 
 

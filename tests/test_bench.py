@@ -6,6 +6,7 @@ figures no command can reproduce. Each runs as its own process with its own rank
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -27,11 +28,17 @@ def _run(script: str, *args: str) -> str:
     return done.stdout
 
 
-def test_compare_runs_and_every_system_matches_one_process():
-    out = _run("compare.py", "--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "1")
+def test_compare_runs_and_every_system_matches_one_process(tmp_path):
+    report = tmp_path / "compare.json"
+    out = _run("compare.py", "--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "1", "--json", str(report))
     diffs = re.findall(r"loss ([0-9.e+-]+), grad norm ([0-9.e+-]+)", out)
     assert len(diffs) >= 5, out  # fsdp_fn rows, FSDP2, FSDP1, DDP
     assert all(float(a) < 1e-5 and float(b) < 1e-5 for a, b in diffs), diffs
+    # Communication is metered for every system, fsdp_fn's sends from its sender thread included:
+    # two ZeRO-3 systems on the same model send within a factor of each other.
+    sent = {name: row["comm_bytes_per_step"] for name, row in json.loads(report.read_text())["systems"].items()}
+    assert all(b > 0 for name, b in sent.items() if name != "single"), sent
+    assert 0.5 < sent["fsdp_fn"] / sent["fsdp2"] < 1.5, sent
 
 
 def test_realistic_table_runs_every_remat_row_against_one_process_and_torchs_tracker():
