@@ -9,10 +9,13 @@ with the cores saturated, the step's wall time follows the sum over ranks), the 
 touched for the first time since the allocator took it from the system), and for fsdp_fn
 the time its waits on collectives blocked (each wait named with ``--waits``). ``--top N`` adds torch's
 profiler's N most expensive operators on rank 0 (self CPU, grouped by input shape).
+``--timeline`` prints the last timed step of every rank on one clock: when each exchange
+was issued and how long issuing it took, and each wait longer than 0.5 ms.
 
     python bench/step_profile.py fsdp_fn --world 2
     python bench/step_profile.py ddp --world 2
     python bench/step_profile.py fsdp_fn --world 2 --waits --top 12
+    python bench/step_profile.py fsdp_fn --world 2 --timeline
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import fsdp_fn as ff
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
-from fsdp_fn import _guard
+from fsdp_fn import _collectives, _guard
 from fsdp_fn.testing import RankPool
 
 
@@ -49,6 +52,7 @@ def _timed(name: str, fn: Any, into: dict[str, list[float]]) -> Any:
 
 
 def profile_rank(group: Any, system: str, steps: int, warmup: int, top: int) -> dict[str, Any]:
+    events: list[tuple[str, str, float, float]] = []  # (kind, what, start, end) on the wall clock
     rank = group.rank()
     cfg = GPTConfig(vocab=8192, seq=128, d_model=512, n_layers=8, n_heads=8)
     torch.manual_seed(0)
@@ -61,11 +65,21 @@ def profile_rank(group: Any, system: str, steps: int, warmup: int, top: int) -> 
         original_wait = _guard.Guard.wait
 
         def wait(self: Any, works: Any, what: str) -> None:
-            t0 = time.perf_counter()
+            t0, w0 = time.perf_counter(), time.time()
             original_wait(self, works, what)
             waits.append((what, time.perf_counter() - t0))
+            events.append(("wait", what, w0, time.time()))
 
         _guard.Guard.wait = wait  # type: ignore[method-assign]
+        original_exchange = _collectives._exchange
+
+        def exchange(*args: Any) -> Any:
+            w0 = time.time()
+            pending = original_exchange(*args)
+            events.append(("issue", args[-1], w0, time.time()))
+            return pending
+
+        _collectives._exchange = exchange
         step_module.lean_pass = _timed("forward+backward", step_module.lean_pass, parts)
         with torch.device("meta"):
             model = GPT(cfg)
@@ -96,6 +110,8 @@ def profile_rank(group: Any, system: str, steps: int, warmup: int, top: int) -> 
         batch = torch.randint(0, cfg.vocab, (2, cfg.seq + 1), generator=generator)
         dist.barrier(group=group)
         waits.clear()
+        events.clear()
+        start = time.time()
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         step(batch)
@@ -116,6 +132,7 @@ def profile_rank(group: Any, system: str, steps: int, warmup: int, top: int) -> 
         "page faults": statistics.median(faults[warmup:]),
         **{name: statistics.median(times[warmup:]) for name, times in parts.items()},
         "each wait": [(what, statistics.median(d)) for (_, what), d in sorted(per_wait.items())],
+        "timeline": (start, list(events)),
     }
     if top:
         from torch.profiler import profile
@@ -131,6 +148,19 @@ def profile_rank(group: Any, system: str, steps: int, warmup: int, top: int) -> 
     return result
 
 
+def print_timeline(results: list[dict[str, Any]]) -> None:
+    """Every rank's last step on one clock (ms from the first rank's start)."""
+    zero = min(r["timeline"][0] for r in results)
+    print("  ms from the step's start, rank, what (issue: the exchange's call; wait: blocked)")
+    rows = []
+    for r in results:
+        start, events = r["timeline"]
+        print(f"    rank {r['rank']} started at {(start - zero) * 1e3:.1f}")
+        rows += [(a, r["rank"], kind, what, b - a) for kind, what, a, b in events if kind == "issue" or b - a > 5e-4]
+    for a, rank, kind, what, took in sorted(rows):
+        print(f"  {(a - zero) * 1e3:8.1f}  rank {rank}  {kind:5s} {took * 1e3:5.1f} ms  {what}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("system", choices=("fsdp_fn", "ddp"))
@@ -139,6 +169,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--waits", action="store_true", help="list every wait of a step (median per wait)")
     parser.add_argument("--top", type=int, default=0, help="torch profiler's top operators on rank 0")
+    parser.add_argument("--timeline", action="store_true", help="the last step of every rank, on one clock")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with RankPool(args.world, threads=1, timeout=3600, warnings_as_errors=False) as pool:
@@ -154,6 +185,8 @@ def main() -> None:
     if args.waits:
         for what, d in results[0]["each wait"]:
             print(f"    rank 0 waited {d * 1e3:6.1f} ms on the {what}")
+    if args.timeline and args.system == "fsdp_fn":
+        print_timeline(results)
     if args.top:
         print(results[0]["top"])
 

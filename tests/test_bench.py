@@ -61,3 +61,17 @@ def test_realistic_table_runs_every_remat_row_against_one_process_and_torchs_tra
 def test_checkpoint_bench_runs():
     out = _run("checkpoint.py")
     assert "| fsdp_fn |" in out and "| fsdp2 |" in out, out
+
+
+def test_alternate_runs_both_arms():
+    sizes = ["--d-model", "64", "--layers", "2", "--vocab", "128"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "alternate.py"), "sender", "--steps", "4", "--warmup", "0", *sizes],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    for arm in ("on ", "off"):
+        assert re.search(rf"{arm}: median .* over 2 steps", done.stdout), done.stdout
