@@ -177,15 +177,17 @@ class _QueuedSend:
 
 
 _sends: queue.SimpleQueue[_QueuedSend] | None = None
+_starting = threading.Lock()  # one sender thread per process, or sends could overtake each other
 
 
 def _sender() -> queue.SimpleQueue[_QueuedSend]:
     """This process's queue of sends, served by one daemon thread (started at the first send)."""
     global _sends
-    if _sends is None:
-        _sends = queue.SimpleQueue()
-        threading.Thread(target=_send_all, args=(_sends,), daemon=True, name="fsdp_fn-send").start()
-    return _sends
+    with _starting:
+        if _sends is None:
+            _sends = queue.SimpleQueue()
+            threading.Thread(target=_send_all, args=(_sends,), daemon=True, name="fsdp_fn-send").start()
+        return _sends
 
 
 def _send_all(sends: queue.SimpleQueue[_QueuedSend]) -> None:
@@ -194,8 +196,8 @@ def _send_all(sends: queue.SimpleQueue[_QueuedSend]) -> None:
 
 
 def _forget_sender() -> None:
-    global _sends
-    _sends = None  # a forked child has no sender thread: it starts its own
+    global _sends, _starting
+    _sends, _starting = None, threading.Lock()  # a forked child has no sender thread: it starts its own
 
 
 os.register_at_fork(after_in_child=_forget_sender)

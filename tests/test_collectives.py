@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 
 import optree
@@ -180,6 +181,17 @@ def test_sends_leave_from_the_sender_thread(pool):
     # issue lost on the sender thread (its waiter would hang).
     for world in (2, 3):
         assert all(all(r) for r in pool.run(_sends_on_the_sender_thread, world=world))
+
+
+def test_a_forked_child_starts_its_own_sender_thread():
+    # Catches: a child forked after the first send reusing the parent's queue, which no thread serves
+    # there (its sends would never leave).
+    assert C._sender() is C._sender()  # one queue, one thread, in this process
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if C._sends is None and C._sender() is not None else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def _rank_order(group):
