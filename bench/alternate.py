@@ -35,6 +35,8 @@ from examples.gpt import GPT, Block, GPTConfig, lm_loss
 from fsdp_fn import _collectives
 from fsdp_fn.testing import RankPool
 
+QUEUED = _collectives._QueuedSend
+
 
 def _sender(on: bool) -> None:
     def inline(tensor: torch.Tensor, group: Any, peer: int) -> Any:
@@ -42,8 +44,6 @@ def _sender(on: bool) -> None:
 
     _collectives._QueuedSend = QUEUED if on else inline  # type: ignore[assignment,misc]
 
-
-QUEUED = _collectives._QueuedSend
 
 CHANGES: dict[str, Callable[[bool], None]] = {"sender": _sender}
 

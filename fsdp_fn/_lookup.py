@@ -137,10 +137,11 @@ class RowFetch:
             pending.wait()
             with torch._C._DisableFuncTorch(), torch.no_grad(), label("grads"):
                 total = torch.zeros_like(self.shard)
+                a, b = self.runs[rank]
+                mine = flat[a:b]  # the elements of my own rows that I hold
                 for j in range(world):
-                    a, b = self.runs[rank]
                     rows = self.distinct if j == rank else self.theirs[j]
-                    values = flat[a:b] if j == rank else got[j]
+                    values = mine if j == rank else got[j]
                     if rows is not None and values is not None and values.numel():
                         total[self._held(rows)] += values  # distinct positions: an exact sum, in rank order
                 return total.mul_(1.0 / world)
@@ -164,7 +165,7 @@ class RowLookup(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor, None, None]:
         fetch: RowFetch = ctx.fsdp_fn_use
         if grad is None:
-            grad = torch.zeros(fetch.distinct.numel(), fetch.dim, dtype=fetch.shard.dtype)
+            grad = torch.zeros(fetch.distinct.numel(), fetch.dim, dtype=fetch.shard.dtype, device=fetch.shard.device)
         fetch.owner.after_row_backward(fetch, fetch.reduce(grad))
         shard = fetch.shard
         return torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.shape), None, None
