@@ -9,7 +9,8 @@ not resharded after forward). Each repetition runs every system once, in a rando
 with ``--warmup`` untimed and ``--steps`` timed steps.
 
 Reports per system: median step time (max over ranks) and its spread over repetitions,
-tokens/s, peak live tensor bytes per rank by category (one meter for all,
+the step's CPU floor (every rank's CPU time, all its threads, over the machine's cores: the
+least wall time the step could take on them), tokens/s, peak live tensor bytes per rank by category (one meter for all,
 ``fsdp_fn.MemoryMeter``, checked in the same step against torch's ``FSDPMemTracker`` /
 ``MemTracker``), collective bytes per step per rank (ring model), and, step by step, the
 loss and the global gradient norm against one process on the global batch.
@@ -52,6 +53,7 @@ import fsdp_fn as ff
 from examples.gpt import GPT, Block, GPTConfig, lm_loss, lm_loss_chunked, stdlib_text, token_batches
 from fsdp_fn.testing import RankPool
 
+CORES = len(os.sched_getaffinity(0))  # the cores every rank of a run shares (one machine)
 
 @dataclass(frozen=True)
 class System:
@@ -257,11 +259,12 @@ def _batches(text: bytes, cfg: Config, k: int, rank: int, world: int, whole: boo
 class Built:
     """A system ready to step on this rank.
 
-    ``step(batch)`` -> (this rank's loss, the global gradient norm, seconds spent on the
-    norm, which the timing leaves out for torch's systems: it is the bench's, not theirs).
+    ``step(batch)`` -> (this rank's loss, the global gradient norm, the wall and CPU seconds
+    spent on the norm, which the timing leaves out for torch's systems: it is the bench's,
+    not theirs).
     """
 
-    step: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, float]]
+    step: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, tuple[float, float]]]
     tag: Callable[[ff.MemoryMeter], None]
     tracker: Callable[[torch.Tensor], MemTracker]
     module: torch.nn.Module
@@ -291,9 +294,9 @@ def _build_fsdp_fn(cfg: Config, group: Any, **options: Any) -> Built:
     train = ff.train_step(ff.functionalize(model), loss_fn, ff.adamw(lr=cfg.lr), schedule=schedule, remat=remat)
     holder = {"state": train.init(params, buffers)}
 
-    def step(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def step(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[float, float]]:
         holder["state"], metrics = train(holder["state"], batch)
-        return metrics["loss"], metrics["grad_norm"], 0.0
+        return metrics["loss"], metrics["grad_norm"], (0.0, 0.0)
 
     def tracker(batch: torch.Tensor) -> MemTracker:
         from fsdp_fn._memory import _tensors
@@ -374,7 +377,7 @@ def _build_torch(
 
     buckets: list[torch.Tensor] = []
 
-    def step(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def step(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[float, float]]:
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(wrapped, batch)
         loss.backward()
@@ -384,10 +387,10 @@ def _build_torch(
         for meter in ff._labels.active:
             meter.tag(grads, "grads")
         _sync(cfg)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         norm = grad_norm()
         _sync(cfg)
-        spent = time.perf_counter() - t0
+        spent = (time.perf_counter() - t0, time.process_time() - c0)
         opt.step()
         out = loss.detach().clone()
         if kind != "single":
@@ -459,19 +462,25 @@ def run_system(group: Any, name: str, cfg: Config, world: int, measure: bool) ->
     os.environ["FSDP_FN_COLLECTIVES"] = cfg.collectives
     built = BUILDERS[system.kind](cfg, group, **system.options)
     whole = system.kind == "single"
-    times, losses, norms = [], [], []
+    times, cpus, losses, norms = [], [], [], []
     for k in range(cfg.warmup + cfg.steps):
         batch = _batches(text, cfg, k, rank, world, whole).to(cfg.device)
         if group.size() > 1:
             dist.barrier(group=group)
         _sync(cfg)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss, norm, spent = built.step(batch)
         _sync(cfg)
-        times.append(time.perf_counter() - t0 - spent)
+        times.append(time.perf_counter() - t0 - spent[0])
+        cpus.append(time.process_time() - c0 - spent[1])  # every thread of this rank
         losses.append(loss.item())
         norms.append(norm.item())
-    result: dict[str, Any] = {"times": times[cfg.warmup :], "losses": losses, "grad_norms": norms}
+    result: dict[str, Any] = {
+        "times": times[cfg.warmup :],
+        "cpus": cpus[cfg.warmup :],
+        "losses": losses,
+        "grad_norms": norms,
+    }
     if measure:
         k = cfg.warmup + cfg.steps
         batch = _batches(text, cfg, k, rank, world, whole=False).to(cfg.device)  # memory at the per-rank batch
@@ -556,7 +565,10 @@ def main() -> None:
                 w = 1 if system.kind == "single" else world
                 per_rank = pool.run(run_system, name, cfg, world, rep == 0, world=w, timeout=3600)
                 step_max = [max(ts) for ts in zip(*(r["times"] for r in per_rank), strict=True)]
-                entry: dict[str, Any] = {"step_s": step_max, "losses": per_rank[0]["losses"]}
+                # The CPU floor: every rank's CPU time (all its threads) over the cores they share.
+                # A step cannot take less wall time than that; a step above it has idle cores.
+                cpu_floor = [sum(cs) / CORES for cs in zip(*(r["cpus"] for r in per_rank), strict=True)]
+                entry: dict[str, Any] = {"step_s": step_max, "cpu_floor_s": cpu_floor, "losses": per_rank[0]["losses"]}
                 entry["grad_norms"] = per_rank[0]["grad_norms"]
                 if "peak" in per_rank[0]:
                     for key in ("comm_bytes", "activation_floor", "cuda_max_allocated", "cuda_allocated_before"):
@@ -576,7 +588,7 @@ def main() -> None:
         "platform": platform,
         "world": world,
         "params": params,
-        "config": {**asdict(cfg), "threads": args.threads, "reps": args.reps, "seed": args.seed},
+        "config": {**asdict(cfg), "threads": args.threads, "reps": args.reps, "seed": args.seed, "cores": CORES},
         "systems": {},
     }
     # Model FLOPs per step: 6 per parameter per token, plus attention (12 * layers * d_model * seq per token).
@@ -589,6 +601,7 @@ def main() -> None:
             "about": SYSTEMS[name].about,
             "step_s_median": med,
             "step_s_rep_medians": [statistics.median(r["step_s"]) for r in reps],
+            "cpu_floor_s_median": statistics.median(t for r in reps for t in r["cpu_floor_s"]),
             "tokens_per_s": tokens / med,
             "model_tflops_per_s": flops / med / 1e12,
             "peak_bytes": first.get("peak"),
@@ -631,7 +644,7 @@ def print_report(report: dict[str, Any]) -> None:
         f"{cfg['batch']}x{cfg['seq']} tokens per rank; peak live tensor MiB per rank at the step's peak"
     )
     print(
-        f"{'system':>20} {'step s':>7} {'rep min-max':>13} {'tok/s':>7} {'comm MB':>8} "
+        f"{'system':>20} {'step s':>7} {'rep min-max':>13} {'CPU fl':>7} {'tok/s':>7} {'comm MB':>8} "
         + " ".join(f"{c[:9]:>9}" for c in cats)
         + f" {'total':>7} {'torch':>7}  loss[-1]"
     )
@@ -639,7 +652,8 @@ def print_report(report: dict[str, Any]) -> None:
         peak = s["peak_bytes"] or {}
         lo, hi = min(s["step_s_rep_medians"]), max(s["step_s_rep_medians"])
         print(
-            f"{name:>20} {s['step_s_median']:>7.3f} {lo:>6.3f}-{hi:<6.3f} {s['tokens_per_s']:>7.0f} "
+            f"{name:>20} {s['step_s_median']:>7.3f} {lo:>6.3f}-{hi:<6.3f} {s.get('cpu_floor_s_median', 0):>7.3f} "
+            f"{s['tokens_per_s']:>7.0f} "
             f"{(s['comm_bytes_per_step'] or 0) / 1e6:>8.1f} "
             + " ".join(f"{peak.get(c, 0) / mib:>9.1f}" for c in cats)
             + f" {peak.get('total', 0) / mib:>7.1f} {(s['torch_tracker_peak_bytes'] or 0) / mib:>7.1f}"

@@ -36,9 +36,13 @@ def test_compare_runs_and_every_system_matches_one_process(tmp_path):
     assert all(float(a) < 1e-5 and float(b) < 1e-5 for a, b in diffs), diffs
     # Communication is metered for every system, fsdp_fn's sends from its sender thread included:
     # two ZeRO-3 systems on the same model send within a factor of each other.
-    sent = {name: row["comm_bytes_per_step"] for name, row in json.loads(report.read_text())["systems"].items()}
+    systems = json.loads(report.read_text())["systems"]
+    sent = {name: row["comm_bytes_per_step"] for name, row in systems.items()}
     assert all(b > 0 for name, b in sent.items() if name != "single"), sent
     assert 0.5 < sent["fsdp_fn"] / sent["fsdp2"] < 1.5, sent
+    # The CPU floor is the ranks' CPU over the cores they share: no step can take less wall time.
+    for name, row in systems.items():
+        assert 0 < row["cpu_floor_s_median"] <= 1.25 * row["step_s_median"] + 0.01, (name, row)
 
 
 def test_realistic_table_runs_every_remat_row_against_one_process_and_torchs_tracker():
