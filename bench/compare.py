@@ -55,6 +55,7 @@ from fsdp_fn.testing import RankPool
 
 CORES = len(os.sched_getaffinity(0))  # the cores every rank of a run shares (one machine)
 
+
 @dataclass(frozen=True)
 class System:
     """One row of the comparison: a kind of system (``BUILDERS``) and its options."""

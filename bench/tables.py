@@ -34,9 +34,10 @@ def speed_table(report: dict[str, Any]) -> str:
     systems = report["systems"]
     ddp = systems.get("ddp", {}).get("step_s_median")
     rows = [
-        f"| system [{report['platform']}] | step s, median (min-max of rep medians) | tokens/s | x its FSDP2 | x DDP "
-        "| comm MB/step/rank | peak MiB/rank (torch's tracker) | max rel. diff to one process: loss / grad norm |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| system [{report['platform']}] | step s, median (min-max of rep medians) | CPU floor s | tokens/s "
+        "| x its FSDP2 | x DDP | comm MB/step/rank | peak MiB/rank (torch's tracker) "
+        "| max rel. diff to one process: loss / grad norm |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in systems.items():
         lo, hi = min(s["step_s_rep_medians"]), max(s["step_s_rep_medians"])
@@ -56,8 +57,10 @@ def speed_table(report: dict[str, Any]) -> str:
             f"{diff['loss']:.0e} / {diff['grad_norm']:.0e}" if diff else "(reference)" if name == "single" else "-"
         )
         comm = s.get("comm_bytes_per_step") or 0
+        floor = f"{s['cpu_floor_s_median']:.3f}" if "cpu_floor_s_median" in s else "-"  # older reports: absent
         rows.append(
-            f"| {name} | {s['step_s_median']:.3f} ({lo:.3f}-{hi:.3f}) | {s['tokens_per_s']:.0f} | {vs_peer} | {vs_ddp} "
+            f"| {name} | {s['step_s_median']:.3f} ({lo:.3f}-{hi:.3f}) | {floor} | {s['tokens_per_s']:.0f} "
+            f"| {vs_peer} | {vs_ddp} "
             f"| {comm / 1e6:.1f} | {peak:.1f} ({tracker:.1f}) | {correct} |"
         )
     return "\n".join(rows)
