@@ -86,6 +86,9 @@ Swapped = list[tuple[nn.Module, str, Any]]  # (owner, attribute, original parame
 _HARMLESS = {"__get__", "size", "dim", "__repr__", "__format__", "numel", "ndimension"}
 
 
+_FETCHING = "fetching rows"  # the pre-hook's mark for a lookup whose forward fetches its rows
+
+
 class Runtime:
     """Runs a module's forward over sharded parameters, gathering each unit just before it runs.
 
@@ -138,7 +141,8 @@ class Runtime:
         self.adds_during_backward = self.sink.deferred is not None  # full gradients summed over micro-batches
         self.running: list[str] = []  # units whose forward is in progress, innermost last
         self.order: list[str] = []  # units in the order their forward ran
-        self.live: dict[tuple[str, int], list[GatheredUnit | None]] = {}  # uses whose forward is running
+        # Uses whose forward is running: the gathered use, None (composable), or _FETCHING (a lookup's rows).
+        self.live: dict[tuple[str, int], list[GatheredUnit | str | None]] = {}
         module = fn.module
         # Each unit's modules, one entry per module object (a module shared under several
         # paths is hooked once), and where a gather puts its parameters in it.
@@ -532,7 +536,7 @@ class Runtime:
                 if self.schedule.forward_prefetch:
                     self._prefetch(self.forward_order.advance(unit.name))
                 self.order.append(unit.name)
-                self.live.setdefault(key, []).append(None)
+                self.live.setdefault(key, []).append(_FETCHING)
                 return
             rec, views = self._gather(unit)
             upcoming = self.forward_order.advance(unit.name)
@@ -553,7 +557,7 @@ class Runtime:
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             rec = self.live[key].pop()
-            if rec is None and self._fetches_rows(unit):  # fetched rows: nothing was gathered or swapped
+            if isinstance(rec, str):  # _FETCHING: nothing was gathered or swapped
                 self.running.pop()
                 return output
             for _ in self.slots[key]:
