@@ -12,6 +12,8 @@ Changes:
 
 - ``sender``: the pairwise exchanges' sends leave from fsdp_fn's sender thread (on) or
   from the step's own thread (off), see ``fsdp_fn/_collectives.py``.
+- ``pieces``: the optimizer steps each shard in cache-sized pieces (on) or whole (off),
+  see ``fsdp_fn/_optim.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import fsdp_fn as ff
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
-from fsdp_fn import _collectives
+from fsdp_fn import _collectives, _optim
 from fsdp_fn.testing import RankPool
 
 QUEUED = _collectives._QueuedSend
@@ -45,7 +47,29 @@ def _sender(on: bool) -> None:
     _collectives._QueuedSend = QUEUED if on else inline  # type: ignore[assignment,misc]
 
 
-CHANGES: dict[str, Callable[[bool], None]] = {"sender": _sender}
+PIECE_BYTES = _optim._PIECE_BYTES
+
+
+def _pieces(on: bool) -> None:
+    _optim._PIECE_BYTES = PIECE_BYTES if on else 1 << 62
+
+
+from fsdp_fn import _prefetch
+
+KEEP = _prefetch.ForwardOrder.keep_gathered
+
+
+def _tail(on: bool) -> None:
+    def keep(self, name, schedule):
+        if not schedule.reshard_after_forward:
+            return True
+        n = len(self.previous)
+        return bool(self.previous) and self.at >= n - 2 and name in self.previous[-2:]
+
+    _prefetch.ForwardOrder.keep_gathered = keep if on else KEEP
+
+
+CHANGES: dict[str, Callable[[bool], None]] = {"sender": _sender, "pieces": _pieces, "tail": _tail}
 
 
 def run(group: Any, change: str, steps: int, warmup: int, cfg: GPTConfig) -> dict[str, list[float]]:

@@ -3,7 +3,7 @@
 Same GPT, same data, same world size, same work: every system sees the same batches, and
 every torch system steps the same AdamW implementation (``foreach``). Comparisons are like
 for like: fsdp_fn at its defaults against FSDP2 at its defaults, and fsdp_fn with its
-memory levers (``split_root``, ``update_in_backward``) against FSDP2 laid out as
+memory levers (``split_root``, ``update_in_backward``, ``keep_tail_gathered=False``) against FSDP2 laid out as
 torchtitan lays it out (embedding and head in their own groups, the last block and the head
 not resharded after forward). Each repetition runs every system once, in a random order,
 with ``--warmup`` untimed and ``--steps`` timed steps.
@@ -70,7 +70,9 @@ SYSTEMS: dict[str, System] = {
     "fsdp_fn+split_root": System("fsdp_fn", {"split_root": True}, "fsdp_fn, split_root only"),
     "fsdp_fn-split_root": System("fsdp_fn", {"split_root": False}, "fsdp_fn, the root kept whole (the old default)"),
     "fsdp_fn+levers": System(
-        "fsdp_fn", {"split_root": True, "update_in_backward": True}, "fsdp_fn, split_root + update_in_backward"
+        "fsdp_fn",
+        {"split_root": True, "update_in_backward": True, "keep_tail_gathered": False},
+        "fsdp_fn, split_root + update_in_backward + keep_tail_gathered=False",
     ),
     "fsdp2": System("fsdp2", {}, "FSDP2 at its defaults: fully_shard on each block and the root"),
     "fsdp2+tuned": System(
@@ -86,13 +88,14 @@ SYSTEMS: dict[str, System] = {
     ),
     "fsdp_fn+remat+levers": System(
         "fsdp_fn",
-        {"split_root": True, "update_in_backward": True, "remat": ff.Remat()},
-        "fsdp_fn, full remat + split_root + update_in_backward",
+        {"split_root": True, "update_in_backward": True, "keep_tail_gathered": False, "remat": ff.Remat()},
+        "fsdp_fn, full remat + split_root + update_in_backward + keep_tail_gathered=False",
     ),
     "fsdp_fn+remat+levers+chunked": System(
         "fsdp_fn",
-        {"split_root": True, "update_in_backward": True, "remat": ff.Remat(), "chunks": 8},
-        "fsdp_fn, full remat + split_root + update_in_backward + the loss head in 8 chunks (chunked_cross_entropy)",
+        {"split_root": True, "update_in_backward": True, "keep_tail_gathered": False, "remat": ff.Remat(), "chunks": 8},
+        "fsdp_fn, full remat + split_root + update_in_backward + keep_tail_gathered=False + the loss head in 8 "
+        "chunks (chunked_cross_entropy)",
     ),
     "fsdp2+ac": System(
         "fsdp2", {"checkpoint": True}, "FSDP2 at its defaults + activation checkpointing on every block"

@@ -40,7 +40,9 @@ def measure(group: Any, cfg: GPTConfig, batch: int, split_root: bool, update_in_
     plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=split_root)
     params, buffers = ff.init_shards(model, plan, group)
     fn = ff.functionalize(model)
-    step = ff.train_step(fn, lm_loss, ff.adamw(), schedule=ff.Schedule(update_in_backward=update_in_backward))
+    # The memory levers: update_in_backward, and only the last unit kept gathered for backward.
+    lean = ff.Schedule(update_in_backward=update_in_backward, keep_tail_gathered=not update_in_backward)
+    step = ff.train_step(fn, lm_loss, ff.adamw(), schedule=lean)
     state = step.init(params, buffers)
     text = stdlib_text()
     state, _ = step(state, token_batches(text, batch, cfg.seq, seed=rank))
@@ -156,7 +158,9 @@ def main() -> None:
     p.add_argument("--vocab", type=int)
     p.add_argument("--seq", type=int)
     p.add_argument("--batch", type=int)
-    p.add_argument("--plain", action="store_true", help="without split_root / update_in_backward")
+    p.add_argument(
+        "--plain", action="store_true", help="without split_root / update_in_backward / keep_tail_gathered=False"
+    )
     p.add_argument("--remat", action="store_true", help="fsdp_fn's defaults without and with remat, side by side")
     p.add_argument("--remats", default="none,full", help=f"with --remat: which of {sorted(REMATS)}")
     p.add_argument("--out", type=pathlib.Path)
@@ -197,7 +201,7 @@ def main() -> None:
     params = sum(p.numel() for p in GPT(cfg).parameters())
     fig.suptitle(
         f"fsdp_fn, GPT {params / 1e6:.1f}M params, {cfg.n_layers} blocks, W={args.world}"
-        + ("" if args.plain else " (split_root, update_in_backward)")
+        + ("" if args.plain else " (split_root, update_in_backward, keep_tail_gathered=False)")
     )
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -71,7 +71,7 @@ def system(spec: str) -> C.System:
     for item in filter(None, options.split(",")):
         key, _, value = item.partition("=")
         parsed[key] = ast.literal_eval(value)
-    for flag in ("split_root", "update_in_backward"):
+    for flag in ("split_root", "update_in_backward", "keep_tail_gathered"):
         if flag in parsed:
             parsed[flag] = bool(parsed[flag])
     return C.System(kind, parsed, spec)

@@ -118,6 +118,11 @@ class Schedule:
 
     Gathers: ``reshard_after_forward=False`` keeps each unit gathered from its forward to
     its backward (one all-gather less per unit, more memory: ZeRO-2 / ``SHARD_GRAD_OP``).
+    Otherwise the unit that ran last stays gathered for its backward, which comes first, and
+    with ``keep_tail_gathered`` (default) and a backward prefetch so do the units before it
+    while they fit the in-flight cap below: one all-gather, and its wait, less for each, their
+    bytes held through the loss (``False``: the last unit alone, the least memory at
+    backward's start).
     ``backward_prefetch`` (``BACKWARD_PRE``, ``BACKWARD_POST``, ``None``) and
     ``forward_prefetch`` issue the next unit's all-gather early, overlapping it with
     compute; ``max_inflight`` caps the gathered non-root units at that many times the
@@ -140,6 +145,7 @@ class Schedule:
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
     forward_prefetch: bool = True
     max_inflight: int = 2  # gathered bytes at once, in largest non-root units, prefetches included
+    keep_tail_gathered: bool = True
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
     cpu_offload: CPUOffload | None = None
     update_in_backward: bool = False

@@ -8,6 +8,7 @@ from fsdp_fn._collectives import Collective
 from fsdp_fn._lookup import rows_fit
 from fsdp_fn._plan import ROOT, Plan
 from fsdp_fn._policy import Schedule
+from fsdp_fn._prefetch import gathered_bytes, kept_tail
 
 
 def metrics_words(plan: Plan) -> int:
@@ -31,8 +32,8 @@ def predict_collectives(
     Per use of a unit (a shared tied parameter is used by each of its modules), per flat
     part (trainable, frozen): one all-gather in forward in the gather dtype; one more in
     backward when the unit is resharded after forward (never the root; from the second
-    step on, not the unit that ran last, which is needed again first; not a ``lookup``
-    unit, whose backward reads no parameter). Per use, one
+    step on, not the units that ran last and stay gathered for backward, see
+    ``_prefetch.kept_tail``; not a ``lookup`` unit, whose backward reads no parameter). Per use, one
     reduce-scatter of the trainable part in the reduce dtype and, with ``replicas``
     (hybrid sharding), one all-reduce of the gradient shard across them. Then one
     all-gather of ``metrics_words(plan)`` float64 numbers per rank (the step's loss,
@@ -46,7 +47,9 @@ def predict_collectives(
     summed before reducing, or there are replicas.
     """
     schedule = schedule or Schedule()
-    last = [u.name for u in plan.units if u.name != ROOT][-1:]
+    nbytes = gathered_bytes(plan, world, schedule)
+    order = [u.name for u in plan.units if u.name != ROOT]
+    kept = set(order[kept_tail(order, nbytes, schedule) :])
     out: list[Collective] = []
     for u in plan.units:
         if lookup_rows and rows_fit(u, schedule, replicas):
@@ -56,7 +59,7 @@ def predict_collectives(
             ]
             continue
         resharded = (
-            schedule.reshard_after_forward and u.name != ROOT and not u.lookup and (first_step or [u.name] != last)
+            schedule.reshard_after_forward and u.name != ROOT and not u.lookup and (first_step or u.name not in kept)
         )
         parts = [p for p in (u, u.frozen_part) if p.params]
         for _ in u.modules:

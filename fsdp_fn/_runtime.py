@@ -33,7 +33,7 @@ from fsdp_fn._gather import gather_differentiably
 from fsdp_fn._lookup import RowFetch, RowLookup, check_indices, rows_fit
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
 from fsdp_fn._policy import BackwardPrefetch, Schedule
-from fsdp_fn._prefetch import ForwardOrder, may_start, refill_next
+from fsdp_fn._prefetch import ForwardOrder, gathered_bytes, may_start, refill_next
 from fsdp_fn._remat import Remat, _remat_with_state, handling_regions, route_torch_checkpoint, save_nothing
 from fsdp_fn._shard import Sharded, check_shard, ensure_live, shards_of, unit_views
 from fsdp_fn._sink import GradSink
@@ -118,7 +118,6 @@ class Runtime:
         offload = self.schedule.cpu_offload
         self.device = offload.compute_device() if offload is not None else None
         self.plan = params.plan
-        self.forward_order = ForwardOrder(order_hint)  # forward prefetch follows the last step's order
         self.uses: dict[str, int] = {}  # gathered uses per unit in this forward
         # Every use that may get a backward, in forward order: gathered, or a lookup's fetched rows.
         self.records: list[GatheredUnit | RowFetch] = []
@@ -127,17 +126,10 @@ class Runtime:
         self.prefetched_after: weakref.WeakSet[GatheredUnit | RowFetch] = weakref.WeakSet()
         self.inflight = 0  # bytes of non-root unit buffers allocated now
         # Each non-root unit's gathered bytes; prefetching may hold max_inflight times the largest.
-        world, gather_dtype = params.group.size(), self.schedule.gather_dtype
-        self.unit_bytes = {
-            u.name: sum(
-                part.padded_numel(world) * gather_dtype(part.dtype).itemsize
-                for part in (u, u.frozen_part)
-                if part.params
-            )
-            for u in self.plan.units
-            if u.name != ROOT
-        }
+        self.unit_bytes = gathered_bytes(self.plan, params.group.size(), self.schedule)
         self.inflight_limit = self.schedule.max_inflight * max(self.unit_bytes.values(), default=0)
+        # Forward prefetch follows the last step's order; its last units stay gathered for backward.
+        self.forward_order = ForwardOrder(order_hint, self.unit_bytes, self.schedule)
         self.adds_during_backward = self.sink.deferred is not None  # full gradients summed over micro-batches
         self.running: list[str] = []  # units whose forward is in progress, innermost last
         self.order: list[str] = []  # units in the order their forward ran

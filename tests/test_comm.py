@@ -36,16 +36,17 @@ def key(c):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("split_root", [False, True])
-@pytest.mark.parametrize("variant", ["default", "keep_gathered", "in_backward_no_prefetch"])
+@pytest.mark.parametrize("variant", ["default", "keep_gathered", "last_kept_only", "in_backward_no_prefetch"])
 def test_step_issues_exactly_the_predicted_collectives(pool, world, split_root, variant):
     step_kw = {
         "default": {},
         "keep_gathered": {"reshard_after_forward": False},
+        "last_kept_only": {"keep_tail_gathered": False},
         "in_backward_no_prefetch": {"update_in_backward": True, "backward_prefetch": None, "forward_prefetch": False},
     }[variant]
     results = pool.run(_logged_steps, split_root, step_kw, world=world)
     plan = results[0][0]
-    schedule = ff.Schedule(reshard_after_forward=step_kw.get("reshard_after_forward", True))
+    schedule = ff.Schedule(**step_kw)
     for _, logs in results:  # every rank issues the same
         for k, records in enumerate(logs):
             predicted = ff.predict_collectives(plan, world, schedule, first_step=k == 0)
@@ -59,10 +60,12 @@ def test_step_issues_exactly_the_predicted_collectives(pool, world, split_root, 
             assert [c.unit for c in records if c.op == "row_fetch"] == [u for u in plan.unit_names if u in embeddings]
             # Bytes: 3 x (W-1)/W x parameter bytes (gather, gather again in backward, reduce-scatter),
             # less one gather per unit kept gathered, derived from the plan alone: every unit with
-            # reshard_after_forward=False; otherwise the root, and from the second step on the unit
-            # that runs last (its backward comes first). The embeddings (units of their own when
-            # the root is split) are never gathered: their rows are fetched and their rows'
-            # gradients sent back (row_fetch, row_reduce: sized by the token ids, not the table).
+            # reshard_after_forward=False; otherwise the root, and from the second step on the units
+            # that run last (their backward comes first) while their bytes fit the in-flight cap,
+            # twice the largest unit's (the last one always; it alone without a backward prefetch
+            # or with keep_tail_gathered=False). The embeddings (units of their own when the root is
+            # split) are never gathered: their rows are fetched and their rows' gradients sent back
+            # (row_fetch, row_reduce: sized by the token ids, not the table).
             # Catches: a unit re-gathered that need not be, a kept unit that is freed, a wrong byte
             # count, an embedding's table gathered or reduce-scattered.
             assert {u.name for u in plan.units if u.lookup} == embeddings
@@ -72,7 +75,21 @@ def test_step_issues_exactly_the_predicted_collectives(pool, world, split_root, 
             else:
                 kept_units = {u for u in plan.unit_names if u == ff.ROOT}
                 if k > 0:
-                    kept_units.add([u for u in plan.unit_names if u != ff.ROOT][-1])
+                    cap = 2 * max(u.padded_numel(world) * 4 for u in plan.units if u.name != ff.ROOT)
+                    tail = [u for u in plan.units if u.name != ff.ROOT]
+                    kept_units.add(tail.pop().name)
+                    while (
+                        schedule.backward_prefetch
+                        and schedule.keep_tail_gathered
+                        and tail
+                        and sum(
+                            u.padded_numel(world) * 4
+                            for u in plan.units
+                            if u.name in kept_units | {tail[-1].name} and u.name != ff.ROOT
+                        )
+                        <= cap
+                    ):
+                        kept_units.add(tail.pop().name)
             param_bytes = sum(u.padded_numel(world) * 4 for u in dense)
             kept = sum(u.padded_numel(world) * 4 for u in dense if u.name in kept_units)
             sent = sum(c.ring_bytes for c in records if c.unit is not None)  # the units, not the metrics
