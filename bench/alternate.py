@@ -14,11 +14,15 @@ Changes:
   from the step's own thread (off), see ``fsdp_fn/_collectives.py``.
 - ``pieces``: the optimizer steps each shard in cache-sized pieces (on) or whole (off),
   see ``fsdp_fn/_optim.py``.
+- ``tail``: the units that ran last stay gathered for backward while they fit the in-flight
+  cap (on, ``Schedule.keep_tail_gathered``) or the last unit alone (off), see
+  ``fsdp_fn/_prefetch.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import statistics
@@ -34,7 +38,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import fsdp_fn as ff
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
-from fsdp_fn import _collectives, _optim
+from fsdp_fn import _collectives, _optim, _prefetch
 from fsdp_fn.testing import RankPool
 
 QUEUED = _collectives._QueuedSend
@@ -54,19 +58,14 @@ def _pieces(on: bool) -> None:
     _optim._PIECE_BYTES = PIECE_BYTES if on else 1 << 62
 
 
-from fsdp_fn import _prefetch
-
-KEEP = _prefetch.ForwardOrder.keep_gathered
+KEPT_TAIL = _prefetch.kept_tail
 
 
 def _tail(on: bool) -> None:
-    def keep(self, name, schedule):
-        if not schedule.reshard_after_forward:
-            return True
-        n = len(self.previous)
-        return bool(self.previous) and self.at >= n - 2 and name in self.previous[-2:]
+    def last_only(order: Any, nbytes: Any, schedule: ff.Schedule) -> int:
+        return KEPT_TAIL(order, nbytes, dataclasses.replace(schedule, keep_tail_gathered=False))
 
-    _prefetch.ForwardOrder.keep_gathered = keep if on else KEEP
+    _prefetch.kept_tail = KEPT_TAIL if on else last_only
 
 
 CHANGES: dict[str, Callable[[bool], None]] = {"sender": _sender, "pieces": _pieces, "tail": _tail}
