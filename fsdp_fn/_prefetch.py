@@ -90,14 +90,16 @@ def refill_next(uses: Sequence[object], current: object) -> GatheredUnit | None:
     """The use whose backward comes after ``current``'s, when it must be refilled: the last
     gathered use before it in forward order whose backward reads its parameters (a lookup's
     backward reads none; its fetched rows are no gathered use). None when that use is still
-    gathered (kept after its forward, or refilled already): one use ahead only."""
+    gathered (kept after its forward, or refilled already): one use ahead only. A gathered
+    use of frozen parameters alone is passed over: it gets no gradient, so no refill starts
+    from it."""
     if current not in uses:
         return None
     at = list(uses).index(current)
     for use in reversed(uses[:at]):
         if not isinstance(use, GatheredUnit):
             continue
-        if use.state is UnitState.GATHERED:
+        if use.state is UnitState.GATHERED and use.unit.params:
             return None
         if use.state is UnitState.FREED and use.refill:
             return use

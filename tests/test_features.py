@@ -304,6 +304,21 @@ def test_frozen_parameters(pool, world):
     )
 
 
+def test_frozen_units_kept_gathered_for_backward(pool):
+    # The last block, the final norm and the head (units of their own) stay gathered after
+    # forward; two of them are frozen whole and get no gradient. Catches: a kept unit gathered
+    # again (or the blocks before it not), a frozen unit stepped, any gradient that differs.
+    frozen = ("blocks.2.", "head")
+    out = pool.run(_train_with, freeze=frozen, plan_kw={"split_root": True}, log_comm=True, world=2)[0]
+    exact(out)
+    assert out["frozen_moved"] == 0.0
+    plan = out["plan"]
+    assert plan.unit("blocks.2").params == () and plan.unit("head").params == ()
+    gathers = Counter(c.unit for c in out["logs"][1] if c.op == "all_gather" and c.unit)
+    # the kept tail once (forward), the blocks before it twice (forward, backward)
+    assert gathers == {"blocks.0": 2, "blocks.1": 2, "blocks.2": 1, "ln_f": 1, "head": 1}
+
+
 # --- 6. tied parameters in different units ---------------------------------------------------------
 
 
