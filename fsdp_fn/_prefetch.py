@@ -24,12 +24,10 @@ from fsdp_fn._unit import GatheredUnit, UnitState
 class ForwardOrder:
     """The previous step's unit order, and where this forward has got to in it."""
 
-    def __init__(
-        self, previous: Sequence[str], nbytes: Mapping[str, int] | None = None, schedule: Schedule | None = None
-    ) -> None:
+    def __init__(self, previous: Sequence[str], nbytes: Mapping[str, int], schedule: Schedule) -> None:
         self.previous = list(previous)
         self.at = -1
-        self.tail = kept_tail(self.previous, nbytes or {}, schedule or Schedule())
+        self.tail = kept_tail(self.previous, nbytes, schedule)
 
     @property
     def first(self) -> str | None:
@@ -58,7 +56,7 @@ def kept_tail(order: Sequence[str], nbytes: Mapping[str, int], schedule: Schedul
     fit the in-flight cap together, which the refills at backward's start would fill anyway.
     Each saves one all-gather, and its wait, per step."""
     keep = schedule.keep_tail_gathered and schedule.backward_prefetch is not None
-    limit = schedule.max_inflight * max(nbytes.values(), default=0) if keep else 0
+    limit = inflight_limit(nbytes, schedule) if keep else 0
     start, total = len(order), 0
     for at in range(len(order) - 1, -1, -1):
         total += nbytes.get(order[at], 0)
@@ -79,6 +77,11 @@ def gathered_bytes(plan: Plan, world: int, schedule: Schedule) -> dict[str, int]
         for u in plan.units
         if u.name != ROOT
     }
+
+
+def inflight_limit(nbytes: Mapping[str, int], schedule: Schedule) -> int:
+    """The gathered bytes allowed at once: ``max_inflight`` times the largest unit's (``nbytes``)."""
+    return schedule.max_inflight * max(nbytes.values(), default=0)
 
 
 def may_start(inflight: int, nbytes: int, limit: int) -> bool:

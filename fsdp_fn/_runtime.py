@@ -33,7 +33,7 @@ from fsdp_fn._gather import gather_differentiably
 from fsdp_fn._lookup import RowFetch, RowLookup, check_indices, rows_fit
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
 from fsdp_fn._policy import BackwardPrefetch, Schedule
-from fsdp_fn._prefetch import ForwardOrder, gathered_bytes, may_start, refill_next
+from fsdp_fn._prefetch import ForwardOrder, gathered_bytes, inflight_limit, may_start, refill_next
 from fsdp_fn._remat import Remat, _remat_with_state, handling_regions, route_torch_checkpoint, save_nothing
 from fsdp_fn._shard import Sharded, check_shard, ensure_live, shards_of, unit_views
 from fsdp_fn._sink import GradSink
@@ -127,7 +127,7 @@ class Runtime:
         self.inflight = 0  # bytes of non-root unit buffers allocated now
         # Each non-root unit's gathered bytes; prefetching may hold max_inflight times the largest.
         self.unit_bytes = gathered_bytes(self.plan, params.group.size(), self.schedule)
-        self.inflight_limit = self.schedule.max_inflight * max(self.unit_bytes.values(), default=0)
+        self.inflight_limit = inflight_limit(self.unit_bytes, self.schedule)
         # Forward prefetch follows the last step's order; its last units stay gathered for backward.
         self.forward_order = ForwardOrder(order_hint, self.unit_bytes, self.schedule)
         self.adds_during_backward = self.sink.deferred is not None  # full gradients summed over micro-batches
