@@ -205,15 +205,15 @@ class GatheredUnit:
         """Parameter ``index``'s gradient, from its backward: written into its slice of the flat
         gradient (allocated at the first one), so autograd's own tensor goes at once; or held
         until ``take_grad`` (see ``write_at_once``)."""
+        # Autograd runs a view's backward once, with every path's gradient summed: one per use.
+        assert not self.received[index], f"a second gradient for {self.unit.params[index].name}"
         if self.write_at_once:
-            self._write(index, grad, add=self.received[index])  # a second gradient for this use: summed
+            self._write(index, grad)
         else:
-            held = self.held.get(index)
-            with torch._C._DisableFuncTorch(), torch.no_grad():
-                self.held[index] = grad if held is None else held + grad
+            self.held[index] = grad
         self.received[index] = True
 
-    def _write(self, index: int, grad: torch.Tensor, add: bool = False) -> None:
+    def _write(self, index: int, grad: torch.Tensor) -> None:
         spec = self.unit.params[index]
         with torch._C._DisableFuncTorch(), torch.no_grad():
             if self.grad is None:
@@ -226,16 +226,8 @@ class GatheredUnit:
                     retag(self.grad, "grads")
                     return
                 self.grad, self.taken = self._new_grad(), False
-            if self.taken:  # never written into: a second gradient makes a new sum
-                self.grad = self.grad + grad.reshape(-1)
-                self.taken = False
-                return
             at = self.offsets[index]
-            piece = self.grad[at : at + spec.numel].view(spec.shape)
-            if add:
-                piece.add_(grad)
-            else:
-                piece.copy_(grad)
+            self.grad[at : at + spec.numel].view(spec.shape).copy_(grad)
 
     def _may_take(self, grad: torch.Tensor) -> bool:
         """Whether ``grad`` can be the flat gradient itself: the unit's only parameter, no padding,
@@ -333,10 +325,8 @@ class GatherUnit(torch.autograd.Function):
                 "lean gathering is not supported: its reduce-scatter is not differentiable; use apply_sharded or "
                 "value_and_grad inside your transform (their gathers compose with every torch.func transform)"
             )
+        # Only the parameters' views read the buffer, and they hand autograd no gradient: ``grad`` is None.
         full = rec.take_grad()
-        if grad is not None:  # the buffer itself was used beyond its parameters' views
-            with torch._C._DisableFuncTorch(), torch.no_grad():
-                full = full + plain(grad)
         rec.release()
         rec.owner.after_backward(rec, full)
         shard = rec.shard

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -119,3 +121,24 @@ def reference_run(
 
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
+
+
+@contextlib.contextmanager
+def refills_on_demand() -> Iterator[list[str]]:
+    """Within the block, the units whose backward had to start its own refill (it was not
+    prefetched): their names, in the order their backward ran."""
+    from fsdp_fn import _unit
+
+    names: list[str] = []
+    original = inspect.getattr_static(_unit.RefillBeforeBackward, "backward")
+
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        if ctx.fsdp_fn_refill.state is _unit.UnitState.FREED:  # not prefetched
+            names.append(ctx.fsdp_fn_refill.unit.name)
+        return original.__func__(ctx, *grads)
+
+    _unit.RefillBeforeBackward.backward = staticmethod(backward)
+    try:
+        yield names
+    finally:
+        _unit.RefillBeforeBackward.backward = original

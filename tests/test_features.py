@@ -6,6 +6,7 @@ parameters, hybrid sharding, and their combinations.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections import Counter
 from functools import partial
@@ -15,7 +16,7 @@ import torch
 
 import fsdp_fn as ff
 from fsdp_fn.testing import RankPool
-from tests.helpers import batch_for, local_part, make, mse_loss, reference_run, rel
+from tests.helpers import batch_for, local_part, make, mse_loss, reference_run, refills_on_demand, rel
 
 STEPS = 4
 OPTIMIZERS = {
@@ -40,6 +41,7 @@ def _train_with(
     log_comm=False,
     lazy_ref=False,
     opt="adamw",
+    count_on_demand=False,
 ):
     world, rank = group.size(), group.rank()
     step_kw, plan_kw, ref_kw = dict(step_kw or {}), plan_kw or {}, ref_kw or {}
@@ -62,13 +64,16 @@ def _train_with(
     optimizer = ours(lr) if clip is None else ff.chain(ff.clip_by_global_norm(clip), ours(lr))
     step = ff.train_step(fn, loss_fn, optimizer, schedule=ff.Schedule(**step_kw), remat=remat)
     state = step.init(params)
-    losses, norms, logs = [], [], []
+    losses, norms, logs, on_demand = [], [], [], []
     for k in range(STEPS):
         local = local_part(batch_for(kind, model, k, size=BATCH), rank, world)
         if micro > 1:
             local = [local_part(local, i, micro) for i in range(micro)]
-        with ff.comm_log() as log:
+        with ff.comm_log() as log, contextlib.ExitStack() as stack:
+            # from the second step on: the first has no previous order to prefetch by
+            names = stack.enter_context(refills_on_demand()) if count_on_demand and k > 0 else []
             state, metrics = step(state, local)
+        on_demand.extend(names)
         logs.append(log.records)
         losses.append(metrics["loss"].item())
         norms.append(metrics["grad_norm"].item())
@@ -76,6 +81,7 @@ def _train_with(
     out = {
         "plan": plan,
         "logs": logs if log_comm else None,
+        "on_demand": on_demand,
         "state_bytes": sum(  # the sharded moments (AdamW) or momentum (SGD), not the step counts
             t.numel() * t.element_size()
             for name, f in state.opt_state._asdict().items()
@@ -317,6 +323,15 @@ def test_frozen_units_kept_gathered_for_backward(pool):
     gathers = Counter(c.unit for c in out["logs"][1] if c.op == "all_gather" and c.unit)
     # the kept tail once (forward), the blocks before it twice (forward, backward)
     assert gathers == {"blocks.0": 2, "blocks.1": 2, "blocks.2": 1, "ln_f": 1, "head": 1}
+
+
+def test_refills_pass_over_a_kept_frozen_unit(pool):
+    # The last block is frozen whole and kept gathered after forward: it gets no gradient, so
+    # no refill starts from its backward. Catches: the final norm's refill search stopping at
+    # it, so the block before it is gathered on demand in every step.
+    out = pool.run(_train_with, freeze=("blocks.2.",), plan_kw={"split_root": True}, count_on_demand=True, world=2)[0]
+    exact(out)
+    assert out["on_demand"] == [], out["on_demand"]
 
 
 # --- 6. tied parameters in different units ---------------------------------------------------------

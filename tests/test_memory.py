@@ -10,7 +10,7 @@ from torch import nn
 
 import fsdp_fn as ff
 from examples.gpt import GPT, Block, GPTConfig
-from tests.helpers import gpt_state, local_part
+from tests.helpers import gpt_state, local_part, refills_on_demand
 
 CFG = GPTConfig(vocab=64, seq=16, d_model=32, n_layers=6, n_heads=2)
 
@@ -425,10 +425,27 @@ class _Shift(nn.Module):
         return x + self.p
 
 
-def _shared_gradient_grads(group, accumulate):
+class _SumOfBranches(nn.Module):
+    """``shift(shift(x) + side(x))``: the sum hands one gradient tensor to both of its inputs,
+    and the side branch, made before the first shift ran, runs its backward after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.side, self.shift = nn.Linear(8, 8), nn.Linear(8, 8), _Shift(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.first(x))
+        side = self.side(x)
+        return torch.tanh(self.shift(self.shift(x) + side))
+
+
+def _shared_gradient_grads(group, accumulate, kind):
     torch.manual_seed(0)
-    shift = _Shift(8)
-    model = nn.Sequential(nn.Linear(8, 8), shift, nn.Tanh(), nn.Linear(8, 8), shift, nn.Tanh())  # used twice
+    if kind == "chain":
+        shift = _Shift(8)
+        model = nn.Sequential(nn.Linear(8, 8), shift, nn.Tanh(), nn.Linear(8, 8), shift, nn.Tanh())  # used twice
+    else:
+        model = _SumOfBranches()
     x = torch.randn(8)  # unbatched: x + p has p's shape, so no reduction makes a fresh gradient
     loss_fn = lambda m, b: m(b).square().sum()  # noqa: E731
     reference = torch.autograd.grad(loss_fn(model, x), list(model.parameters()))
@@ -448,11 +465,14 @@ def _shared_gradient_grads(group, accumulate):
     return max((got[n] - r).abs().max().item() for n, r in zip(names, reference, strict=True))
 
 
+@pytest.mark.parametrize("kind", ["chain", "branches"])
 @pytest.mark.parametrize("accumulate", [None, "each", "once"])
-def test_a_gradient_shared_with_another_path_stays_exact(pool, accumulate):
+def test_a_gradient_shared_with_another_path_stays_exact(pool, accumulate, kind):
     # Catches: a one-parameter unit taking autograd's gradient tensor as its flat gradient and
-    # then writing into it while the input's path (or a second use) still reads it.
-    for diff in pool.run(_shared_gradient_grads, accumulate, world=2):
+    # then writing into it while the input's path (or a second use) still reads it; with
+    # "once" and two branches, the second use's gradient summed into the first one's while
+    # the side branch still has to read it.
+    for diff in pool.run(_shared_gradient_grads, accumulate, kind, world=2):
         assert diff < 1e-6
 
 
@@ -462,10 +482,7 @@ def test_a_gradient_shared_with_another_path_stays_exact(pool, accumulate):
 def _backward_overlaps(group, kind):
     """During one train step: the samples where a reduction's buffers (its received shards) live
     together with two blocks gathered, and the uses whose refill backward had to start itself."""
-    import inspect
-
     from examples.gpt import lm_loss
-    from fsdp_fn import _unit
 
     world, rank = group.size(), group.rank()
     torch.manual_seed(0)
@@ -479,21 +496,9 @@ def _backward_overlaps(group, kind):
     tokens = torch.randint(0, CFG.vocab, (2 * world, CFG.seq + 1), generator=torch.Generator().manual_seed(0))
     batch = local_part(tokens, rank, world)
     state, _ = step(state, batch)
-    on_demand: list[str] = []
-    original = inspect.getattr_static(_unit.RefillBeforeBackward, "backward")
-
-    def backward(ctx, *grads):
-        if ctx.fsdp_fn_refill.state is _unit.UnitState.FREED:  # not prefetched
-            on_demand.append(ctx.fsdp_fn_refill.unit.name)
-        return original.__func__(ctx, *grads)
-
-    _unit.RefillBeforeBackward.backward = staticmethod(backward)
-    try:
-        with ff.MemoryMeter(timeline=True) as meter:
-            meter.tag(state, "state")
-            step(state, batch)
-    finally:
-        _unit.RefillBeforeBackward.backward = original
+    with refills_on_demand() as on_demand, ff.MemoryMeter(timeline=True) as meter:
+        meter.tag(state, "state")
+        step(state, batch)
     assert meter.timeline is not None
     block = plan.unit("blocks.0").gather_bytes(world)
     together = [what for what, s in meter.timeline if s["comm"] > 0 and s["gathered"] >= 2 * block]
