@@ -376,8 +376,11 @@ def _write(final: Path, entries: dict[str, Any], group: dist.ProcessGroup, step:
         if final.exists():
             error = f"{final} already exists; checkpoints are never overwritten"
         else:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
-            tmp.mkdir(parents=True)
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                error = f"cannot create {tmp}: {e}"
     _agree_on_error(group, error)
     dcp_save(
         entries,
@@ -387,15 +390,18 @@ def _write(final: Path, entries: dict[str, Any], group: dist.ProcessGroup, step:
     )
     # dcp.save returns once the coordinator has written the metadata after every rank's data.
     if coordinator:
-        marker = tmp / COMMIT_MARKER
-        with open(marker, "w") as f:
-            json.dump({"step": step, "world": group.size(), "time": time.time()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        os.rename(tmp, final)
-        _fsync_dir(final.parent)
-    dist.barrier(group=group)
+        try:
+            marker = tmp / COMMIT_MARKER
+            with open(marker, "w") as f:
+                json.dump({"step": step, "world": group.size(), "time": time.time()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            os.rename(tmp, final)
+            _fsync_dir(final.parent)
+        except OSError as e:  # the others learn of it below instead of waiting for a commit that never comes
+            error = f"cannot commit {final}: {e}"
+    _agree_on_error(group, error)
 
 
 # --- load --------------------------------------------------------------------------------

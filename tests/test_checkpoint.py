@@ -381,6 +381,54 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(fresh, tm
     assert fresh.run(_restore, str(root), world=2) == [(1, 1), (1, 1)]
     with pytest.raises(RankError, match="not a complete checkpoint: it has no COMMITTED marker"):
         fresh.run(_load_full, str(partial), world=2)
+    # The restarted job reaches the killed step again and saves it over the leftovers.
+    for steps, last in fresh.run(_save_steps, str(root), [2], 3, world=2):
+        assert steps == [1, 2] and last == str(root / "step_00000002")
+    assert not partial.exists()
+    assert fresh.run(_restore, str(root), world=2) == [(2, 2), (2, 2)]
+
+
+def _save_fails(group, root, where):
+    """Save step 1, then a step 2 that fails on rank 0 alone (``where``: creating its directory,
+    or committing it), then step 2 again where it can succeed."""
+    _, _, state = _setup(group)
+    manager = ckpt.CheckpointManager(root)
+    manager.save(state._replace(step=1))
+    rename = os.rename
+    if where == "commit" and group.rank() == 0:
+
+        def full_disk(src, dst):  # on fsdp_fn's commit of the directory only (DCP renames its files too)
+            if Path(src).name == ".step_00000002.tmp":
+                raise OSError(28, "No space left on device")
+            rename(src, dst)
+
+        os.rename = full_disk
+    try:
+        if where == "create":
+            ckpt.save(Path(root) / "a_file" / "step_00000002", state._replace(step=2))
+        else:
+            manager.save(state._replace(step=2))
+        error = "saved"
+    except ckpt.CheckpointError as e:
+        error = str(e)
+    finally:
+        os.rename = rename
+    latest = str(manager.latest())
+    manager.save(state._replace(step=2))  # the state and the group are still usable
+    return error, latest, manager.steps()
+
+
+@pytest.mark.parametrize("where", ["create", "commit"])
+def test_a_save_failing_on_one_rank_fails_on_every_rank_and_keeps_the_last(pool, tmp_path, where):
+    # Catches: rank 0's error leaving the other ranks waiting for a commit that never comes
+    # (a hang), and a failed save taking the last checkpoint with it.
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "a_file").write_text("not a directory")
+    for error, latest, steps in pool.run(_save_fails, str(root), where, world=2):
+        assert error.startswith(f"rank 0: cannot {where} "), error
+        assert latest == str(root / "step_00000001")
+        assert steps == [1, 2]
 
 
 def _load_error(group, directory, cfg_kw, dtype=None):
