@@ -11,14 +11,16 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fsdp_fn._agree import gather_objects
 from fsdp_fn._dcp import boxes, ranges
+from fsdp_fn._errors import RankFailure
 from fsdp_fn._plan import ParamSpec, Unit, unit_label
 from fsdp_fn._shard import Layout, Sharded
 
@@ -110,7 +112,9 @@ def export_safetensors(
     Every rank of the group calls it. Tied parameters are written once, under their first
     name (as ``save_pretrained`` does); ``dtype`` casts on the way out. Memory: one
     parameter's piece of this rank's shard at a time (to cast it); nothing is gathered.
-    Communication: two barriers. The directory must be on a file system every rank sees.
+    Communication: two barriers, each carrying failures (a rank the file system refuses
+    raises its ``OSError``; the others raise ``RankFailure`` naming it, never waiting for it).
+    The directory must be on a file system every rank sees.
     """
     layout = params.layout
     specs = [p for _, part, _ in _parts(params) for p in part.params]
@@ -118,40 +122,57 @@ def export_safetensors(
     root = Path(directory)
     paths = [root / n for n in files["names"]]
     group = layout.group
-    if group.rank() == 0 and (layout.replicate is None or layout.replicate.rank() == 0):
-        root.mkdir(parents=True, exist_ok=True)
-        for path, header, size in zip(paths, files["headers"], files["sizes"], strict=True):
-            with open(path, "wb") as f:
-                f.write(len(header).to_bytes(8, "little"))
-                f.write(header)
-                f.truncate(8 + len(header) + size)
-    _barrier(layout)
-    if layout.replicate is None or layout.replicate.rank() == 0:  # replicas hold the same bytes
-        with ExitStack() as stack:
-            fds = [os.open(p, os.O_WRONLY) for p in paths]
-            for fd in fds:
-                stack.callback(os.close, fd)
-            for _, part, flat in _parts(params):
-                for spec, a, _b, piece in _local(part, flat, layout):
-                    f, start = files["where"][spec.name]
-                    data = piece.detach().to(dtype or spec.dtype).contiguous().view(torch.uint8).numpy()
-                    itemsize = (dtype or spec.dtype).itemsize
-                    os.pwrite(fds[f], data.data, 8 + len(files["headers"][f]) + start + a * itemsize)
-            for fd in fds:
-                os.fsync(fd)
-    if group.rank() == 0 and len(paths) > 1 and (layout.replicate is None or layout.replicate.rank() == 0):
-        weight_map = {spec.name: files["names"][f] for spec, f in zip(specs, files["index"], strict=True)}
-        (root / INDEX).write_text(
-            json.dumps({"metadata": {"total_size": files["bytes"]}, "weight_map": weight_map}, indent=2)
-        )
-    _barrier(layout)
+    first = group.rank() == 0 and (layout.replicate is None or layout.replicate.rank() == 0)
+    with _settled(layout, "export_safetensors: the files' headers"):
+        if first:
+            root.mkdir(parents=True, exist_ok=True)
+            for path, header, size in zip(paths, files["headers"], files["sizes"], strict=True):
+                with open(path, "wb") as f:
+                    f.write(len(header).to_bytes(8, "little"))
+                    f.write(header)
+                    f.truncate(8 + len(header) + size)
+    with _settled(layout, "export_safetensors: the parameters' bytes"):
+        if layout.replicate is None or layout.replicate.rank() == 0:  # replicas hold the same bytes
+            with ExitStack() as stack:
+                fds = [os.open(p, os.O_WRONLY) for p in paths]
+                for fd in fds:
+                    stack.callback(os.close, fd)
+                for _, part, flat in _parts(params):
+                    for spec, a, _b, piece in _local(part, flat, layout):
+                        f, start = files["where"][spec.name]
+                        data = piece.detach().to(dtype or spec.dtype).contiguous().view(torch.uint8).numpy()
+                        itemsize = (dtype or spec.dtype).itemsize
+                        os.pwrite(fds[f], data.data, 8 + len(files["headers"][f]) + start + a * itemsize)
+                for fd in fds:
+                    os.fsync(fd)
+            if first and len(paths) > 1:
+                weight_map = {spec.name: files["names"][f] for spec, f in zip(specs, files["index"], strict=True)}
+                (root / INDEX).write_text(
+                    json.dumps({"metadata": {"total_size": files["bytes"]}, "weight_map": weight_map}, indent=2)
+                )
     return paths
 
 
-def _barrier(layout: Layout) -> None:
-    dist.barrier(group=layout.group)
-    if layout.replicate is not None:
-        dist.barrier(group=layout.replicate)
+@contextmanager
+def _settled(layout: Layout, what: str) -> Iterator[None]:
+    """Run the block, then a barrier over the shard group and then the replicas that carries
+    failures: when the file system refuses any rank, every rank raises (that rank its own
+    ``OSError``, the others ``RankFailure`` naming it) instead of waiting for it.
+    Communication: two small all-gathers per group."""
+    error: OSError | None = None
+    try:
+        yield
+    except OSError as e:
+        error = e
+    found = None if error is None else f"rank {dist.get_rank()}: {type(error).__name__}: {error}"
+    for group in (layout.group, layout.replicate):
+        if group is not None:
+            messages = [m for m in gather_objects(found, group, what) if m]
+            found = "; ".join(dict.fromkeys(m for ms in messages for m in ms.split("; "))) or None
+    if error is not None:
+        raise error
+    if found is not None:
+        raise RankFailure(f"{what} failed on another rank: {found}")
 
 
 def export_state_dict(params: Sharded, *, dst: int = 0) -> dict[str, torch.Tensor] | None:

@@ -486,6 +486,47 @@ def test_a_mismatched_partial_or_corrupt_checkpoint_is_named(pool, tmp_path, cha
 # --- streamed export and import -------------------------------------------------------------
 
 
+def _export_fails(group, root, where):
+    """An export that the file system refuses on one rank (``where``: rank 0 making the
+    directory, or rank 1 writing its bytes), then one that succeeds."""
+    from safetensors.torch import load_file
+
+    _, _, state = _setup(group)
+    pwrite = os.pwrite
+    if where == "bytes" and group.rank() == 1:
+
+        def full_disk(fd, data, offset):
+            raise OSError(28, "No space left on device")
+
+        os.pwrite = full_disk
+    try:
+        ckpt.export_safetensors(Path(root) / ("a_file" if where == "headers" else "out"), state.params)
+        error = "exported"
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        os.pwrite = pwrite
+    ckpt.export_safetensors(Path(root) / "again", state.params)  # the group is still usable
+    full = ff.unshard(state.params)
+    loaded = load_file(str(Path(root) / "again" / "model.safetensors"))
+    return error, all(torch.equal(loaded[k], v) for k, v in full.items() if k in loaded)
+
+
+@pytest.mark.parametrize(("where", "failed"), [("headers", 0), ("bytes", 1)])
+def test_an_export_refused_on_one_rank_fails_on_every_rank(pool, tmp_path, where, failed):
+    # Catches: the other ranks left waiting at the export's barrier for a rank that raised.
+    (tmp_path / "a_file").write_text("not a directory")
+    for rank, (error, same) in enumerate(pool.run(_export_fails, str(tmp_path), where, world=2)):
+        if rank == failed:
+            assert error.startswith(("FileExistsError", "NotADirectoryError", "OSError")), error
+        else:
+            assert error.startswith(
+                f"RankFailure: export_safetensors: the {'files' if where == 'headers' else 'parameters'}"
+            ), error
+            assert f"rank {failed}: " in error, error
+        assert same
+
+
 def _export_import(group, directory, phase):
     """Export at one world size, import at another; the peak bytes beyond the shards, measured."""
     from safetensors.torch import load_file
