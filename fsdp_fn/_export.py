@@ -112,8 +112,8 @@ def export_safetensors(
     Every rank of the group calls it. Tied parameters are written once, under their first
     name (as ``save_pretrained`` does); ``dtype`` casts on the way out. Memory: one
     parameter's piece of this rank's shard at a time (to cast it); nothing is gathered.
-    Communication: two barriers, each carrying failures (a rank the file system refuses
-    raises its ``OSError``; the others raise ``RankFailure`` naming it, never waiting for it).
+    Communication: two barriers, each carrying failures (a rank that fails, e.g. one the file
+    system refuses, raises its error; the others raise ``RankFailure`` naming it, never waiting).
     The directory must be on a file system every rank sees.
     """
     layout = params.layout
@@ -156,13 +156,13 @@ def export_safetensors(
 @contextmanager
 def _settled(layout: Layout, what: str) -> Iterator[None]:
     """Run the block, then a barrier over the shard group and then the replicas that carries
-    failures: when the file system refuses any rank, every rank raises (that rank its own
-    ``OSError``, the others ``RankFailure`` naming it) instead of waiting for it.
-    Communication: two small all-gathers per group."""
-    error: OSError | None = None
+    failures: when the block fails on any rank (the file system refuses it), every rank
+    raises (that rank its own error, the others ``RankFailure`` naming it) instead of
+    waiting for it. Communication: two small all-gathers per group."""
+    error: Exception | None = None
     try:
         yield
-    except OSError as e:
+    except Exception as e:
         error = e
     found = None if error is None else f"rank {dist.get_rank()}: {type(error).__name__}: {error}"
     for group in (layout.group, layout.replicate):
