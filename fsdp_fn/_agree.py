@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pickle
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,7 +12,7 @@ import torch.distributed as dist
 from fsdp_fn import _guard
 from fsdp_fn._errors import DivergenceError
 
-__all__ = ["DivergenceError", "agree", "gather_objects"]
+__all__ = ["DivergenceError", "agree", "failures", "gather_objects"]
 
 _MISSING = "<absent>"
 
@@ -58,3 +58,15 @@ def agree(group: dist.ProcessGroup, what: str, facts: Mapping[str, Any], hint: s
                 f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {v}" for v, r in by_value.items()
             )
             raise DivergenceError(f"{what} differ between ranks at {key}: {parts}" + (f". {hint}" if hint else ""))
+
+
+def failures(error: str | None, groups: Sequence[dist.ProcessGroup | None], what: str) -> list[str]:
+    """Every rank's ``error`` over ``groups`` in turn, as ``rank R: error`` (R global), or [] when
+    no rank has one: a barrier over each group that carries failures, so a rank that failed
+    alone is reported on every rank instead of leaving them waiting. Communication: two small
+    all-gathers per group (``gather_objects``)."""
+    found = [] if error is None else [f"rank {dist.get_rank()}: {error}"]
+    for group in groups:
+        if group is not None:
+            found = list(dict.fromkeys(m for theirs in gather_objects(found, group, what) for m in theirs))
+    return found

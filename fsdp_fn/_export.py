@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_fn._agree import gather_objects
+from fsdp_fn._agree import failures
 from fsdp_fn._dcp import boxes, ranges
 from fsdp_fn._errors import RankFailure
 from fsdp_fn._plan import ParamSpec, Unit, unit_label
@@ -155,24 +155,21 @@ def export_safetensors(
 
 @contextmanager
 def _settled(layout: Layout, what: str) -> Iterator[None]:
-    """Run the block, then a barrier over the shard group and then the replicas that carries
-    failures: when the block fails on any rank (the file system refuses it), every rank
-    raises (that rank its own error, the others ``RankFailure`` naming it) instead of
-    waiting for it. Communication: two small all-gathers per group."""
+    """Run the block, then a barrier over the shard group and the replicas that carries
+    failures (``failures``): when the block fails on any rank (the file system refuses it),
+    every rank raises, that rank its own error and the others ``RankFailure`` naming it."""
     error: Exception | None = None
     try:
         yield
     except Exception as e:
         error = e
-    found = None if error is None else f"rank {dist.get_rank()}: {type(error).__name__}: {error}"
-    for group in (layout.group, layout.replicate):
-        if group is not None:
-            messages = [m for m in gather_objects(found, group, what) if m]
-            found = "; ".join(dict.fromkeys(m for ms in messages for m in ms.split("; "))) or None
+    found = failures(
+        None if error is None else f"{type(error).__name__}: {error}", [layout.group, layout.replicate], what
+    )
     if error is not None:
         raise error
-    if found is not None:
-        raise RankFailure(f"{what} failed on another rank: {found}")
+    if found:
+        raise RankFailure(f"{what} failed on another rank: {'; '.join(found)}")
 
 
 def export_state_dict(params: Sharded, *, dst: int = 0) -> dict[str, torch.Tensor] | None:

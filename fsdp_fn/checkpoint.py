@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from fsdp_fn._agree import failures
 from fsdp_fn._dcp import LoadPlanner, Pieces, SavePlanner, ranges
 from fsdp_fn._export import export_safetensors, export_state_dict, import_safetensors, import_state_dict
 from fsdp_fn._guard import join
@@ -243,12 +244,10 @@ def _side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
 
 
 def _agree_on_error(group: dist.ProcessGroup, error: str | None) -> None:
-    """Raise the same error on every rank if any rank has one (one all-gather of objects)."""
-    errors: list[str | None] = [None] * group.size()
-    dist.all_gather_object(errors, error, group=group)
-    found = [(r, e) for r, e in enumerate(errors) if e]
+    """Raise the same ``CheckpointError`` on every rank if any rank has an error (``failures``)."""
+    found = failures(error, [group], "checkpoint.save")
     if found:
-        raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in found))
+        raise CheckpointError("; ".join(found))
 
 
 # --- save --------------------------------------------------------------------------------
