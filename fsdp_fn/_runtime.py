@@ -28,6 +28,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fsdp_fn._collectives import all_gather, pairwise
+from fsdp_fn._frozen import InputsWatch
 from fsdp_fn._functional import Functional, parameters_restored, requires_grad_tolerated
 from fsdp_fn._gather import gather_differentiably
 from fsdp_fn._lookup import RowFetch, RowLookup, check_indices, rows_fit
@@ -135,6 +136,8 @@ class Runtime:
         self.order: list[str] = []  # units in the order their forward ran
         # Uses whose forward is running: the gathered use, None (composable), or _FETCHING (a lookup's rows).
         self.live: dict[tuple[str, int], list[GatheredUnit | str | None]] = {}
+        self.watches: dict[GatheredUnit, InputsWatch] = {}  # frozen uses whose forward is running
+        self.loss_known = False  # finish_forward ran: a backward from now on is the step's own
         module = fn.module
         # Each unit's modules, one entry per module object (a module shared under several
         # paths is hooked once), and where a gather puts its parameters in it.
@@ -382,6 +385,27 @@ class Runtime:
         if use in self.records:
             self.records.remove(use)  # done: backward prefetch looks only at uses still to come
 
+    def _watches_inputs(self, unit: Unit) -> bool:
+        """Whether this use ends its backward when its inputs' gradients are in (``_frozen.py``):
+        a unit of frozen parameters alone, run by its own module plainly (not rematerialised,
+        under no transform), in a call that will get a backward."""
+        return (
+            not unit.params
+            and not unit.hooks
+            and torch.is_grad_enabled()
+            and unit.name not in self.remat_units
+            and unit.name not in self.forced
+            and torch._C._functorch.maybe_current_level() is None
+        )
+
+    def _frozen_backward_done(self, use: GatheredUnit) -> None:
+        """A frozen use's backward has run (its inputs' gradients are in): drop its buffer now,
+        not when the whole backward ends, so the refills after it fit."""
+        # (A backward inside loss_fn, before the loss is known, is not the last to read the buffer.)
+        if self.loss_known and use in self.records:
+            use.release()
+            self._backward_done(use)
+
     def _backward_reads(self, unit: Unit) -> bool:
         """Whether this use's backward may read its gathered parameters: not for a lookup unit
         run plainly (not rematerialised: it would run again in backward; a region around
@@ -410,6 +434,7 @@ class Runtime:
         """The loss is known: find the gathered uses its backward will reach (walking autograd's
         graph), tell the sink how many per unit, and release the others now (a no-grad call,
         an output thrown away): they will never get a backward, so backward must not refill them."""
+        self.loss_known = True
         gathers: set[int] = set()  # uses whose gradient the backward computes
         needed: set[int] = set()  # uses whose gathered parameters the backward reads
         seen: set[Any] = set()
@@ -472,7 +497,9 @@ class Runtime:
             if unit.name == ROOT:
                 continue
             for target in self.targets[unit.name]:
-                handles.append(target.register_forward_pre_hook(self._pre_hook(unit, target, swapped)))
+                handles.append(
+                    target.register_forward_pre_hook(self._pre_hook(unit, target, swapped), with_kwargs=True)
+                )
                 handles.append(target.register_forward_hook(self._post_hook(unit, target, swapped)))
         forwards: list[tuple[nn.Module, Any]] = []  # (module, its own instance-level forward or _MISSING)
         for unit in self.own_unit.values():
@@ -504,6 +531,7 @@ class Runtime:
             for owner, attr, original in reversed(swapped):
                 owner._parameters[attr] = original
             self.running.clear()
+            self.watches.clear()
         for rec in self.prefetched.values():  # prefetched along the hint, but not run this time
             rec.release()
             self.records.remove(rec)
@@ -519,7 +547,7 @@ class Runtime:
     ) -> Callable[..., None]:
         key = (unit.name, id(target))
 
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             self.running.append(unit.name)
             if self._fetches_rows(unit):  # nothing to gather: its forward fetches the rows it reads
                 self.uses[unit.name] = self.uses.get(unit.name, 0) + 1
@@ -539,6 +567,10 @@ class Runtime:
                 owner._parameters[attr] = views[name]  # type: ignore[assignment]
             self.order.append(unit.name)
             self.live.setdefault(key, []).append(rec)
+            if rec is not None and self._watches_inputs(unit):
+                watch = InputsWatch.of((args, kwargs), functools.partial(self._frozen_backward_done, rec))
+                if watch is not None:
+                    self.watches[rec] = watch
 
         return hook
 
@@ -556,6 +588,9 @@ class Runtime:
                 owner, attr, original = swapped.pop()
                 owner._parameters[attr] = original
             self.running.pop()
+            watch = self.watches.pop(rec, None) if rec is not None else None
+            if watch is not None:
+                watch.keep_if_closed(output)
             reshard = not self.forward_order.keep_gathered(unit.name, self.schedule)
             return self._after_forward(rec, output, reshard, self._backward_reads(unit))
 

@@ -124,6 +124,27 @@ def rel(a: float, b: float) -> float:
 
 
 @contextlib.contextmanager
+def released_in_backward() -> Iterator[list[str]]:
+    """Within the block, the units whose gathered buffer was dropped inside a backward (not
+    after it): their names, in order."""
+    from fsdp_fn import _unit
+
+    names: list[str] = []
+    original = _unit.GatheredUnit.release
+
+    def release(self: _unit.GatheredUnit) -> None:
+        if torch._C._current_graph_task_id() != -1 and self.state is _unit.UnitState.GATHERED:
+            names.append(self.unit.name)
+        original(self)
+
+    _unit.GatheredUnit.release = release  # type: ignore[method-assign]
+    try:
+        yield names
+    finally:
+        _unit.GatheredUnit.release = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def refills_on_demand() -> Iterator[list[str]]:
     """Within the block, the units whose backward had to start its own refill (it was not
     prefetched): their names, in the order their backward ran."""

@@ -16,7 +16,16 @@ import torch
 
 import fsdp_fn as ff
 from fsdp_fn.testing import RankPool
-from tests.helpers import batch_for, local_part, make, mse_loss, reference_run, refills_on_demand, rel
+from tests.helpers import (
+    batch_for,
+    local_part,
+    make,
+    mse_loss,
+    reference_run,
+    refills_on_demand,
+    rel,
+    released_in_backward,
+)
 
 STEPS = 4
 OPTIMIZERS = {
@@ -315,8 +324,13 @@ def test_frozen_units_kept_gathered_for_backward(pool):
     # forward; two of them are frozen whole and get no gradient. Catches: a kept unit gathered
     # again (or the blocks before it not), a frozen unit stepped, any gradient that differs.
     frozen = ("blocks.2.", "head")
-    out = pool.run(_train_with, freeze=frozen, plan_kw={"split_root": True}, log_comm=True, world=2)[0]
+    out = pool.run(
+        _train_with, freeze=frozen, plan_kw={"split_root": True}, log_comm=True, count_on_demand=True, world=2
+    )[0]
     exact(out)
+    # The frozen head and block are dropped when their inputs' gradients are in, so the blocks
+    # below them are refilled ahead (before, the head and block held the cap until backward's end).
+    assert out["on_demand"] == [], out["on_demand"]
     assert out["frozen_moved"] == 0.0
     plan = out["plan"]
     assert plan.unit("blocks.2").params == () and plan.unit("head").params == ()
@@ -332,6 +346,85 @@ def test_refills_pass_over_a_kept_frozen_unit(pool):
     out = pool.run(_train_with, freeze=("blocks.2.",), plan_kw={"split_root": True}, count_on_demand=True, world=2)[0]
     exact(out)
     assert out["on_demand"] == [], out["on_demand"]
+
+
+class _Layer(torch.nn.Module):
+    """A linear layer with a tanh; it may change its input in place first, or also read a
+    tensor kept on it (which needs a gradient, but is not an input)."""
+
+    def __init__(self, in_place: bool = False) -> None:
+        super().__init__()
+        self.lin, self.in_place = torch.nn.Linear(8, 8), in_place
+        self.kept: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_place:
+            x.mul_(2.0)
+        y = self.lin(x)
+        if self.kept is not None:
+            y = y + self.lin(self.kept)
+        return torch.tanh(y)
+
+
+class _FrozenMiddle(torch.nn.Module):
+    """first -> middle (frozen whole) -> last, each a unit, with root ops between them."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.first, self.middle, self.last = _Layer(), _Layer(in_place=kind == "in_place"), _Layer()
+        self.middle.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x) * 1.5  # a fresh tensor the middle may change in place
+        if self.kind == "kept":
+            self.middle.kept = h.flip(-1)
+        return self.last(self.middle(h) + 0.5)
+
+
+def _frozen_middle_grads(group, kind):
+    """The train step's gradients (SGD, lr 1, the same batch on every rank) against one
+    process's, and whether the frozen middle unit was dropped inside the backward."""
+    torch.manual_seed(0)
+    model = _FrozenMiddle(kind)
+    x = torch.randn(4, 8)
+
+    def loss_fn(m, b):
+        if kind != "inner_grad":
+            return m(b).square().sum()
+        b = b.clone().requires_grad_()
+        out = m(b)
+        # A backward inside the loss, through the frozen unit, before the step's own.
+        (g,) = torch.autograd.grad(out.sum(), b, retain_graph=True)
+        return out.square().sum() + (g.detach() * out).sum()
+
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    reference = torch.autograd.grad(loss_fn(model, x), [p for p in model.parameters() if p.requires_grad])
+    model.middle.kept = None
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([_Layer]))
+    assert plan.unit("middle").params == ()
+    step = ff.train_step(fn, loss_fn, ff.sgd(lr=1.0))
+    state = step.init(ff.shard(fn.params, plan, group))
+    before = ff.unshard(state.params)
+    with released_in_backward() as released:
+        state, _ = step(state, x)
+    got = {k: before[k] - v for k, v in ff.unshard(state.params).items()}
+    diff = max((got[n] - r).abs().max().item() for n, r in zip(trained, reference, strict=True))
+    return diff, "middle" in released
+
+
+@pytest.mark.parametrize(
+    ("kind", "dropped"), [("plain", True), ("in_place", True), ("inner_grad", True), ("kept", False)]
+)
+def test_a_frozen_unit_is_dropped_when_its_inputs_gradients_are_in(pool, kind, dropped):
+    # Catches: a frozen unit held to the end of backward (plain); the hook seeing the input as
+    # changed in place, so dropping it before its own backward ran (in_place); a backward
+    # inside the loss dropping it before the step's backward reads it (inner_grad); a unit
+    # that reads a tensor needing a gradient other than its input dropped early (kept).
+    for diff, was_dropped in pool.run(_frozen_middle_grads, kind, world=2):
+        assert diff < 1e-6
+        assert was_dropped == dropped
 
 
 # --- 6. tied parameters in different units ---------------------------------------------------------

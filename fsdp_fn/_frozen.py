@@ -1,0 +1,61 @@
+"""When the backward of a unit with frozen parameters alone is done.
+
+Such a unit gets no gradient, so no ``GatherUnit`` backward marks the end of its backward.
+Its inputs' gradients do, when every path of autograd's graph from its outputs goes back
+through its inputs: each of its backward nodes that runs has then run. A unit that reads
+some other tensor that needs a gradient (a closure, a tensor kept on a module, another
+unit's parameter) is not watched: it stays gathered until the backward ends.
+
+torch's FSDP2 marks the end with an identity ``autograd.Function`` on the inputs, which
+forbids in-place changes to them inside the module; hooks on the inputs' gradients do not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as torch_pytree
+from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
+
+
+def _needing_grad(tree: Any) -> list[torch.Tensor]:
+    return [t for t in torch_pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class InputsWatch:
+    """Calls ``done`` once the gradients of a unit's inputs are computed in a backward.
+
+    Made before the unit's forward runs (hooks registered then see the inputs as they came
+    in, even if the forward changes them in place); ``keep_if_closed`` after it, on its
+    outputs, cancels the watch when the outputs' graph reaches anything but those inputs.
+    """
+
+    def __init__(self, inputs: Sequence[torch.Tensor], done: Callable[[], None]) -> None:
+        self.inputs = {get_gradient_edge(t).node for t in inputs}
+        self.first = torch._C._autograd._get_sequence_nr()  # nodes made from here on are the unit's
+        self.handle = register_multi_grad_hook(inputs, lambda _grads: done())
+
+    @classmethod
+    def of(cls, args: Any, done: Callable[[], None]) -> InputsWatch | None:
+        """A watch over the tensors in ``args`` that need a gradient; None when there are none."""
+        inputs = _needing_grad(args)
+        return cls(inputs, done) if inputs else None
+
+    def keep_if_closed(self, output: Any) -> None:
+        """Walk autograd's graph from the unit's ``output`` (cost: one visit per node the forward
+        made); cancel the watch when a path leaves the unit other than through its inputs."""
+        end = torch._C._autograd._get_sequence_nr()
+        stack = [get_gradient_edge(t).node for t in _needing_grad(output)]
+        seen: set[Any] = set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in self.inputs or node in seen:
+                continue
+            seen.add(node)
+            # Made before the forward, or a leaf's accumulator (numbered last): outside the unit.
+            if not self.first <= node._sequence_nr() < end:
+                self.handle.remove()
+                return
+            stack.extend(next_node for next_node, _ in node.next_functions)
