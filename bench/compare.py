@@ -21,6 +21,7 @@ loss and the global gradient norm against one process on the global batch.
     python bench/compare.py --collectives native             # fsdp_fn on gloo's own collectives
     python bench/compare.py --systems fsdp_fn,ddp,ddp-bucket_view   # DDP tuned (bucket views) and at its defaults
     python bench/compare.py --d-model 128 --layers 2 --vocab 512 --steps 2 --warmup 1 --reps 1   # quick
+    python bench/compare.py --systems fsdp_fn,fsdp2,single --freeze blocks.7.,head   # fine-tuning: a frozen tail
     python bench/compare.py --device cuda --world 8 --peak-tflops 67 --json out/cuda.json        # NCCL, MFU
 
 Systems are rows of ``SYSTEMS`` (a kind and its options): add a row to compare another
@@ -30,6 +31,8 @@ setting, e.g. ``System("fsdp2", {"checkpoint": True})`` for activation checkpoin
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import functools
 import json
 import os
@@ -38,7 +41,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
@@ -159,9 +162,18 @@ class Config:
     lr: float = 3e-4
     collectives: str = "pairwise"  # fsdp_fn on gloo: "pairwise" sends/receives, or "native" (gloo's own)
     device: str = "cpu"  # "cuda": NCCL, one GPU per rank, MFU reported
+    freeze: str = ""  # comma-separated parameter name prefixes frozen in every system (fine-tuning)
 
     def gpt(self) -> GPTConfig:
         return GPTConfig(vocab=self.vocab, seq=self.seq, d_model=self.d_model, n_layers=self.layers, n_heads=self.heads)
+
+    def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` with the parameters ``freeze`` names set to ``requires_grad=False``."""
+        prefixes = tuple(p for p in self.freeze.split(",") if p)
+        for name, param in model.named_parameters():
+            if prefixes and name.startswith(prefixes):
+                param.requires_grad_(False)
+        return model
 
 
 # --- communication: every c10d op that passes the dispatcher --------------------------------
@@ -253,6 +265,31 @@ class OpsOnlyTracker(MemTracker):
         pass
 
 
+@contextlib.contextmanager
+def _frozen_parameters_tolerated() -> Iterator[None]:
+    """torch's ``MemTracker``/``FSDPMemTracker`` register gradient hooks on every parameter of
+    each module they see, which raises for a frozen one (torch 2.13). Within this block, such
+    a hook on a tensor that needs no gradient is not registered: no gradient comes to count."""
+    names = ("register_hook", "register_post_accumulate_grad_hook")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+
+    def skipping_frozen(original: Callable[..., Any]) -> Callable[..., Any]:
+        def register(self: torch.Tensor, hook: Any) -> Any:
+            if not self.requires_grad:
+                return torch.utils.hooks.RemovableHandle(collections.OrderedDict())
+            return original(self, hook)
+
+        return register
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, skipping_frozen(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
 def _batches(text: bytes, cfg: Config, k: int, rank: int, world: int, whole: bool) -> torch.Tensor:
     if whole:  # the global batch: every rank's part, in rank order
         return torch.cat([token_batches(text, cfg.batch, cfg.seq, seed=k * world + r) for r in range(world)])
@@ -285,9 +322,9 @@ def _build_fsdp_fn(cfg: Config, group: Any, **options: Any) -> Built:
     torch.manual_seed(0)
     # The same initial weights as the other systems; the module itself lives on meta, so
     # after sharding no rank holds the full model (as after FSDP2's fully_shard).
-    full = GPT(cfg.gpt()).to(device)
+    full = cfg.frozen(GPT(cfg.gpt()).to(device))
     with torch.device("meta"):
-        model = GPT(cfg.gpt())
+        model = cfg.frozen(GPT(cfg.gpt()))
     plan_options = {k: options.pop(k) for k in ("split_root",) if k in options}
     plan = ff.make_plan(model, ff.layer_policy([Block]), **plan_options)
     params = ff.shard(dict(full.named_parameters()), plan, group)
@@ -328,7 +365,7 @@ def _build_torch(
 ) -> Built:
     device = _device(cfg)
     torch.manual_seed(0)
-    model = GPT(cfg.gpt()).to(device)
+    model = cfg.frozen(GPT(cfg.gpt()).to(device))
     if checkpoint:  # activation checkpointing on every block (composable: works with FSDP2 and DDP)
         from torch.distributed._composable import checkpoint as composable_checkpoint
 
@@ -500,7 +537,8 @@ def run_system(group: Any, name: str, cfg: Config, world: int, measure: bool) ->
         # One step seen by both instruments at once: ours and torch's must agree.
         tracker = built.tracker(batch)
         rule = fsdp2_rule if system.kind == "fsdp2" else None
-        with tracker, ff.MemoryMeter(rule=rule, timeline=True) as meter:
+        tolerated = _frozen_parameters_tolerated() if cfg.freeze else contextlib.nullcontext()
+        with tolerated, tracker, ff.MemoryMeter(rule=rule, timeline=True) as meter:
             built.tag(meter)
             built.step(batch)
         assert meter.timeline is not None
@@ -553,7 +591,8 @@ def main() -> None:
     print(
         f"[{platform}] GPT {params / 1e6:.1f}M params, W={world}, {cfg.batch}x{cfg.seq} tokens per rank, "
         f"{args.threads} thread(s) per rank, {args.reps} reps x ({cfg.warmup} warm-up + {cfg.steps} timed) steps, "
-        f"fsdp_fn collectives: {cfg.collectives if backend == 'gloo' else 'nccl'}",
+        f"fsdp_fn collectives: {cfg.collectives if backend == 'gloo' else 'nccl'}"
+        + (f", frozen: {cfg.freeze}" if cfg.freeze else ""),
         flush=True,
     )
 

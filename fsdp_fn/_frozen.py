@@ -30,6 +30,22 @@ class InputsWatch:
     Made before the unit's forward runs (hooks registered then see the inputs as they came
     in, even if the forward changes them in place); ``keep_if_closed`` after it, on its
     outputs, cancels the watch when the outputs' graph reaches anything but those inputs.
+
+    >>> x = torch.ones(3, requires_grad=True) * 2
+    >>> done = []
+    >>> watch = InputsWatch.of((x,), lambda: done.append("x"))
+    >>> y = x.mul_(3).sum()  # the unit's forward: changes its input in place
+    >>> watch.keep_if_closed(y)
+    >>> y.backward()
+    >>> done
+    ['x']
+    >>> w, kept = torch.ones(3, requires_grad=True) * 2, torch.ones(3, requires_grad=True)
+    >>> watch = InputsWatch.of((w,), lambda: done.append("w"))
+    >>> y = (w * kept).sum()
+    >>> watch.keep_if_closed(y)  # ``kept`` reaches the output too: the watch is cancelled
+    >>> y.backward()
+    >>> done
+    ['x']
     """
 
     def __init__(self, inputs: Sequence[torch.Tensor], done: Callable[[], None]) -> None:
@@ -47,7 +63,7 @@ class InputsWatch:
         """Walk autograd's graph from the unit's ``output`` (cost: one visit per node the forward
         made); cancel the watch when a path leaves the unit other than through its inputs."""
         end = torch._C._autograd._get_sequence_nr()
-        stack = [get_gradient_edge(t).node for t in _needing_grad(output)]
+        stack: list[Any] = [get_gradient_edge(t).node for t in _needing_grad(output)]
         seen: set[Any] = set()
         while stack:
             node = stack.pop()

@@ -393,8 +393,6 @@ class Runtime:
             not unit.params
             and not unit.hooks
             and torch.is_grad_enabled()
-            and unit.name not in self.remat_units
-            and unit.name not in self.forced
             and torch._C._functorch.maybe_current_level() is None
         )
 

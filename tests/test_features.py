@@ -382,7 +382,7 @@ class _FrozenMiddle(torch.nn.Module):
         return self.last(self.middle(h) + 0.5)
 
 
-def _frozen_middle_grads(group, kind):
+def _frozen_middle_grads(group, kind, remat):
     """The train step's gradients (SGD, lr 1, the same batch on every rank) against one
     process's, and whether the frozen middle unit was dropped inside the backward."""
     torch.manual_seed(0)
@@ -404,7 +404,7 @@ def _frozen_middle_grads(group, kind):
     fn = ff.functionalize(model)
     plan = ff.make_plan(model, ff.layer_policy([_Layer]))
     assert plan.unit("middle").params == ()
-    step = ff.train_step(fn, loss_fn, ff.sgd(lr=1.0))
+    step = ff.train_step(fn, loss_fn, ff.sgd(lr=1.0), remat=ff.Remat() if remat else None)
     state = step.init(ff.shard(fn.params, plan, group))
     before = ff.unshard(state.params)
     with released_in_backward() as released:
@@ -415,14 +415,23 @@ def _frozen_middle_grads(group, kind):
 
 
 @pytest.mark.parametrize(
-    ("kind", "dropped"), [("plain", True), ("in_place", True), ("inner_grad", True), ("kept", False)]
+    ("kind", "remat", "dropped"),
+    [
+        ("plain", False, True),
+        ("in_place", False, True),
+        ("inner_grad", False, True),
+        ("kept", False, False),
+        ("plain", True, True),  # (a rematerialised unit's inputs are leaves of its region: not in place)
+        ("inner_grad", True, True),
+    ],
 )
-def test_a_frozen_unit_is_dropped_when_its_inputs_gradients_are_in(pool, kind, dropped):
+def test_a_frozen_unit_is_dropped_when_its_inputs_gradients_are_in(pool, kind, remat, dropped):
     # Catches: a frozen unit held to the end of backward (plain); the hook seeing the input as
     # changed in place, so dropping it before its own backward ran (in_place); a backward
     # inside the loss dropping it before the step's backward reads it (inner_grad); a unit
-    # that reads a tensor needing a gradient other than its input dropped early (kept).
-    for diff, was_dropped in pool.run(_frozen_middle_grads, kind, world=2):
+    # that reads a tensor needing a gradient other than its input dropped early (kept); a
+    # rematerialised unit dropped before its recomputation ran, or never.
+    for diff, was_dropped in pool.run(_frozen_middle_grads, kind, remat, world=2):
         assert diff < 1e-6
         assert was_dropped == dropped
 
