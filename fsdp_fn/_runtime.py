@@ -38,7 +38,7 @@ from fsdp_fn._prefetch import ForwardOrder, gathered_bytes, inflight_limit, may_
 from fsdp_fn._remat import Remat, _remat_with_state, handling_regions, route_torch_checkpoint, save_nothing
 from fsdp_fn._shard import Sharded, check_shard, ensure_live, shards_of, unit_views
 from fsdp_fn._sink import GradSink
-from fsdp_fn._unit import FlatPart, GatheredUnit, GatherUnit, RefillBeforeBackward, UnitState, plain
+from fsdp_fn._unit import AS_SOON_AS_READY, FlatPart, GatheredUnit, GatherUnit, UnitState, plain
 
 
 def _lift(buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -415,18 +415,14 @@ class Runtime:
             and torch._C._functorch.maybe_current_level() is None
         )
 
-    def _after_forward(self, rec: GatheredUnit | None, output: Any, reshard: bool, refill: bool) -> Any:
+    def _after_forward(self, rec: GatheredUnit | None, output: Any, reshard: bool, refill: bool) -> None:
         if rec is None or not reshard:
-            return output
-        leaves, spec = torch_pytree.tree_flatten(output)
-        idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+            return
         rec.free()
         rec.refill = refill
-        if idx and refill:
-            refilled = RefillBeforeBackward.apply(rec, *(leaves[i] for i in idx))
-            for i, t in zip(idx, refilled, strict=True):
-                leaves[i] = t
-        return torch_pytree.tree_unflatten(leaves, spec)
+        outputs = [t for t in torch_pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outputs and refill:
+            rec.refill_on_backward(outputs)
 
     def finish_forward(self, loss: torch.Tensor) -> None:
         """The loss is known: find the gathered uses its backward will reach (walking autograd's
@@ -434,7 +430,6 @@ class Runtime:
         an output thrown away): they will never get a backward, so backward must not refill them."""
         self.loss_known = True
         gathers: set[int] = set()  # uses whose gradient the backward computes
-        needed: set[int] = set()  # uses whose gathered parameters the backward reads
         seen: set[Any] = set()
         stack = [loss.grad_fn]
         while stack:
@@ -445,16 +440,19 @@ class Runtime:
             use = getattr(node, "fsdp_fn_use", None)
             if use is not None:
                 gathers.add(id(use))
-            refill = getattr(node, "fsdp_fn_refill", None)
-            if refill is not None:
-                needed.add(id(refill))
             stack.extend(next_node for next_node, _ in node.next_functions)
+        # Nodes by their sequence number; those that share autograd's last one (a leaf's
+        # accumulator, a parameter view) count as reached.
+        reached = {node._sequence_nr() for node in seen} | {AS_SOON_AS_READY}
         uses: collections.Counter[str] = collections.Counter()
         for rec in list(self.records):
             if id(rec) in gathers:
                 uses[rec.unit.name] += 1
-            elif id(rec) not in needed and (rec.state is UnitState.FREED or not rec.unit.frozen):
-                # (a gathered frozen part may be read by the backward through its own views)
+                continue
+            # Refilled by outputs the backward reaches: the backward reads its parameters.
+            refilled = isinstance(rec, GatheredUnit) and not rec.outputs.isdisjoint(reached)
+            # (a gathered frozen part may be read by the backward through its own views)
+            if not refilled and (rec.state is UnitState.FREED or not rec.unit.frozen):
                 rec.release()
                 self.records.remove(rec)
         self.sink.expect(uses)
@@ -590,7 +588,8 @@ class Runtime:
             if watch is not None:
                 watch.keep_if_closed(output)
             reshard = not self.forward_order.keep_gathered(unit.name, self.schedule)
-            return self._after_forward(rec, output, reshard, self._backward_reads(unit))
+            self._after_forward(rec, output, reshard, self._backward_reads(unit))
+            return output
 
         return hook
 

@@ -3,8 +3,9 @@
 SHARDED: only this rank's shard exists. GATHERED (pre-forward): the flat buffer holds the
 full parameters, the unit's parameters are views into it. FREED (post-forward): the
 buffer's storage is released (``untyped_storage().resize_(0)``); autograd's saved tensors
-still alias it. GATHERED again (pre-backward): an identity ``autograd.Function`` on the
-unit's outputs refills it before the unit's backward runs. SHARDED (post-backward): the
+still alias it. GATHERED again (pre-backward): a hook on the unit's outputs' gradients
+refills it before the unit's backward runs (a hook, not an identity ``autograd.Function``,
+whose outputs would be views that code after the unit may not change in place). SHARDED (post-backward): the
 full gradient goes to the owner, the buffer is dropped. Each parameter's gradient is
 written into its slice of one flat gradient buffer the moment autograd produces it, so a
 unit's full gradient exists once, never also as per-parameter tensors; that buffer is the
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 from torch.autograd.function import FunctionCtx
+from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
 
 from fsdp_fn._collectives import all_gather_into
 from fsdp_fn._labels import label, retag
@@ -159,6 +161,7 @@ class GatheredUnit:
         self.held: dict[int, torch.Tensor] = {}
         self.taken = False  # the flat gradient is autograd's own tensor (see _may_take)
         self.refill = True  # freed after forward, gathered again for backward (not a lookup's)
+        self.outputs: frozenset[int] = frozenset()  # sequence numbers of the nodes of the outputs that refill it
         # Only non-root units whose gather allocates take a buffer that counts against the limit.
         counted = unit.name != ROOT and not all(p.in_place for p in self.parts)
         self.nbytes = sum(p.shard.numel() * int(p.group.size()) * p.dtype.itemsize for p in parts) if counted else 0
@@ -181,6 +184,23 @@ class GatheredUnit:
     def wait(self) -> None:
         for part in self.parts:
             part.wait()
+
+    def refill_on_backward(self, outputs: list[torch.Tensor]) -> None:
+        """Hook the gradients of ``outputs`` (tensors the forward returned): the first to come,
+        before any of the unit's backward runs, refills the buffer (if no prefetch did)."""
+        # Their nodes' numbers, not the nodes: a use that held its outputs' nodes would be in a
+        # cycle through autograd's C++ graph (its GatherUnit's context holds the use), which the
+        # garbage collector cannot see: the graph, activations and all, would outlive the step.
+        self.outputs = frozenset(get_gradient_edge(t).node._sequence_nr() for t in outputs)
+        register_multi_grad_hook(outputs, lambda _grad: self.refill_now(), mode="any")
+
+    def refill_now(self) -> None:
+        """The unit's backward is about to run: its buffer gathered (started here if it was not
+        prefetched), then the owner told."""
+        if self.state is UnitState.FREED:  # not prefetched
+            self.start()
+        self.wait()
+        self.owner.before_backward(self)
 
     def free(self) -> None:
         """After forward: release the storage; backward will ``start`` it again."""
@@ -288,7 +308,7 @@ class GatheredUnit:
                     # before the unit's ops, the node would otherwise wait for the unit's whole
                     # backward (the engine runs ready nodes latest-created first), holding every
                     # parameter's gradient until then.
-                    view.grad_fn._set_sequence_nr(_AS_SOON_AS_READY)
+                    view.grad_fn._set_sequence_nr(AS_SOON_AS_READY)
         else:
             out = self.parts[0].views(trainable)
         for part in self.parts[1:]:
@@ -334,7 +354,7 @@ class GatherUnit(torch.autograd.Function):
         return torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.shape), None
 
 
-_AS_SOON_AS_READY = 2**64 - 1  # the sequence number autograd gives AccumulateGrad nodes
+AS_SOON_AS_READY = 2**64 - 1  # the sequence number autograd gives AccumulateGrad nodes
 
 
 class _ParamView(torch.autograd.Function):
@@ -355,24 +375,3 @@ class _ParamView(torch.autograd.Function):
         if grad is not None:
             ctx.rec.add_grad(ctx.index, plain(grad))
         return None, None, None
-
-
-class RefillBeforeBackward(torch.autograd.Function):
-    """Identity on a unit's outputs; its backward runs first in the unit's backward."""
-
-    @staticmethod
-    def forward(rec: GatheredUnit, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(o.view_as(o) for o in outputs)
-
-    @staticmethod
-    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.fsdp_fn_refill = inputs[0]  # type: ignore[attr-defined]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        rec: GatheredUnit = ctx.fsdp_fn_refill
-        if rec.state is UnitState.FREED:  # not prefetched
-            rec.start()
-        rec.wait()
-        rec.owner.before_backward(rec)
-        return (None, *grads)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -151,15 +150,15 @@ def refills_on_demand() -> Iterator[list[str]]:
     from fsdp_fn import _unit
 
     names: list[str] = []
-    original = inspect.getattr_static(_unit.RefillBeforeBackward, "backward")
+    original = _unit.GatheredUnit.refill_now
 
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        if ctx.fsdp_fn_refill.state is _unit.UnitState.FREED:  # not prefetched
-            names.append(ctx.fsdp_fn_refill.unit.name)
-        return original.__func__(ctx, *grads)
+    def refill_now(self: _unit.GatheredUnit) -> None:
+        if self.state is _unit.UnitState.FREED:  # not prefetched
+            names.append(self.unit.name)
+        original(self)
 
-    _unit.RefillBeforeBackward.backward = staticmethod(backward)
+    _unit.GatheredUnit.refill_now = refill_now  # type: ignore[method-assign]
     try:
         yield names
     finally:
-        _unit.RefillBeforeBackward.backward = original
+        _unit.GatheredUnit.refill_now = original  # type: ignore[method-assign]

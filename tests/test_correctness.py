@@ -42,13 +42,15 @@ class Net(nn.Module):
         self.out = nn.Linear(d, 3)
 
     def forward(
-        self, x: torch.Tensor, upto: int = 2, gated: bool = True, head: bool = True, between=None
+        self, x: torch.Tensor, upto: int = 2, gated: bool = True, head: bool = True, between=None, scale=None
     ) -> torch.Tensor:
         x = self.inp(x)
         if between is not None:
             x = between(x)
         for block in self.blocks[:upto]:
             x = block(x, gated=gated)
+            if scale is not None:
+                x.mul_(scale)  # a unit's output changed in place after it ran
         return self.out(x) if head else x
 
 
@@ -89,6 +91,10 @@ def _no_head(m, x, y):
     return m(x, head=False).square().mean()  # out.* gets no gradient
 
 
+def _scaled_in_place(m, x, y):
+    return F.mse_loss(m(x, scale=0.9), y)
+
+
 def _vmapped(m, x, y):
     # Per-example losses with torch.func inside the loss: the step's own pass is plain
     # autograd, and a transform over the model's output composes with it.
@@ -107,6 +113,7 @@ TERMS = {
         _ungated,
         _repeated,
         _no_head,
+        _scaled_in_place,
         _vmapped,
     )
 }
@@ -213,6 +220,19 @@ def test_units_and_parameters_without_gradient_are_not_stepped(pool, step_kw):
     """Unused parameters, a skipped block, an unused head: skipped per parameter, in every mode."""
     _check(pool.run(_run, ["first_block_only", "ungated"], step_kw, world=2))
     _check(pool.run(_run, ["no_head", "discarded"], step_kw, world=3))
+
+
+@pytest.mark.parametrize(
+    "step_kw",
+    [{}, {"reshard_after_forward": False}, {"update_in_backward": True}, {"remat": True}],
+    ids=["default", "keep_gathered", "update_in_backward", "remat"],
+)
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_units_output_changed_in_place_after_it_ran(pool, step_kw, world):
+    """Plain torch lets code after a module change its output in place (when no backward of
+    the module reads it); so must the step: its refill before a unit's backward is a hook on
+    the outputs' gradients, not an identity function whose outputs autograd forbids changing."""
+    _check(pool.run(_run, ["scaled_in_place"], step_kw, world=world))
 
 
 def _loss_family(group, examples):
