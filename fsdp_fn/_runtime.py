@@ -387,8 +387,8 @@ class Runtime:
 
     def _watches_inputs(self, unit: Unit) -> bool:
         """Whether this use ends its backward when its inputs' gradients are in (``_frozen.py``):
-        a unit of frozen parameters alone, run by its own module plainly (not rematerialised,
-        under no transform), in a call that will get a backward."""
+        a unit of frozen parameters alone, run by its own module (not a shared one's hooks),
+        under no transform, in a call that will get a backward."""
         return (
             not unit.params
             and not unit.hooks

@@ -5,14 +5,15 @@ full parameters, the unit's parameters are views into it. FREED (post-forward): 
 buffer's storage is released (``untyped_storage().resize_(0)``); autograd's saved tensors
 still alias it. GATHERED again (pre-backward): a hook on the unit's outputs' gradients
 refills it before the unit's backward runs (a hook, not an identity ``autograd.Function``,
-whose outputs would be views that code after the unit may not change in place). SHARDED (post-backward): the
-full gradient goes to the owner, the buffer is dropped. Each parameter's gradient is
-written into its slice of one flat gradient buffer the moment autograd produces it, so a
-unit's full gradient exists once, never also as per-parameter tensors; that buffer is the
-previous unit's, once its reduce-scatter ended, when the sizes match (``Owner.spare_grad``). Inside
-``torch.func`` saved-tensor hooks are refused, which is why freeing works on storage. This
-file knows nothing of the runtime: what a use needs from the call that runs it comes in as
-an ``Owner``.
+whose outputs would be views that code after the unit may not change in place). SHARDED
+(post-backward): the full gradient goes to the owner, the buffer is dropped.
+
+Each parameter's gradient is written into its slice of one flat gradient buffer the moment
+autograd produces it, so a unit's full gradient exists once, never also as per-parameter
+tensors; that buffer is the previous unit's, once its reduce-scatter ended, when the sizes
+match (``Owner.spare_grad``). Inside ``torch.func`` saved-tensor hooks are refused, which is
+why freeing works on storage. This file knows nothing of the runtime: what a use needs
+from the call that runs it comes in as an ``Owner``.
 """
 
 from __future__ import annotations
