@@ -515,3 +515,66 @@ def test_backward_refills_the_next_unit_once_the_last_reduction_has_landed(pool,
         assert comm > 0  # the reductions' received shards were seen
         assert together == [], together[:3]
         assert on_demand == [], on_demand  # every refill was prefetched
+
+
+class _RoutedBlock(nn.Module):
+    """A block that also returns an auxiliary output made from its own parameters (as a
+    mixture-of-experts block returns its router's logits for a balancing loss)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc, self.router = nn.Linear(d, d), nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x + torch.tanh(self.fc(x)), self.router(x)
+
+
+class _Routed(nn.Module):
+    def __init__(self, d: int = 64, blocks: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_RoutedBlock(d) for _ in range(blocks)])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        logits = []
+        for block in self.blocks:
+            x, routed = block(x)
+            logits.append(routed)
+        return x, logits
+
+
+def _routed_loss(model, batch):
+    out, logits = model(batch)
+    # The auxiliary term's gradient reaches every block's router first thing in backward.
+    return out.square().mean() + 0.01 * sum(z.logsumexp(-1).square().mean() for z in logits)
+
+
+def _gathered_with_early_gradients(group):
+    world = group.size()
+    torch.manual_seed(0)
+    model = _Routed()
+    x = torch.randn(8, 64)
+    reference = torch.autograd.grad(_routed_loss(model, x), list(model.parameters()))
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([_RoutedBlock]))
+    step = ff.train_step(fn, _routed_loss, ff.sgd(lr=1.0))
+    state = step.init(ff.shard(fn.params, plan, group))
+    before = ff.unshard(state.params)
+    with ff.MemoryMeter() as meter:
+        meter.tag(state, "state")
+        state, _ = step(state, x)
+    got = {k: before[k] - v for k, v in ff.unshard(state.params).items()}
+    names = [n for n, _ in model.named_parameters()]
+    diff = max((got[n] - r).abs().max().item() for n, r in zip(names, reference, strict=True))
+    block = plan.unit("blocks.0").gather_bytes(world)
+    return diff, meter.category_peaks()["gathered"] / block
+
+
+def test_a_unit_whose_output_gets_its_gradient_early_is_refilled_in_its_turn(pool):
+    # Each block's router output gets its gradient at the start of backward (from the
+    # auxiliary loss), its main output only in the block's turn. The refill comes at the
+    # first of them to be used; autograd runs ready nodes latest-made first, so a router's
+    # backward waits for the blocks after it. Catches: gradients that differ, and a refill
+    # at the first gradient to arrive (every block gathered at once when backward starts).
+    for diff, blocks_gathered in pool.run(_gathered_with_early_gradients, world=2):
+        assert diff < 1e-6
+        assert blocks_gathered <= 2, blocks_gathered  # the schedule's two units in flight
