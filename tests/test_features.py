@@ -390,12 +390,15 @@ def _frozen_middle_grads(group, kind, remat):
     x = torch.randn(4, 8)
 
     def loss_fn(m, b):
-        if kind != "inner_grad":
+        if kind not in ("inner_grad", "penalty"):
             return m(b).square().sum()
         b = b.clone().requires_grad_()
         out = m(b)
-        # A backward inside the loss, through the frozen unit, before the step's own.
-        (g,) = torch.autograd.grad(out.sum(), b, retain_graph=True)
+        # A backward inside the loss, through the frozen unit, before the step's own: its
+        # result as a constant, or a gradient penalty that the step differentiates again.
+        (g,) = torch.autograd.grad(out.sum(), b, retain_graph=True, create_graph=kind == "penalty")
+        if kind == "penalty":
+            return out.square().sum() + (g.square().sum() - 1).square()
         return out.square().sum() + (g.detach() * out).sum()
 
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -420,6 +423,7 @@ def _frozen_middle_grads(group, kind, remat):
         ("plain", False, True),
         ("in_place", False, True),
         ("inner_grad", False, True),
+        ("penalty", False, True),
         ("kept", False, False),
         ("plain", True, True),  # (a rematerialised unit's inputs are leaves of its region: not in place)
         ("inner_grad", True, True),
@@ -428,7 +432,8 @@ def _frozen_middle_grads(group, kind, remat):
 def test_a_frozen_unit_is_dropped_when_its_inputs_gradients_are_in(pool, kind, remat, dropped):
     # Catches: a frozen unit held to the end of backward (plain); the hook seeing the input as
     # changed in place, so dropping it before its own backward ran (in_place); a backward
-    # inside the loss dropping it before the step's backward reads it (inner_grad); a unit
+    # inside the loss dropping it before the step's backward reads it (inner_grad), also
+    # through the penalty's graph of that backward, which reads the unit's parameters (penalty); a unit
     # that reads a tensor needing a gradient other than its input dropped early (kept); a
     # rematerialised unit dropped before its recomputation ran, or never.
     for diff, was_dropped in pool.run(_frozen_middle_grads, kind, remat, world=2):
