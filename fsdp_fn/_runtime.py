@@ -38,7 +38,7 @@ from fsdp_fn._prefetch import ForwardOrder, gathered_bytes, inflight_limit, may_
 from fsdp_fn._remat import Remat, _remat_with_state, handling_regions, route_torch_checkpoint, save_nothing
 from fsdp_fn._shard import Sharded, check_shard, ensure_live, shards_of, unit_views
 from fsdp_fn._sink import GradSink
-from fsdp_fn._unit import AS_SOON_AS_READY, FlatPart, GatheredUnit, GatherUnit, UnitState, plain
+from fsdp_fn._unit import FlatPart, GatheredUnit, GatherUnit, UnitState, plain
 
 
 def _lift(buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -441,9 +441,7 @@ class Runtime:
             if use is not None:
                 gathers.add(id(use))
             stack.extend(next_node for next_node, _ in node.next_functions)
-        # Nodes by their sequence number; those that share autograd's last one (a leaf's
-        # accumulator, a parameter view) count as reached.
-        reached = {node._sequence_nr() for node in seen} | {AS_SOON_AS_READY}
+        reached = {node._sequence_nr() for node in seen}  # (see GatheredUnit.outputs)
         uses: collections.Counter[str] = collections.Counter()
         for rec in list(self.records):
             if id(rec) in gathers:

@@ -192,6 +192,9 @@ class GatheredUnit:
         # Their nodes' numbers, not the nodes: a use that held its outputs' nodes would be in a
         # cycle through autograd's C++ graph (its GatherUnit's context holds the use), which the
         # garbage collector cannot see: the graph, activations and all, would outlive the step.
+        # The numbers are unique within the thread that ran the forward, except autograd's
+        # last, shared by leaves' accumulators and parameter views, whose backward reads no
+        # gathered buffer: a use that only they reach can go.
         self.outputs = frozenset(get_gradient_edge(t).node._sequence_nr() for t in outputs)
         register_multi_grad_hook(outputs, lambda _grad: self.refill_now(), mode="any")
 
@@ -309,7 +312,7 @@ class GatheredUnit:
                     # before the unit's ops, the node would otherwise wait for the unit's whole
                     # backward (the engine runs ready nodes latest-created first), holding every
                     # parameter's gradient until then.
-                    view.grad_fn._set_sequence_nr(AS_SOON_AS_READY)
+                    view.grad_fn._set_sequence_nr(_AS_SOON_AS_READY)
         else:
             out = self.parts[0].views(trainable)
         for part in self.parts[1:]:
@@ -355,7 +358,7 @@ class GatherUnit(torch.autograd.Function):
         return torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.shape), None
 
 
-AS_SOON_AS_READY = 2**64 - 1  # the sequence number autograd gives AccumulateGrad nodes
+_AS_SOON_AS_READY = 2**64 - 1  # the sequence number autograd gives AccumulateGrad nodes
 
 
 class _ParamView(torch.autograd.Function):

@@ -407,14 +407,18 @@ def _frozen_middle_grads(group, kind, remat):
     fn = ff.functionalize(model)
     plan = ff.make_plan(model, ff.layer_policy([_Layer]))
     assert plan.unit("middle").params == ()
-    step = ff.train_step(fn, loss_fn, ff.sgd(lr=1.0), remat=ff.Remat() if remat else None)
+    # Only the last unit stays gathered after forward, so the middle one is refilled too.
+    schedule = ff.Schedule(keep_tail_gathered=False)
+    step = ff.train_step(fn, loss_fn, ff.sgd(lr=1.0), schedule=schedule, remat=ff.Remat() if remat else None)
     state = step.init(ff.shard(fn.params, plan, group))
     before = ff.unshard(state.params)
     with released_in_backward() as released:
         state, _ = step(state, x)
     got = {k: before[k] - v for k, v in ff.unshard(state.params).items()}
     diff = max((got[n] - r).abs().max().item() for n, r in zip(trained, reference, strict=True))
-    return diff, "middle" in released
+    with refills_on_demand() as on_demand:  # a second step, on the first one's order
+        step(state, x)
+    return diff, "middle" in released, on_demand
 
 
 @pytest.mark.parametrize(
@@ -435,10 +439,14 @@ def test_a_frozen_unit_is_dropped_when_its_inputs_gradients_are_in(pool, kind, r
     # inside the loss dropping it before the step's backward reads it (inner_grad), also
     # through the penalty's graph of that backward, which reads the unit's parameters (penalty); a unit
     # that reads a tensor needing a gradient other than its input dropped early (kept); a
-    # rematerialised unit dropped before its recomputation ran, or never.
-    for diff, was_dropped in pool.run(_frozen_middle_grads, kind, remat, world=2):
+    # rematerialised unit dropped before its recomputation ran, or never; the unit below a
+    # frozen one gathered on demand (the frozen one's refill starts the next, also when
+    # the frozen one is not watched).
+    for diff, was_dropped, on_demand in pool.run(_frozen_middle_grads, kind, remat, world=2):
         assert diff < 1e-6
         assert was_dropped == dropped
+        if kind not in ("inner_grad", "penalty"):  # (a backward inside the loss refills on demand)
+            assert on_demand == [], on_demand  # every refill started ahead
 
 
 # --- 6. tied parameters in different units ---------------------------------------------------------
