@@ -7,6 +7,7 @@ parameters, hybrid sharding, and their combinations.
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 from collections import Counter
 from functools import partial
@@ -447,6 +448,58 @@ def test_a_frozen_unit_is_dropped_when_its_inputs_gradients_are_in(pool, kind, r
         assert was_dropped == dropped
         if kind not in ("inner_grad", "penalty"):  # (a backward inside the loss refills on demand)
             assert on_demand == [], on_demand  # every refill started ahead
+
+
+def _llama_with_a_frozen_top(group):
+    """A Hugging Face Llama with its last layer, final norm and head frozen, three AdamW steps
+    sharded and in one process; and which units the step's backward dropped inside it."""
+    import transformers  # pinned in requirements-dev.txt; builds from a config, downloads nothing
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    model = transformers.LlamaForCausalLM(config).train()
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith(("model.layers.2.", "model.norm", "lm_head")))
+    world, rank = group.size(), group.rank()
+    ids = torch.randint(0, 64, (2 * world, 12), generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(m, batch):
+        return m(input_ids=batch, labels=batch).loss
+
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        loss_fn(reference, ids).backward()
+        opt.step()
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([LlamaDecoderLayer]), split_root=True)
+    step = ff.train_step(fn, loss_fn, ff.adamw(lr=1e-2), schedule=ff.Schedule(keep_tail_gathered=False))
+    state = step.init(ff.shard(fn.params, plan, group))
+    with released_in_backward() as released:
+        for _ in range(3):
+            state, _ = step(state, ids.chunk(world)[rank])
+    full = ff.unshard(state.params)
+    diff = max((full[n] - p).abs().max().item() for n, p in reference.named_parameters())
+    return diff, sorted(set(released) & {u.name for u in plan.units if not u.params})
+
+
+def test_a_hugging_face_llama_with_a_frozen_top_trains_like_one_process(pool):
+    # A real model's layers take keyword arguments (masks, rotary embeddings) besides their
+    # hidden states. Catches: a frozen unit that never leaves before backward ends, or leaves
+    # while its backward still reads it (a wrong gradient, or an error reading freed storage).
+    for diff, dropped in pool.run(_llama_with_a_frozen_top, world=2):
+        assert diff < 2e-4  # three AdamW steps at lr 1e-2; 4e-5 measured, as with nothing frozen
+        assert dropped == ["lm_head", "model.layers.2", "model.norm"]
 
 
 # --- 6. tied parameters in different units ---------------------------------------------------------
