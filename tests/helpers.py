@@ -123,42 +123,57 @@ def rel(a: float, b: float) -> float:
 
 
 @contextlib.contextmanager
-def released_in_backward() -> Iterator[list[str]]:
+def _uses_where(method: str, when: Callable[[Any], bool]) -> Iterator[list[str]]:
+    """Within the block, the names of the units whose ``GatheredUnit.<method>`` ran while
+    ``when(use)`` held, in order."""
+    from fsdp_fn import _unit
+
+    names: list[str] = []
+    original = getattr(_unit.GatheredUnit, method)
+
+    def patched(self: _unit.GatheredUnit) -> None:
+        if when(self):
+            names.append(self.unit.name)
+        original(self)
+
+    setattr(_unit.GatheredUnit, method, patched)
+    try:
+        yield names
+    finally:
+        setattr(_unit.GatheredUnit, method, original)
+
+
+def released_in_backward() -> contextlib.AbstractContextManager[list[str]]:
     """Within the block, the units whose gathered buffer was dropped inside a backward (not
     after it): their names, in order."""
-    from fsdp_fn import _unit
+    from fsdp_fn._unit import UnitState
 
-    names: list[str] = []
-    original = _unit.GatheredUnit.release
-
-    def release(self: _unit.GatheredUnit) -> None:
-        if torch._C._current_graph_task_id() != -1 and self.state is _unit.UnitState.GATHERED:
-            names.append(self.unit.name)
-        original(self)
-
-    _unit.GatheredUnit.release = release  # type: ignore[method-assign]
-    try:
-        yield names
-    finally:
-        _unit.GatheredUnit.release = original  # type: ignore[method-assign]
+    return _uses_where(
+        "release", lambda use: torch._C._current_graph_task_id() != -1 and use.state is UnitState.GATHERED
+    )
 
 
-@contextlib.contextmanager
-def refills_on_demand() -> Iterator[list[str]]:
+def refills_on_demand() -> contextlib.AbstractContextManager[list[str]]:
     """Within the block, the units whose backward had to start its own refill (it was not
     prefetched): their names, in the order their backward ran."""
-    from fsdp_fn import _unit
+    from fsdp_fn._unit import UnitState
 
-    names: list[str] = []
-    original = _unit.GatheredUnit.refill_now
+    return _uses_where("refill_now", lambda use: use.state is UnitState.FREED)
 
-    def refill_now(self: _unit.GatheredUnit) -> None:
-        if self.state is _unit.UnitState.FREED:  # not prefetched
-            names.append(self.unit.name)
-        original(self)
 
-    _unit.GatheredUnit.refill_now = refill_now  # type: ignore[method-assign]
-    try:
-        yield names
-    finally:
-        _unit.GatheredUnit.refill_now = original  # type: ignore[method-assign]
+def tiny_llama(seed: int = 0, **config: Any) -> nn.Module:
+    """A Hugging Face ``LlamaForCausalLM`` built from a small config (``config`` overrides it);
+    transformers is pinned in requirements-dev.txt and downloads nothing here."""
+    import transformers
+
+    defaults = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32,
+    }
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**(defaults | config)))

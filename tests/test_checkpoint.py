@@ -17,7 +17,7 @@ import fsdp_fn.checkpoint as ckpt
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
 from fsdp_fn._dcp import boxes
 from fsdp_fn.testing import RankError, RankPool
-from tests.helpers import batch_for, local_part, reference_run
+from tests.helpers import batch_for, local_part, reference_run, tiny_llama
 
 CFG = GPTConfig(vocab=37, seq=9, d_model=12, n_layers=3, n_heads=2)
 LR = 1e-2
@@ -590,19 +590,7 @@ def test_export_and_import_stream_each_ranks_own_slices(pool, tmp_path):
 
 
 def _llama(seed):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    return tiny_llama(seed, hidden_size=16, intermediate_size=40, num_attention_heads=2, num_key_value_heads=1)
 
 
 def _llama_loss(model, batch):

@@ -26,6 +26,7 @@ from tests.helpers import (
     refills_on_demand,
     rel,
     released_in_backward,
+    tiny_llama,
 )
 
 STEPS = 4
@@ -453,20 +454,9 @@ def test_a_frozen_unit_is_dropped_when_its_inputs_gradients_are_in(pool, kind, r
 def _llama_with_a_frozen_top(group):
     """A Hugging Face Llama with its last layer, final norm and head frozen, three AdamW steps
     sharded and in one process; and which units the step's backward dropped inside it."""
-    import transformers  # pinned in requirements-dev.txt; builds from a config, downloads nothing
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    model = transformers.LlamaForCausalLM(config).train()
+    model = tiny_llama(0, num_hidden_layers=3).train()
     for name, p in model.named_parameters():
         p.requires_grad_(not name.startswith(("model.layers.2.", "model.norm", "lm_head")))
     world, rank = group.size(), group.rank()

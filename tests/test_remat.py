@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_fn as ff
 from examples.gpt import GPT, Block, GPTConfig
+from tests.helpers import tiny_llama
 
 POLICIES = [ff.save_nothing, ff.save_dots]
 
@@ -502,20 +503,7 @@ def test_composable_checkpoint_refused_by_name() -> None:
 
 
 def test_hugging_face_gradient_checkpointing_inside_vjp() -> None:
-    import transformers  # pinned in requirements-dev.txt; builds from a config, downloads nothing
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        attention_dropout=0.1,
-    )
-    model = transformers.LlamaForCausalLM(config).train()
+    model = tiny_llama(0, attention_dropout=0.1).train()
     params, ids = detached(model), torch.randint(0, 64, (2, 12))
 
     def run() -> Any:
