@@ -222,6 +222,14 @@ def test_units_and_parameters_without_gradient_are_not_stepped(pool, step_kw):
     _check(pool.run(_run, ["no_head", "discarded"], step_kw, world=3))
 
 
+@pytest.mark.parametrize("step_kw", [{}, {"update_in_backward": True}], ids=["default", "update_in_backward"])
+def test_a_parameter_only_an_earlier_call_reaches_is_stepped(pool, step_kw):
+    """The first call skips the gates, the second uses them. Backward reaches the second
+    call's uses first and the first call's last: a gate is still marked as having got its
+    gradient (and so is stepped, weight decay included) after a use that did not reach it."""
+    _check(pool.run(_run, ["ungated", "first_block_only"], step_kw, world=2))
+
+
 @pytest.mark.parametrize(
     "step_kw",
     [{}, {"reshard_after_forward": False}, {"update_in_backward": True}, {"remat": True}],
