@@ -435,7 +435,8 @@ def _frozen_middle_grads(group, kind, remat):
         ("inner_grad", True, True),
     ],
 )
-def test_a_frozen_unit_is_dropped_when_its_inputs_gradients_are_in(pool, kind, remat, dropped):
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_a_frozen_unit_is_dropped_when_its_inputs_gradients_are_in(pool, kind, remat, dropped, world):
     # Catches: a frozen unit held to the end of backward (plain); the hook seeing the input as
     # changed in place, so dropping it before its own backward ran (in_place); a backward
     # inside the loss dropping it before the step's backward reads it (inner_grad), also
@@ -444,7 +445,7 @@ def test_a_frozen_unit_is_dropped_when_its_inputs_gradients_are_in(pool, kind, r
     # rematerialised unit dropped before its recomputation ran, or never; the unit below a
     # frozen one gathered on demand (the frozen one's refill starts the next, also when
     # the frozen one is not watched).
-    for diff, was_dropped, on_demand in pool.run(_frozen_middle_grads, kind, remat, world=2):
+    for diff, was_dropped, on_demand in pool.run(_frozen_middle_grads, kind, remat, world=world):
         assert diff < 1e-6
         assert was_dropped == dropped
         if kind not in ("inner_grad", "penalty"):  # (a backward inside the loss refills on demand)
