@@ -20,7 +20,8 @@ import torch.utils._pytree as torch_pytree
 from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
 
 
-def _needing_grad(tree: Any) -> list[torch.Tensor]:
+def needing_grad(tree: Any) -> list[torch.Tensor]:
+    """The tensors in ``tree`` (any pytree) that need a gradient."""
     return [t for t in torch_pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
@@ -35,14 +36,14 @@ class InputsWatch:
     >>> done = []
     >>> watch = InputsWatch.of((x,), lambda: done.append("x"))
     >>> y = x.mul_(3).sum()  # the unit's forward: changes its input in place
-    >>> watch.keep_if_closed(y)
+    >>> watch.keep_if_closed([y])
     >>> y.backward()
     >>> done
     ['x']
     >>> w, kept = torch.ones(3, requires_grad=True) * 2, torch.ones(3, requires_grad=True)
     >>> watch = InputsWatch.of((w,), lambda: done.append("w"))
     >>> y = (w * kept).sum()
-    >>> watch.keep_if_closed(y)  # ``kept`` reaches the output too: the watch is cancelled
+    >>> watch.keep_if_closed([y])  # ``kept`` reaches the output too: the watch is cancelled
     >>> y.backward()
     >>> done
     ['x']
@@ -56,14 +57,15 @@ class InputsWatch:
     @classmethod
     def of(cls, args: Any, done: Callable[[], None]) -> InputsWatch | None:
         """A watch over the tensors in ``args`` that need a gradient; None when there are none."""
-        inputs = _needing_grad(args)
+        inputs = needing_grad(args)
         return cls(inputs, done) if inputs else None
 
-    def keep_if_closed(self, output: Any) -> None:
-        """Walk autograd's graph from the unit's ``output`` (cost: one visit per node the forward
-        made); cancel the watch when a path leaves the unit other than through its inputs."""
+    def keep_if_closed(self, outputs: Sequence[torch.Tensor]) -> None:
+        """Walk autograd's graph from the unit's ``outputs`` that need a gradient (cost: one visit
+        per node the forward made); cancel the watch when a path leaves the unit other than
+        through its inputs."""
         end = torch._C._autograd._get_sequence_nr()
-        stack: list[Any] = [get_gradient_edge(t).node for t in _needing_grad(output)]
+        stack: list[Any] = [get_gradient_edge(t).node for t in outputs]
         seen: set[Any] = set()
         while stack:
             node = stack.pop()

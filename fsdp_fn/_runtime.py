@@ -28,7 +28,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fsdp_fn._collectives import all_gather, pairwise
-from fsdp_fn._frozen import InputsWatch
+from fsdp_fn._frozen import InputsWatch, needing_grad
 from fsdp_fn._functional import Functional, parameters_restored, requires_grad_tolerated
 from fsdp_fn._gather import gather_differentiably
 from fsdp_fn._lookup import RowFetch, RowLookup, check_indices, rows_fit
@@ -415,12 +415,12 @@ class Runtime:
             and torch._C._functorch.maybe_current_level() is None
         )
 
-    def _after_forward(self, rec: GatheredUnit | None, output: Any, reshard: bool, refill: bool) -> None:
-        if rec is None or not reshard:
+    def _after_forward(self, rec: GatheredUnit, outputs: list[torch.Tensor], reshard: bool, refill: bool) -> None:
+        """``outputs``: those of the use's forward that need a gradient."""
+        if not reshard:
             return
         rec.free()
         rec.refill = refill
-        outputs = [t for t in torch_pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if outputs and refill:
             rec.refill_on_backward(outputs)
 
@@ -582,11 +582,14 @@ class Runtime:
                 owner, attr, original = swapped.pop()
                 owner._parameters[attr] = original
             self.running.pop()
-            watch = self.watches.pop(rec, None) if rec is not None else None
+            if rec is None:  # composable: autograd holds the gathered unit
+                return output
+            outputs = needing_grad(output)
+            watch = self.watches.pop(rec, None)
             if watch is not None:
-                watch.keep_if_closed(output)
+                watch.keep_if_closed(outputs)
             reshard = not self.forward_order.keep_gathered(unit.name, self.schedule)
-            self._after_forward(rec, output, reshard, self._backward_reads(unit))
+            self._after_forward(rec, outputs, reshard, self._backward_reads(unit))
             return output
 
         return hook
