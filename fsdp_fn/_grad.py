@@ -28,6 +28,7 @@ from fsdp_fn._remat import Remat
 from fsdp_fn._runtime import Runtime
 from fsdp_fn._shard import Sharded, ensure_live
 from fsdp_fn._sink import GradSink
+from fsdp_fn._standin import module_parameters_hidden
 
 LossFn = Callable[[Callable[..., Any], Any], torch.Tensor]
 
@@ -57,7 +58,8 @@ def lean_pass(
 
     def objective(shards: dict[str, torch.Tensor]) -> torch.Tensor:
         model = functools.partial(runtime.run_on, params.replace(shards), buffers)
-        loss = checked_loss(loss_fn(model, batch))
+        with module_parameters_hidden(runtime.fn.module):
+            loss = checked_loss(loss_fn(model, batch))
         runtime.finish_forward(loss)
         return loss
 
@@ -68,11 +70,28 @@ def lean_pass(
     leaves = [t.detach().requires_grad_() for t in params.shards.values()]
     with torch.enable_grad():
         loss = objective(dict(zip(params.shards, leaves, strict=True)))
+    # The module's own parameters, which a loss may still reach through a reference taken
+    # before the step (module_parameters_hidden catches the reads during it): asked for too,
+    # so that such a gradient is noticed instead of dropped.
+    originals = dict(_named_trainable(runtime.fn.module))
     # autograd.grad, not backward: the shards' own results (zeros that own no memory) are dropped, not accumulated.
-    torch.autograd.grad(loss, leaves, allow_unused=True)
+    reached = torch.autograd.grad(loss, [*leaves, *originals.values()], allow_unused=True)[len(leaves) :]
     runtime.sink.drain()  # the reduce-scatters still in flight, before anything reads a gradient
     runtime.release_all()
+    lost = [name for name, g in zip(originals, reached, strict=True) if g is not None]
+    if lost:
+        raise RuntimeError(
+            f"loss_fn's loss depends on parameter {lost[0]!r} of the module itself"
+            + (f" (and {len(lost) - 1} more)" if len(lost) > 1 else "")
+            + ", through a reference taken outside model(...): the module keeps its original values, not the "
+            "trained shards, and its gradient would be lost. Reach the model only through "
+            "model(...), loss_fn's first argument"
+        )
     return loss.detach()
+
+
+def _named_trainable(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
 
 
 def _differentiated_outside(params: Sharded) -> bool:
@@ -169,7 +188,8 @@ def _composable(
 ) -> tuple[torch.Tensor, Sharded]:
     def objective(shards: dict[str, torch.Tensor]) -> torch.Tensor:
         runtime = Runtime(fn, params.replace(shards), schedule=schedule, composable=True, remat=remat)
-        return checked_loss(loss_fn(functools.partial(runtime.run, buffers), batch))
+        with module_parameters_hidden(fn.module):
+            return checked_loss(loss_fn(functools.partial(runtime.run, buffers), batch))
 
     grads, loss = grad_and_value(objective)(params.shards)
     return loss, params.replace(grads)

@@ -23,7 +23,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as torch_pytree
 from torch import nn
 from torch.func import functional_call
 
@@ -38,6 +37,7 @@ from fsdp_fn._prefetch import ForwardOrder, gathered_bytes, inflight_limit, may_
 from fsdp_fn._remat import Remat, _remat_with_state, handling_regions, route_torch_checkpoint, save_nothing
 from fsdp_fn._shard import Sharded, check_shard, ensure_live, shards_of, unit_views
 from fsdp_fn._sink import GradSink
+from fsdp_fn._standin import StandIn
 from fsdp_fn._unit import FlatPart, GatheredUnit, GatherUnit, UnitState, plain
 
 
@@ -51,40 +51,21 @@ def _lift(buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: torch._C._functorch._wrap_for_grad(v, level) for k, v in buffers.items()}
 
 
-class _NotGathered(torch.Tensor):
+def _not_gathered(spec: ParamSpec, unit: str) -> StandIn:
     """Stands in for a unit's parameter outside that unit's forward; any use raises."""
-
-    fsdp_fn_where: tuple[str, str]  # (parameter, unit)
-
-    @staticmethod
-    def __new__(cls, spec: ParamSpec, unit: str) -> _NotGathered:
-        t = torch.Tensor._make_wrapper_subclass(cls, spec.shape, dtype=spec.dtype, device=torch.device("meta"))
-        t.fsdp_fn_where = (spec.name, unit)
-        return t  # type: ignore[no-any-return]
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if getattr(func, "__name__", "") in _HARMLESS:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        me = next(a for a in torch_pytree.tree_leaves((args, kwargs)) if isinstance(a, _NotGathered))
-        name, unit = me.fsdp_fn_where
-        raise RuntimeError(
-            f"parameter {name!r} of unit {unit_label(unit)} was used outside that unit's forward "
-            f"({getattr(func, '__name__', func)}); a unit's parameters exist only while its module "
-            "runs: call the module (not .forward directly) or put this use in the same unit"
-        )
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
-        raise RuntimeError(f"parameter used outside its unit's forward ({func})")
+    return StandIn(
+        spec.shape,
+        spec.dtype,
+        torch.device("meta"),
+        f"parameter {spec.name!r} of unit {unit_label(unit)} was used outside that unit's forward ({{op}}); "
+        "a unit's parameters exist only while its module runs: call the module (not .forward directly) "
+        "or put this use in the same unit",
+    )
 
 
 _MISSING = object()
 
 Swapped = list[tuple[nn.Module, str, Any]]  # (owner, attribute, original parameter) put back after the call
-
-_HARMLESS = {"__get__", "size", "dim", "__repr__", "__format__", "numel", "ndimension"}
 
 
 _FETCHING = "fetching rows"  # the pre-hook's mark for a lookup whose forward fetches its rows
@@ -480,7 +461,7 @@ class Runtime:
             if unit.name == ROOT:
                 tensors.update(self._gather(unit)[1])
             else:
-                tensors.update({p.name: _NotGathered(p, unit.name) for p in unit.all_params})
+                tensors.update({p.name: _not_gathered(p, unit.name) for p in unit.all_params})
         tensors.update(_lift(buffers))
         if self.schedule.forward_prefetch:
             self._prefetch([self.forward_order.first] if self.forward_order.first else [])

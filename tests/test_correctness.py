@@ -243,6 +243,77 @@ def test_a_units_output_changed_in_place_after_it_ran(pool, step_kw, world):
     _check(pool.run(_run, ["scaled_in_place"], step_kw, world=world))
 
 
+def _module_read_in_loss(group, how, update_in_backward):
+    """A loss that reads the module's own parameters, not through ``model(...)``: the first
+    step raises naming one; then a plain step on the same state is torch's."""
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    module = Net()
+    before = {k: v.detach().clone() for k, v in module.named_parameters()}
+    captured = list(module.parameters())  # a reference taken before any step
+
+    def reading(m, b):
+        x, y = b
+        if how == "parameters":  # plain torch's L2 penalty, written against the module
+            return F.mse_loss(m(x), y) + 1e-3 * sum(p.square().sum() for p in module.parameters())
+        if how == "captured":
+            return F.mse_loss(m(x), y) + 1e-3 * sum(p.square().sum() for p in captured)
+        if how == "head":  # the head applied by hand to the model's features
+            return F.mse_loss(module.out(m(x, head=False)), y)
+        # what a parameter is, not its values: allowed
+        dtype, count = next(module.parameters()).dtype, sum(p.numel() for p in module.parameters())
+        return F.mse_loss(m(x).to(dtype), y) * (count / count)
+
+    fn = ff.functionalize(module)
+    plan = ff.make_plan(module, ff.layer_policy([Block]))
+    schedule = ff.Schedule(update_in_backward=update_in_backward)
+    (batch,) = _batches(world, 1)
+    local = tuple(t.chunk(world)[rank] for t in batch)
+    state = ff.train_step(fn, reading, ff.adamw(lr=0.05, weight_decay=0.1), schedule=schedule).init(
+        ff.shard(fn.params, plan, group)
+    )
+    step = ff.train_step(fn, reading, ff.adamw(lr=0.05, weight_decay=0.1), schedule=schedule)
+    try:
+        state, _ = step(state, local)
+        error = None
+    except RuntimeError as e:
+        error = str(e) + " | " + " ".join(getattr(e, "__notes__", []))
+    untouched = all(a is b for a, b in zip(captured, module.parameters(), strict=True)) and all(
+        torch.equal(before[k], v) for k, v in module.named_parameters()
+    )
+    if error is not None and "restore the last checkpoint" in error:
+        return error, untouched, None
+    plain = ff.train_step(fn, make_loss(["plain"]), ff.adamw(lr=0.05, weight_decay=0.1), schedule=schedule)
+    state, _ = plain(state, local)
+    full = ff.unshard(state.params)
+    # the reading loss equals the plain one where it is allowed: one plain step, or two
+    _, ref = _reference(module, make_loss(["plain"]), [batch] if error else [batch, batch], 0.05)
+    return error, untouched, max((full[k] - v).abs().max().item() for k, v in ref.items())
+
+
+@pytest.mark.parametrize("update_in_backward", [False, True], ids=["default", "update_in_backward"])
+@pytest.mark.parametrize("how", ["parameters", "captured", "head", "metadata"])
+def test_the_modules_own_parameters_read_in_the_loss_raise_naming_one(pool, how, update_in_backward):
+    """Inside a step the module keeps its original values and the gradient to them would be
+    dropped: a read raises at once (nothing applied), a reference taken before the step is
+    caught when backward reaches it. Reading what a parameter is (dtype, numel) is allowed."""
+    for error, untouched, diff in pool.run(_module_read_in_loss, how, update_in_backward, world=2):
+        assert untouched  # the module itself: same parameter objects, same values
+        if how == "metadata":
+            assert error is None and diff < 1e-6, (error, diff)
+            continue
+        want = {
+            "parameters": "loss_fn read parameter 'inp.weight' of the module itself (square)",
+            "captured": "loss_fn's loss depends on parameter 'inp.weight' of the module itself (and 13 more)",
+            "head": "loss_fn read parameter 'out.weight' of the module itself (linear)",
+        }[how]
+        assert want in error, error
+        if how == "captured" and update_in_backward:  # found after backward, which stepped the units
+            assert diff is None and "already stepped units" in error
+        else:  # raised before anything was applied: the next step is the reference's first
+            assert diff < 1e-6, diff
+
+
 def _loss_family(group, examples):
     @settings(max_examples=examples)
     @given(

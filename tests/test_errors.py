@@ -136,6 +136,27 @@ def test_parameter_used_outside_its_unit(pool):
     assert "parameter 'inner.weight' of unit 'inner' was used outside that unit's forward" in msg
 
 
+def _module_read_in_value_and_grad(group):
+    model, fn, plan, params, _ = _setup(group)
+
+    def penalised(m, x):  # an L2 penalty written against the module, not through m(...)
+        return m(x).square().mean() + sum(p.square().sum() for p in model.parameters())
+
+    grad_fn = ff.value_and_grad(fn, penalised)
+    x = torch.randn(2, 7)
+    lean = _error(grad_fn, params, fn.buffers, x)
+    # shards that require grad: the composable path, for an outer derivative
+    composable = _error(
+        grad_fn, params.replace({k: v.requires_grad_() for k, v in params.shards.items()}), fn.buffers, x
+    )
+    return lean, composable
+
+
+def test_a_loss_reading_the_modules_own_parameters_in_value_and_grad(pool):
+    for msg in pool.run(_module_read_in_value_and_grad, world=2)[0]:
+        assert "loss_fn read parameter 'net.0.weight' of the module itself (square)" in msg, msg
+
+
 def _optimizer_on_unsharded(group):
     model, fn, plan, params, loss_fn = _setup(group)
     opt = ff.from_torch(torch.optim.SGD(model.parameters(), lr=0.1))
