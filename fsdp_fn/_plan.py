@@ -337,6 +337,14 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
         tensors[id(p)] = p
     if not tensors:
         raise ValueError(f"{type(module).__name__} has no parameters: there is nothing to shard")
+    for path, m in module.named_modules():
+        if isinstance(m, nn.Embedding) and m.max_norm is not None:
+            raise ValueError(
+                f"nn.Embedding {path!r} has max_norm={m.max_norm}: its forward rescales the rows it reads in "
+                "place, changing the parameter outside the optimizer; under sharding each rank reads other rows "
+                "of a gathered copy that is freed after the call, so the change would be lost. Drop max_norm "
+                "(or renormalise the rows after each step, on the full parameters)"
+            )
 
     claimed: set[int] = set()
     unit_paths: list[str] = []

@@ -120,6 +120,7 @@ class Runtime:
         self.watches: dict[GatheredUnit, InputsWatch] = {}  # frozen uses whose forward is running
         self.loss_known = False  # finish_forward ran: a backward from now on is the step's own
         module = fn.module
+        self.sparse_grads = _sparse_grad_params(module, self.plan) if composable else frozenset()
         # Each unit's modules, one entry per module object (a module shared under several
         # paths is hooked once), and where a gather puts its parameters in it.
         self.targets: dict[str, list[nn.Module]] = {}
@@ -302,7 +303,11 @@ class Runtime:
             else:  # frozen: a constant
                 with torch.no_grad():
                     full = all_gather(source.detach(), layout.group, unit=unit.name)
-            out.update(unit_views(part, full))
+            views = unit_views(part, full)
+            if part is unit and torch.is_grad_enabled() and torch._C._functorch.maybe_current_level() is None:
+                for name in self.sparse_grads & views.keys():
+                    views[name] = _DenseGrad.apply(views[name])
+            out.update(views)
         return out
 
     def _prefetch(self, names: Sequence[str]) -> None:
@@ -574,6 +579,33 @@ class Runtime:
             return output
 
         return hook
+
+
+def _sparse_grad_params(module: nn.Module, plan: Plan) -> frozenset[str]:
+    """The parameters whose gradient is sparse: the weights of ``nn.Embedding(sparse=True)`` and bags."""
+    names = {
+        f"{path}.weight".lstrip(".")
+        for path, m in module.named_modules()
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse
+    }
+    return frozenset(spec.name for spec in plan.params if names & {spec.name, *spec.aliases})
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward makes a sparse gradient dense: autograd cannot reshape a sparse
+    gradient into the unit's flat one. Memory: the parameter's dense gradient, as for any other."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad if grad.layout == torch.strided else grad.to_dense()
 
 
 def _check_plan_fits(plan: Plan, fn: Functional) -> None:

@@ -251,7 +251,11 @@ class GatheredUnit:
                     return
                 self.grad, self.taken = self._new_grad(), False
             at = self.offsets[index]
-            self.grad[at : at + spec.numel].view(spec.shape).copy_(grad)
+            into = self.grad[at : at + spec.numel].view(spec.shape)
+            if grad.layout == torch.strided:
+                into.copy_(grad)
+            else:  # nn.Embedding(sparse=True): its rows added in place, never a dense copy of its own
+                into.zero_().add_(grad)
 
     def _may_take(self, grad: torch.Tensor) -> bool:
         """Whether ``grad`` can be the flat gradient itself: the unit's only parameter, no padding,
@@ -260,6 +264,7 @@ class GatheredUnit:
         part = self.parts[0]
         return (
             len(self.unit.params) == 1
+            and grad.layout == torch.strided
             and grad.numel() == self._grad_numel()
             and int(part.group.size()) > 1
             and not self.owner.adds_during_backward

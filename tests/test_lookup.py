@@ -17,9 +17,9 @@ VOCAB, DIM = 37, 6
 class Tagger(nn.Module):
     """Two lookups (one with a padding row and frequency-scaled gradients, one used twice) and a head."""
 
-    def __init__(self, scale: bool = True) -> None:
+    def __init__(self, scale: bool = True, sparse: bool = False) -> None:
         super().__init__()
-        self.tokens = nn.Embedding(VOCAB, DIM, padding_idx=3)
+        self.tokens = nn.Embedding(VOCAB, DIM, padding_idx=3, sparse=sparse)
         self.tags = nn.Embedding(5, DIM, scale_grad_by_freq=scale)
         self.head = nn.Linear(DIM, VOCAB)
 
@@ -153,3 +153,53 @@ def test_bad_indices_name_the_lookup_and_leave_the_state_usable(pool, kind):
         assert "unit 'tokens'" in message, message
         assert ("index 37" in message) if kind == "range" else ("int32 or int64" in message)
         assert finite
+
+
+def _sparse(group):
+    """``nn.Embedding(sparse=True)``: three SGD steps, and one gradient through each path."""
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = Tagger(scale=False, sparse=True)
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([nn.Embedding, nn.Linear]))
+    batches = _batches(world)
+    step = ff.train_step(fn, loss_fn, ff.sgd(lr=0.5, momentum=0.9))
+    params = ff.shard(fn.params, plan, group)
+    # One gradient three ways: the train step's lean pass, the composable path under plain
+    # autograd (shards that require grad), and value_and_grad's lean pass.
+    batch = local_part(batches[0], rank, world)
+    leaves = params.replace({k: v.detach().clone().requires_grad_() for k, v in params.shards.items()})
+    loss_fn(lambda *a: ff.apply_sharded(fn, leaves, fn.buffers, *a), batch).backward()
+    _, grads = ff.value_and_grad(fn, loss_fn)(params, fn.buffers, batch)
+    composable = max((leaves[u].grad - grads[u]).abs().max().item() for u in plan.unit_names)
+    state = step.init(params)
+    metrics = []
+    for b in batches:
+        state, m = step(state, local_part(b, rank, world))
+        metrics.append((float(m["loss"]), float(m["grad_norm"])))
+    return ff.unshard(state.params), metrics, composable
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_sparse_embedding_trains_like_one_process(pool, world):
+    # Catches: a sparse gradient copied into the flat one (torch cannot), taken as the flat
+    # gradient itself, or reshaped by autograd's view backward on the composable path.
+    torch.manual_seed(0)
+    model = Tagger(scale=False, sparse=True)
+    ref = reference_run(model, loss_fn, _batches(world), lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9))
+    assert ref["params"]["tokens.weight"].layout == torch.strided
+    for params, metrics, composable in pool.run(_sparse, world=world):
+        assert composable < 1e-6, composable
+        assert [m[0] for m in metrics] == pytest.approx(ref["losses"], rel=1e-5)
+        assert [m[1] for m in metrics] == pytest.approx(ref["norms"], rel=1e-5)
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(params[name], p, rtol=1e-5, atol=1e-6)
+
+
+def test_an_embedding_with_max_norm_is_refused_naming_it():
+    # Its forward rescales the rows it reads in place: a change to the parameter that a
+    # gathered copy (or a fetched row) would lose, so torch's training could not be matched.
+    model = Tagger()
+    model.tags.max_norm = 1.0
+    with pytest.raises(ValueError, match="nn.Embedding 'tags' has max_norm=1.0: its forward rescales the rows"):
+        ff.make_plan(model, ff.layer_policy([nn.Embedding, nn.Linear]))
