@@ -252,7 +252,8 @@ def _installed(
                 continue
             for path in unit.modules:
                 target = module.get_submodule(path)
-                handles.append(target.register_forward_pre_hook(functools.partial(trace.enter, unit.name)))
+                enter = functools.partial(trace.enter, unit.name)
+                handles.append(target.register_forward_pre_hook(enter, prepend=True))
                 handles.append(target.register_forward_hook(trace.leave))
         for name in remat_units:
             assert remat is not None

@@ -477,9 +477,9 @@ class Runtime:
             if unit.name == ROOT:
                 continue
             for target in self.targets[unit.name]:
-                handles.append(
-                    target.register_forward_pre_hook(self._pre_hook(unit, target, swapped), with_kwargs=True)
-                )
+                # First among the module's pre-hooks: a user's (spectral_norm's) may read the parameters.
+                pre = self._pre_hook(unit, target, swapped)
+                handles.append(target.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
                 handles.append(target.register_forward_hook(self._post_hook(unit, target, swapped)))
         forwards: list[tuple[nn.Module, Any]] = []  # (module, its own instance-level forward or _MISSING)
         for unit in self.own_unit.values():

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fsdp_fn as ff
+from fsdp_fn.testing import assert_matches_unsharded
 from tests.helpers import rel
 
 
@@ -312,6 +313,51 @@ def test_the_modules_own_parameters_read_in_the_loss_raise_naming_one(pool, how,
             assert diff is None and "already stepped units" in error
         else:  # raised before anything was applied: the next step is the reference's first
             assert diff < 1e-6, diff
+
+
+class Reparametrised(nn.Module):
+    """A block whose weight is computed from its parameters each call: by a forward pre-hook
+    (the older ``spectral_norm``, which also updates buffers in place) or a parametrization."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        lin = nn.Linear(7, 7)
+        wrap = {
+            "spectral_norm_hook": nn.utils.spectral_norm,
+            "spectral_norm": nn.utils.parametrizations.spectral_norm,
+            "weight_norm": nn.utils.parametrizations.weight_norm,
+            "orthogonal": nn.utils.parametrizations.orthogonal,
+        }[how]
+        self.lin = wrap(lin)
+        self.skip = nn.Linear(7, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x)) * self.skip(x)
+
+
+def _reparametrised(group, how):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    model = nn.Sequential(nn.Linear(5, 7), Reparametrised(how), Reparametrised(how), nn.Linear(7, 3))
+    world = group.size()
+    batches = [(torch.randn(2 * world, 5, generator=g), torch.randn(2 * world, 3, generator=g)) for _ in range(3)]
+    return assert_matches_unsharded(
+        model,
+        lambda m, b: F.mse_loss(m(b[0]), b[1]),
+        batches,
+        group=group,
+        policy=ff.layer_policy([nn.Linear]),  # the module with the hook or parametrization is a unit
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.05),
+    )
+
+
+@pytest.mark.parametrize("how", ["spectral_norm_hook", "spectral_norm", "weight_norm", "orthogonal"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_a_unit_that_computes_its_weight_trains_like_one_process(pool, how, world):
+    """The unit is gathered before any pre-hook of the module's own runs: the older
+    spectral_norm reads its ``weight_orig`` in one (before, it read a parameter not yet there)."""
+    for worst in pool.run(_reparametrised, how, world=world):
+        assert worst["parameter"] < 1e-5 and worst["loss"] < 1e-5, worst
 
 
 def _loss_family(group, examples):
