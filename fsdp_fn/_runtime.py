@@ -90,9 +90,14 @@ class Runtime:
         sink: GradSink | None = None,
         composable: bool = False,
         remat: Remat | None = None,
+        check_unchanged: bool = False,
     ) -> None:
         ensure_live(params, "apply_sharded")
         self.fn, self.params = fn, params
+        # Whether each unit's forward is checked for changing its gathered parameters in place
+        # (a fingerprint of them before and after: one read of the unit more, no communication).
+        self.check_unchanged = check_unchanged
+        self.fingerprints: dict[tuple[str, int], list[tuple[dict[str, int], dict[str, torch.Tensor]]]] = {}
         _check_plan_fits(params.plan, fn)
         self.schedule = schedule or Schedule()
         self.composable = composable
@@ -462,9 +467,12 @@ class Runtime:
         args, kwargs = precision.cast_inputs(args, kwargs)
         first_record = len(self.records)
         tensors: dict[str, torch.Tensor] = {}
+        root: tuple[dict[str, int], dict[str, torch.Tensor]] = ({}, {})
         for unit in self.plan.units:
             if unit.name == ROOT:
-                tensors.update(self._gather(unit)[1])
+                views = self._gather(unit)[1]
+                root = (_fingerprints(views) if self.check_unchanged else {}, views)
+                tensors.update(views)
             else:
                 tensors.update({p.name: _not_gathered(p, unit.name) for p in unit.all_params})
         tensors.update(_lift(buffers))
@@ -494,9 +502,12 @@ class Runtime:
                 requires_grad_tolerated(),
             ):
                 out = functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
+            _check_unchanged(ROOT, *root)
         except Exception as e:
             where = f"unit {unit_label(self.running[-1])}" if self.running else "the root unit"
             e.add_note(f"fsdp_fn: raised in the forward of {where}")
+            if "_ParamView is a view and its base" in str(e):  # autograd's words for it, under no_grad
+                e.add_note(f"fsdp_fn: the forward of {where} changed one of its parameters in place; {_LOST}")
             for rec in self.prefetched.values():
                 rec.release()
             raise
@@ -512,6 +523,7 @@ class Runtime:
                 owner._parameters[attr] = original
             self.running.clear()
             self.watches.clear()
+            self.fingerprints.clear()
         for rec in self.prefetched.values():  # prefetched along the hint, but not run this time
             rec.release()
             self.records.remove(rec)
@@ -547,6 +559,8 @@ class Runtime:
                 owner._parameters[attr] = views[name]  # type: ignore[assignment]
             self.order.append(unit.name)
             self.live.setdefault(key, []).append(rec)
+            if self.check_unchanged:
+                self.fingerprints.setdefault(key, []).append((_fingerprints(views), views))
             if rec is not None and self._watches_inputs(unit):
                 watch = InputsWatch.of((args, kwargs), functools.partial(self._frozen_backward_done, rec))
                 if watch is not None:
@@ -567,6 +581,8 @@ class Runtime:
             for _ in self.slots[key]:
                 owner, attr, original = swapped.pop()
                 owner._parameters[attr] = original
+            if self.check_unchanged:
+                _check_unchanged(unit.name, *self.fingerprints[key].pop())
             self.running.pop()
             if rec is None:  # composable: autograd holds the gathered unit
                 return output
@@ -606,6 +622,39 @@ class _DenseGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad if grad.layout == torch.strided else grad.to_dense()
+
+
+_LOST = (
+    "a unit's parameters are a gathered copy, freed after its forward, so the change would be lost (the shards "
+    "keep the old values): change the parameters on the shards after the step, or compute the changed weight out "
+    "of place in the forward"
+)
+
+
+def _fingerprints(views: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Each parameter's bytes summed as 8-byte words (the few unaligned ones apart): any change
+    to a value changes it, but for collisions. One read of the parameters, ~0.2 ms per 16 MiB."""
+    out = {}
+    for name, view in views.items():
+        raw = plain(view).detach().reshape(-1).view(torch.uint8)
+        head = -raw.storage_offset() % 8
+        words = (raw.numel() - head) // 8 if raw.numel() > head else 0
+        aligned = raw[head : head + 8 * words].view(torch.int64).sum()
+        ends = raw[:head].sum(dtype=torch.int64) + raw[head + 8 * words :].sum(dtype=torch.int64)
+        out[name] = int(aligned) * 257 + int(ends)
+    return out
+
+
+def _check_unchanged(unit: str, before: Mapping[str, int], views: Mapping[str, torch.Tensor]) -> None:
+    if not before:
+        return
+    after = _fingerprints(views)
+    changed = [name for name in before if after[name] != before[name]]
+    if changed:
+        raise RuntimeError(
+            f"the forward of unit {unit_label(unit)} changed parameter {changed[0]!r} in place (through .data, "
+            f"or a copy_/clamp_ under no_grad); {_LOST}"
+        )
 
 
 def _check_plan_fits(plan: Plan, fn: Functional) -> None:

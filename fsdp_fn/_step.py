@@ -74,7 +74,8 @@ class TrainStep:
     issued the same collectives before the optimizer runs; ``check_schedule="first"``
     (default), ``"always"`` or ``"never"`` also has ranks agree before every collective,
     so a divergence is named at the unit where it starts (``step.check_next_step()`` asks
-    for it on demand).
+    for it on demand); on those steps each unit's forward is also checked for changing its
+    own parameters in place (a change its gathered copy would lose).
     """
 
     def __init__(
@@ -235,7 +236,13 @@ class TrainStep:
         try:
             for mb in micro:
                 runtime = Runtime(
-                    self.fn, params, schedule=self.schedule, order_hint=self.unit_order, sink=sink, remat=self.remat
+                    self.fn,
+                    params,
+                    schedule=self.schedule,
+                    order_hint=self.unit_order,
+                    sink=sink,
+                    remat=self.remat,
+                    check_unchanged=guard.check,
                 )
                 losses.append(lean_pass(runtime, params, buffers, mb, self.loss_fn))
                 self.unit_order = runtime.order

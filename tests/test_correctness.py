@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import pytest
 import torch
@@ -358,6 +359,70 @@ def test_a_unit_that_computes_its_weight_trains_like_one_process(pool, how, worl
     spectral_norm reads its ``weight_orig`` in one (before, it read a parameter not yet there)."""
     for worst in pool.run(_reparametrised, how, world=world):
         assert worst["parameter"] < 1e-5 and worst["loss"] < 1e-5, worst
+
+
+class Clamping(nn.Module):
+    """Clamps its own weight in place in forward, when asked: a change plain torch keeps."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(5, 6)
+
+    def forward(self, x: torch.Tensor, clamp: bool) -> torch.Tensor:
+        if clamp and self.how == "data":
+            self.lin.weight.data.clamp_(-0.2, 0.2)
+        elif clamp:
+            with torch.no_grad():
+                self.lin.weight.clamp_(-0.2, 0.2)
+        return torch.tanh(self.lin(x))
+
+
+class ClampNet(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.body = Clamping(how)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, clamp: bool = False) -> torch.Tensor:
+        return self.out(self.body(x, clamp))
+
+
+def _clamped_in_forward(group, how, where):
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = ClampNet(how)
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([Clamping]) if where == "unit" else None)
+    (batch,) = _batches(world, 1)
+    x, y = (t.chunk(world)[rank] for t in batch)
+    step = ff.train_step(fn, lambda m, b: F.mse_loss(m(b[0], clamp=b[2]), b[1]), ff.adamw(lr=0.05))
+    state = step.init(ff.shard(fn.params, plan, group))
+    try:
+        step(state, (x, y, True))
+        error = "no error"
+    except RuntimeError as e:
+        error = " | ".join([str(e), *getattr(e, "__notes__", [])])
+    state, metrics = step(state, (x, y, False))  # the state is still usable
+    return error, float(metrics["loss"])
+
+
+@pytest.mark.parametrize("where", ["unit", "root"])
+@pytest.mark.parametrize("how", ["data", "no_grad"])
+def test_a_forward_that_changes_its_parameters_in_place_raises_naming_it(pool, how, where):
+    """Plain torch keeps a forward's in-place change to its weight (a clamp); a gathered copy
+    would lose it. Through ``.data`` autograd sees nothing: the step's first call compares a
+    fingerprint of the unit's parameters before and after its forward. Under no_grad
+    autograd refuses the change, and the error gets a note that says what happened."""
+    label = "'body'" if where == "unit" else "(root)"
+    for error, loss in pool.run(_clamped_in_forward, how, where, world=2):
+        if how == "data":
+            assert f"the forward of unit {label} changed parameter 'body.lin.weight' in place" in error, error
+        else:
+            unit = "unit 'body'" if where == "unit" else "the root unit"
+            assert f"the forward of {unit} changed one of its parameters in place" in error, error
+        assert "the change would be lost" in error
+        assert math.isfinite(loss)
 
 
 def _loss_family(group, examples):
