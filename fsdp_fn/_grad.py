@@ -20,6 +20,7 @@ import torch.autograd.forward_ad as fwAD
 from torch.func import grad_and_value
 
 from fsdp_fn._collectives import all_reduce_
+from fsdp_fn._errors import DivergenceError, RankFailure
 from fsdp_fn._functional import Functional
 from fsdp_fn._guard import guarded
 from fsdp_fn._plan import Policy
@@ -68,14 +69,25 @@ def lean_pass(
     # autograd.Function on the way (a parameter view each) takes autograd's C++ path; a
     # step is ~4% faster at W=1 (docs/performance.md). The loss_fn may still use torch.func.
     leaves = [t.detach().requires_grad_() for t in params.shards.values()]
-    with torch.enable_grad():
-        loss = objective(dict(zip(params.shards, leaves, strict=True)))
     # The module's own parameters, which a loss may still reach through a reference taken
     # before the step (module_parameters_hidden catches the reads during it): asked for too,
     # so that such a gradient is noticed instead of dropped.
     originals = dict(_named_trainable(runtime.fn.module))
-    # autograd.grad, not backward: the shards' own results (zeros that own no memory) are dropped, not accumulated.
-    reached = torch.autograd.grad(loss, [*leaves, *originals.values()], allow_unused=True)[len(leaves) :]
+    try:
+        with torch.enable_grad():
+            loss = objective(dict(zip(params.shards, leaves, strict=True)))
+        # autograd.grad, not backward: the shards' own results (zeros that own no memory) are dropped.
+        reached = torch.autograd.grad(loss, [*leaves, *originals.values()], allow_unused=True)[len(leaves) :]
+    except BaseException as e:
+        if "backward through the graph a second time" in str(e):
+            e.add_note(
+                "fsdp_fn: did loss_fn call .backward() on its loss? The step differentiates the loss loss_fn "
+                "returns; return it without a backward (one inside the loss for another purpose needs "
+                "retain_graph=True)"
+            )
+        if not isinstance(e, RankFailure | DivergenceError):  # then the group is unusable: nothing to wait for
+            runtime.abandon()
+        raise
     runtime.sink.drain()  # the reduce-scatters still in flight, before anything reads a gradient
     runtime.release_all()
     lost = [name for name, g in zip(originals, reached, strict=True) if g is not None]
@@ -147,6 +159,7 @@ def value_and_grad(
 
     def run(params: Sharded, buffers: Mapping[str, torch.Tensor], batch: Any) -> tuple[torch.Tensor, Sharded]:
         ensure_live(params, "value_and_grad")
+        params.plan.check_trainable(fn.module)
         if _differentiated_outside(params):
             return _composable(fn, loss_fn, schedule, rematerialise, params, buffers, batch)
         sink = GradSink(params, schedule)

@@ -168,6 +168,24 @@ class Plan:
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
 
+    def check_trainable(self, module: nn.Module) -> None:
+        """Raise if a parameter of ``module`` has changed ``requires_grad`` since the plan was
+        made: the plan put it in its unit's trainable or frozen part, and steps follow that."""
+        planned = {name: spec.requires_grad for spec in self.params for name in (spec.name, *spec.aliases)}
+        for name, p in module.named_parameters():
+            if name in planned and p.requires_grad != planned[name]:
+                now, then, would = (
+                    ("trainable", "frozen", "not be trained")
+                    if p.requires_grad
+                    else ("frozen", "trainable", "still be trained")
+                )
+                raise ValueError(
+                    f"parameter {name!r} of unit {unit_label(self.unit_of(name).name)} is {now} now "
+                    f"(requires_grad={p.requires_grad}) but was {then} when the plan was made, and steps follow the "
+                    f"plan: it would {would}. To change which parameters train, make a new plan and step, and "
+                    "carry the parameters over: ff.shard(ff.unshard(state.params), new_plan)"
+                )
+
     def unit_of(self, param: str) -> Unit:
         for u in self.units:
             if any(param == p.name or param in p.aliases for p in u.all_params):

@@ -17,6 +17,7 @@ the units' modules for the duration of ``run`` only; the module is left as it wa
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -453,6 +454,18 @@ class Runtime:
             rec.release()
         self.records.clear()
         self.sink.spare = None  # no flat gradient comes after backward
+
+    def abandon(self) -> None:
+        """After a forward or backward that raised: let this step's exchanges in flight finish
+        and drop them, so none is left to meet the next step's. A wait that fails (another rank
+        failed too) gives up on the rest: the error already raised is the one to report."""
+        with contextlib.suppress(Exception):
+            self.sink.abandon()
+            for rec in [*self.prefetched.values(), *self.records]:
+                rec.release()
+        self.prefetched.clear()
+        self.records.clear()
+        self.sink.spare = None
 
     # --- running ------------------------------------------------------------------------------------
 

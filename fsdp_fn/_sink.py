@@ -114,6 +114,13 @@ class GradSink:
                 del full
                 self._deliver(unit, shard)
 
+    def abandon(self) -> None:
+        """After a failed backward: wait for the reduce-scatters in flight and drop their results."""
+        while self.pending:
+            _, finish, _ = self.pending.popleft()
+            with torch._C._DisableFuncTorch(), torch.no_grad():
+                finish()
+
     def _deliver(self, unit: str, grad: torch.Tensor) -> None:
         total = self.totals.get(unit)
         self.totals[unit] = grad if total is None else total.add_(grad)

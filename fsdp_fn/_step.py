@@ -195,6 +195,7 @@ class TrainStep:
         guard = Guard(state.params.group, self.calls, timeout=self.timeout, check=check)
         with guard.active():
             # This rank's own input first: a rank that rejects it reports before any rank waits on it.
+            state.params.plan.check_trainable(self.fn.module)
             micro = self._micro_batches(batch)
             for mb in micro:
                 _check_not_empty(mb, guard.rank)

@@ -425,6 +425,67 @@ def test_a_forward_that_changes_its_parameters_in_place_raises_naming_it(pool, h
         assert math.isfinite(loss)
 
 
+def _trainable_changed(group, change):
+    """Plan with ``inp`` frozen, step, then change ``requires_grad``: the step refuses; a new
+    plan built after the change trains from the same parameters, as torch does."""
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    module = Net()
+    module.inp.requires_grad_(False)
+    fn = ff.functionalize(module)
+    batches = _batches(world, 2)
+    local = [tuple(t.chunk(world)[rank] for t in b) for b in batches]
+    loss = make_loss(["plain"])
+    step = ff.train_step(fn, loss, ff.adamw(lr=0.05, weight_decay=0.1))
+    state = step.init(ff.shard(fn.params, ff.make_plan(module, ff.layer_policy([Block])), group))
+    state, _ = step(state, local[0])
+    if change == "unfreeze":
+        module.inp.requires_grad_(True)
+    else:
+        module.blocks[0].requires_grad_(False)
+    try:
+        step(state, local[1])
+        error = "no error"
+    except ValueError as e:
+        error = str(e)
+    new_plan = ff.make_plan(module, ff.layer_policy([Block]))
+    step = ff.train_step(ff.functionalize(module), loss, ff.adamw(lr=0.05, weight_decay=0.1))
+    state = step.init(ff.shard(ff.unshard(state.params), new_plan, group))
+    state, _ = step(state, local[1])
+    return error, ff.unshard(state.params)
+
+
+@pytest.mark.parametrize("change", ["unfreeze", "freeze"])
+def test_changing_requires_grad_after_the_plan_raises_and_a_new_plan_trains(pool, change):
+    """The plan fixes which parameters train; torch follows ``requires_grad`` at every step.
+    A change after the plan raises, naming the parameter (before: silently kept as planned)."""
+    torch.manual_seed(0)
+    module = Net()
+    module.inp.requires_grad_(False)
+    ref = copy.deepcopy(module)
+    batches = _batches(2, 2)
+    for i, b in enumerate(batches):  # torch: an optimizer over the parameters that train now
+        if i == 1:
+            if change == "unfreeze":
+                ref.inp.requires_grad_(True)
+            else:
+                ref.blocks[0].requires_grad_(False)
+        opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=0.05, weight_decay=0.1)
+        make_loss(["plain"])(ref, b).backward()
+        opt.step()
+        ref.zero_grad(set_to_none=True)
+    want = {
+        "unfreeze": "parameter 'inp.weight' of unit (root) is trainable now (requires_grad=True) but was frozen "
+        "when the plan was made, and steps follow the plan: it would not be trained",
+        "freeze": "parameter 'blocks.0.unused' of unit 'blocks.0' is frozen now (requires_grad=False) but was "
+        "trainable when the plan was made, and steps follow the plan: it would still be trained",
+    }[change]
+    for error, full in pool.run(_trainable_changed, change, world=2):
+        assert want in error, error
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
 def _loss_family(group, examples):
     @settings(max_examples=examples)
     @given(

@@ -157,6 +157,32 @@ def test_a_loss_reading_the_modules_own_parameters_in_value_and_grad(pool):
         assert "loss_fn read parameter 'net.0.weight' of the module itself (square)" in msg, msg
 
 
+def _backward_in_loss(group):
+    model, fn, plan, params, loss_fn = _setup(group)
+
+    def with_backward(m, batch):  # plain torch's habit, carried into loss_fn
+        loss = loss_fn(m, batch)
+        loss.backward()
+        return loss
+
+    step = ff.train_step(fn, with_backward, ff.adamw())
+    state = step.init(params)
+    batch = (torch.randn(4, 7), torch.randn(4, 3))
+    msg = _error(step, state, batch)
+    _error(step, state, batch)
+    # The state is still usable, and so is the group: each failed step waited out the
+    # exchanges it had in flight (left behind, two steps' worth hung the next step).
+    state, metrics = ff.train_step(fn, loss_fn, ff.adamw(), timeout=20.0)(state, batch)
+    return msg, bool(torch.isfinite(metrics["loss"]))
+
+
+def test_a_loss_fn_that_calls_backward_is_told_so(pool):
+    for msg, finite in pool.run(_backward_in_loss, world=2):
+        assert "Trying to backward through the graph a second time" in msg, msg
+        assert "fsdp_fn: did loss_fn call .backward() on its loss?" in msg, msg
+        assert finite
+
+
 def _optimizer_on_unsharded(group):
     model, fn, plan, params, loss_fn = _setup(group)
     opt = ff.from_torch(torch.optim.SGD(model.parameters(), lr=0.1))
