@@ -73,6 +73,7 @@ class _Slices(NamedTuple):
     grads: list[torch.Tensor]
     states: list[list[torch.Tensor]]  # one list per state tensor kind (moments)
     steps: list[torch.Tensor]  # 0-d views into the per-parameter step counts
+    whole: list[str]  # units stepped as one flat shard: only their first count moved
 
 
 def _select(grads: Sharded, params: Sharded, states: list[Sharded], steps: Sharded) -> _Slices:
@@ -80,7 +81,7 @@ def _select(grads: Sharded, params: Sharded, states: list[Sharded], steps: Shard
     one step count is stepped as one flat shard (its padding is zero and stays zero);
     otherwise each received parameter's slice of this rank's shard is stepped on its own.
     Step counts of received parameters this rank holds no element of still advance."""
-    out = _Slices([], [], [[] for _ in states], [])
+    out = _Slices([], [], [[] for _ in states], [], [])
     layout = params.layout
     for unit in params.plan.units:
         if not unit.params:
@@ -92,6 +93,7 @@ def _select(grads: Sharded, params: Sharded, states: list[Sharded], steps: Shard
         whole = all(mask) and bool((counts == counts[0]).all())
         if whole:
             _add(out, params[unit.name], grads[unit.name], [state[unit.name] for state in states], counts[0])
+            out.whole.append(unit.name)
             continue
         for i, lo, hi in unit.local_ranges(layout.world, layout.rank):
             if not mask[i]:
@@ -136,12 +138,12 @@ def _add(
         out.steps.append(count if k == 0 else count.clone())
 
 
-def _sync_counts(grads: Sharded, steps: Sharded) -> None:
-    """After a whole-unit step only the first count moved: copy it to the others."""
-    for unit in steps.plan.units:
-        counts = steps[unit.name]
-        if len(counts) > 1 and all(_mask(grads, unit)):
-            counts[1:] = counts[0]
+def _sync_counts(whole: list[str], steps: Sharded) -> None:
+    """After a whole-unit step only the first count moved: copy it to the others. (A unit
+    stepped per parameter, whose counts differed, keeps each count as it moved.)"""
+    for name in whole:
+        counts = steps[name]
+        counts[1:] = counts[0]
 
 
 def _mask(grads: Sharded, unit: Unit) -> tuple[bool, ...]:
@@ -193,7 +195,7 @@ def adamw(
                 eps=eps,
                 maximize=maximize,
             )
-        _sync_counts(grads, state.steps)
+        _sync_counts(todo.whole, state.steps)
         return params, state
 
     return Optimizer(init, update, links=("adamw",))
@@ -245,7 +247,7 @@ def sgd(
                     target.copy_(used)
             for s in todo.steps:
                 s.add_(1)
-        _sync_counts(grads, state.steps)
+        _sync_counts(todo.whole, state.steps)
         return params, state
 
     return Optimizer(init, update, links=("sgd",))
