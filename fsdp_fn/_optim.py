@@ -66,6 +66,9 @@ def _step_counts(params: Sharded) -> Sharded:
     return params.replace({u.name: torch.zeros(len(u.params), dtype=torch.float32) for u in params.plan.units})
 
 
+DecayMask = Callable[[str, tuple[int, ...]], bool]
+
+
 class _Slices(NamedTuple):
     """What one kernel call steps: parallel lists of tensors (whole shards or per-parameter views)."""
 
@@ -74,14 +77,18 @@ class _Slices(NamedTuple):
     states: list[list[torch.Tensor]]  # one list per state tensor kind (moments)
     steps: list[torch.Tensor]  # 0-d views into the per-parameter step counts
     whole: list[str]  # units stepped as one flat shard: only their first count moved
+    decays: list[bool]  # per entry: whether weight decay applies
 
 
-def _select(grads: Sharded, params: Sharded, states: list[Sharded], steps: Sharded) -> _Slices:
-    """The tensors to step, unit by unit: a unit whose parameters all got a gradient and share
-    one step count is stepped as one flat shard (its padding is zero and stays zero);
-    otherwise each received parameter's slice of this rank's shard is stepped on its own.
-    Step counts of received parameters this rank holds no element of still advance."""
-    out = _Slices([], [], [[] for _ in states], [], [])
+def _select(
+    grads: Sharded, params: Sharded, states: list[Sharded], steps: Sharded, decay: DecayMask | None = None
+) -> _Slices:
+    """The tensors to step, unit by unit: a unit whose parameters all got a gradient, share
+    one step count and one weight-decay choice is stepped as one flat shard (its padding is
+    zero and stays zero); otherwise each received parameter's slice of this rank's shard is
+    stepped on its own. Step counts of received parameters this rank holds no element of
+    still advance."""
+    out = _Slices([], [], [[] for _ in states], [], [], [])
     layout = params.layout
     for unit in params.plan.units:
         if not unit.params:
@@ -90,9 +97,10 @@ def _select(grads: Sharded, params: Sharded, states: list[Sharded], steps: Shard
         if not any(mask):
             continue
         counts = steps[unit.name]
-        whole = all(mask) and bool((counts == counts[0]).all())
+        decays = [True if decay is None else bool(decay(spec.name, spec.shape)) for spec in unit.params]
+        whole = all(mask) and bool((counts == counts[0]).all()) and len(set(decays)) == 1
         if whole:
-            _add(out, params[unit.name], grads[unit.name], [state[unit.name] for state in states], counts[0])
+            _add(out, params[unit.name], grads[unit.name], [state[unit.name] for state in states], counts[0], decays[0])
             out.whole.append(unit.name)
             continue
         for i, lo, hi in unit.local_ranges(layout.world, layout.rank):
@@ -107,7 +115,29 @@ def _select(grads: Sharded, params: Sharded, states: list[Sharded], steps: Shard
                 grads[unit.name][lo:hi],
                 [state[unit.name][lo:hi] for state in states],
                 counts[i],
+                decays[i],
             )
+    return out
+
+
+def _by_decay(todo: _Slices) -> list[tuple[bool, _Slices]]:
+    """``todo``'s entries with weight decay and without: one kernel call each (a kernel takes one decay)."""
+    if not todo.params:
+        return []
+    if len(set(todo.decays)) == 1:
+        return [(todo.decays[0], todo)]
+    out = []
+    for decayed in (True, False):
+        at = [k for k, d in enumerate(todo.decays) if d == decayed]
+        part = _Slices(
+            [todo.params[k] for k in at],
+            [todo.grads[k] for k in at],
+            [[kind[k] for k in at] for kind in todo.states],
+            [todo.steps[k] for k in at],
+            [],
+            [decayed] * len(at),
+        )
+        out.append((decayed, part))
     return out
 
 
@@ -115,7 +145,12 @@ _PIECE_BYTES = 512 * 1024  # one piece of a parameter, its gradient, its moments
 
 
 def _add(
-    out: _Slices, param: torch.Tensor, grad: torch.Tensor, states: list[torch.Tensor], count: torch.Tensor
+    out: _Slices,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    states: list[torch.Tensor],
+    count: torch.Tensor,
+    decayed: bool,
 ) -> None:
     """Append one flat tensor to step; on CPU, in pieces of ``_PIECE_BYTES``.
 
@@ -136,6 +171,7 @@ def _add(
         for kind, state in zip(out.states, states, strict=True):
             kind.append(state[lo:hi])
         out.steps.append(count if k == 0 else count.clone())
+        out.decays.append(decayed)
 
 
 def _sync_counts(whole: list[str], steps: Sharded) -> None:
@@ -159,10 +195,16 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
     *,
+    weight_decay_mask: DecayMask | None = None,
     maximize: bool = False,
     foreach: bool | None = None,
 ) -> Optimizer:
     """AdamW with ``torch.optim.AdamW``'s numerics. State: two moments the size of the shards.
+
+    ``weight_decay_mask(name, shape) -> bool``: which parameters weight decay applies to
+    (default all), as torch's parameter groups with ``weight_decay=0`` for the others
+    (``lambda name, shape: len(shape) >= 2`` leaves biases and norms undecayed). A unit
+    whose parameters differ there is stepped a parameter at a time.
 
     >>> opt = adamw(lr=1e-3)
     >>> opt.init  # doctest: +ELLIPSIS
@@ -177,21 +219,21 @@ def adamw(
         return AdamWState(_step_counts(params), tree_map(_zeros_like, params), tree_map(_zeros_like, params))
 
     def update(grads: Sharded, state: AdamWState, params: Sharded) -> tuple[Sharded, AdamWState]:
-        todo = _select(grads, params, [state.exp_avg, state.exp_avg_sq], state.steps)
-        if todo.params:
+        todo = _select(grads, params, [state.exp_avg, state.exp_avg_sq], state.steps, weight_decay_mask)
+        for decayed, part in _by_decay(todo):
             _adamw_kernel(
-                todo.params,
-                todo.grads,
-                todo.states[0],
-                todo.states[1],
+                part.params,
+                part.grads,
+                part.states[0],
+                part.states[1],
                 [],
-                todo.steps,
+                part.steps,
                 foreach=foreach,
                 amsgrad=False,
                 beta1=betas[0],
                 beta2=betas[1],
                 lr=lr,
-                weight_decay=weight_decay,
+                weight_decay=weight_decay if decayed else 0.0,
                 eps=eps,
                 maximize=maximize,
             )
@@ -207,11 +249,15 @@ def sgd(
     *,
     dampening: float = 0.0,
     weight_decay: float = 0.0,
+    weight_decay_mask: DecayMask | None = None,
     nesterov: bool = False,
     maximize: bool = False,
     foreach: bool | None = None,
 ) -> Optimizer:
-    """SGD (with optional momentum) with ``torch.optim.SGD``'s numerics. State: one buffer per shard."""
+    """SGD (with optional momentum) with ``torch.optim.SGD``'s numerics. State: one buffer per shard.
+
+    ``weight_decay_mask`` as in ``adamw``.
+    """
     if lr < 0 or momentum < 0 or weight_decay < 0:
         raise ValueError(f"invalid SGD hyper-parameters lr={lr}, momentum={momentum}, weight_decay={weight_decay}")
     if nesterov and (momentum <= 0 or dampening != 0):
@@ -222,20 +268,20 @@ def sgd(
 
     def update(grads: Sharded, state: SGDState, params: Sharded) -> tuple[Sharded, SGDState]:
         states = [state.momentum] if state.momentum is not None else []
-        todo = _select(grads, params, states, state.steps)
-        if todo.params:
-            mine = todo.states[0] if states else []
+        todo = _select(grads, params, states, state.steps, weight_decay_mask)
+        for decayed, part in _by_decay(todo):
+            mine = part.states[0] if states else []
             # torch starts a momentum buffer as a copy of the first gradient: a parameter
             # seen for the first time gets None, and the kernel's new buffer is copied back.
-            buffers: list[torch.Tensor | None] = [None] * len(todo.params)
-            for k, (count, buffer) in enumerate(zip(todo.steps, mine, strict=False)):
+            buffers: list[torch.Tensor | None] = [None] * len(part.params)
+            for k, (count, buffer) in enumerate(zip(part.steps, mine, strict=False)):
                 buffers[k] = None if int(count.item()) == 0 else buffer
             _sgd_kernel(
-                todo.params,
-                todo.grads,
+                part.params,
+                part.grads,
                 buffers,
                 foreach=foreach,
-                weight_decay=weight_decay,
+                weight_decay=weight_decay if decayed else 0.0,
                 momentum=momentum,
                 lr=lr,
                 dampening=dampening,
@@ -245,7 +291,7 @@ def sgd(
             for target, used in zip(mine, buffers, strict=False):
                 if used is not None and used is not target:
                     target.copy_(used)
-            for s in todo.steps:
+            for s in part.steps:
                 s.add_(1)
         _sync_counts(todo.whole, state.steps)
         return params, state

@@ -81,13 +81,14 @@ def reference_run(
     *,
     clip: float | None = None,
     param_dtype: torch.dtype | None = None,
+    after_step: Callable[[], Any] | None = None,
 ) -> dict[str, Any]:
     """Unsharded training in this process: losses, gradient norms and final parameters.
 
     Only parameters that require grad are optimized. ``clip``: torch's clip_grad_norm_.
     ``param_dtype``: the forward and backward run on a copy of the parameters cast to it
     (inputs cast too, output back to float32), gradients cast back, as fsdp_fn's mixed
-    precision does.
+    precision does. ``after_step``: called after each optimizer step (a learning-rate scheduler's).
     """
     model = copy.deepcopy(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -115,6 +116,8 @@ def reference_run(
             torch.nn.utils.clip_grad_norm_(trainable, clip)
         losses.append(loss.item())
         opt.step()
+        if after_step is not None:
+            after_step()
     return {"losses": losses, "norms": norms, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
 
 
