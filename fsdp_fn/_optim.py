@@ -67,6 +67,7 @@ def _step_counts(params: Sharded) -> Sharded:
 
 
 DecayMask = Callable[[str, tuple[int, ...]], bool]
+LearningRate = float | Callable[[int], float]
 
 
 class _Slices(NamedTuple):
@@ -118,6 +119,18 @@ def _select(
                 decays[i],
             )
     return out
+
+
+def _rate(lr: LearningRate, grads: Sharded, optimizer: str) -> float:
+    """``lr``, or the schedule ``lr(k)`` at ``k = grads.step``, the steps applied before this one."""
+    if not callable(lr):
+        return lr
+    if grads.step is None:
+        raise ValueError(
+            f"{optimizer}(lr=schedule): the schedule reads grads.step, the number of steps applied before this "
+            "one; the train step sets it, and a loop of your own sets it before update (grads.step = k)"
+        )
+    return float(lr(grads.step))
 
 
 def _by_decay(todo: _Slices) -> list[tuple[bool, _Slices]]:
@@ -190,7 +203,7 @@ def _mask(grads: Sharded, unit: Unit) -> tuple[bool, ...]:
 
 
 def adamw(
-    lr: float = 1e-3,
+    lr: LearningRate = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
@@ -201,6 +214,10 @@ def adamw(
 ) -> Optimizer:
     """AdamW with ``torch.optim.AdamW``'s numerics. State: two moments the size of the shards.
 
+    ``lr``: a number, or a schedule ``lr(k) -> float`` of the steps applied before this one
+    (0 at the first; ``TrainState.step``, which a skipped step does not advance; with
+    ``accumulate(n)``, the inner optimizer's own steps), as ``torch.optim.lr_scheduler.LambdaLR``
+    stepped after each step gives ``base_lr * lr_lambda(k)``.
     ``weight_decay_mask(name, shape) -> bool``: which parameters weight decay applies to
     (default all), as torch's parameter groups with ``weight_decay=0`` for the others
     (``lambda name, shape: len(shape) >= 2`` leaves biases and norms undecayed). A unit
@@ -210,7 +227,7 @@ def adamw(
     >>> opt.init  # doctest: +ELLIPSIS
     <function adamw.<locals>.init at ...>
     """
-    if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+    if (not callable(lr) and lr < 0) or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
         raise ValueError(
             f"invalid AdamW hyper-parameters lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}"
         )
@@ -220,6 +237,7 @@ def adamw(
 
     def update(grads: Sharded, state: AdamWState, params: Sharded) -> tuple[Sharded, AdamWState]:
         todo = _select(grads, params, [state.exp_avg, state.exp_avg_sq], state.steps, weight_decay_mask)
+        rate = _rate(lr, grads, "adamw") if todo.params else 0.0
         for decayed, part in _by_decay(todo):
             _adamw_kernel(
                 part.params,
@@ -232,7 +250,7 @@ def adamw(
                 amsgrad=False,
                 beta1=betas[0],
                 beta2=betas[1],
-                lr=lr,
+                lr=rate,
                 weight_decay=weight_decay if decayed else 0.0,
                 eps=eps,
                 maximize=maximize,
@@ -244,7 +262,7 @@ def adamw(
 
 
 def sgd(
-    lr: float = 1e-2,
+    lr: LearningRate = 1e-2,
     momentum: float = 0.0,
     *,
     dampening: float = 0.0,
@@ -256,9 +274,9 @@ def sgd(
 ) -> Optimizer:
     """SGD (with optional momentum) with ``torch.optim.SGD``'s numerics. State: one buffer per shard.
 
-    ``weight_decay_mask`` as in ``adamw``.
+    ``lr`` (a number or a schedule) and ``weight_decay_mask`` as in ``adamw``.
     """
-    if lr < 0 or momentum < 0 or weight_decay < 0:
+    if (not callable(lr) and lr < 0) or momentum < 0 or weight_decay < 0:
         raise ValueError(f"invalid SGD hyper-parameters lr={lr}, momentum={momentum}, weight_decay={weight_decay}")
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("nesterov momentum needs momentum > 0 and dampening = 0")
@@ -269,6 +287,7 @@ def sgd(
     def update(grads: Sharded, state: SGDState, params: Sharded) -> tuple[Sharded, SGDState]:
         states = [state.momentum] if state.momentum is not None else []
         todo = _select(grads, params, states, state.steps, weight_decay_mask)
+        rate = _rate(lr, grads, "sgd") if todo.params else 0.0
         for decayed, part in _by_decay(todo):
             mine = part.states[0] if states else []
             # torch starts a momentum buffer as a copy of the first gradient: a parameter
@@ -283,7 +302,7 @@ def sgd(
                 foreach=foreach,
                 weight_decay=weight_decay if decayed else 0.0,
                 momentum=momentum,
-                lr=lr,
+                lr=rate,
                 dampening=dampening,
                 nesterov=nesterov,
                 maximize=maximize,

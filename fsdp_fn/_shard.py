@@ -72,11 +72,13 @@ class Sharded:
     gradient (``value_and_grad`` sets it; ``None`` means all of them). Optimizers skip the
     others, as torch.optim skips a parameter whose ``.grad`` is ``None``. It is not part of
     the pytree structure: ``tree_map`` returns a tree without it (nor ``norm``, the global
-    norm of a gradient when the step computed it already). ``consumed`` says why the
-    shards may no longer be used (donated to a step, left half-updated by a failed one).
+    norm of a gradient when the step computed it already, nor ``step``, the number of
+    steps applied before the one this gradient is for, which a learning-rate schedule
+    reads). ``consumed`` says why the shards may no longer be used (donated to a step,
+    left half-updated by a failed one).
     """
 
-    __slots__ = ("consumed", "layout", "norm", "received", "shards")
+    __slots__ = ("consumed", "layout", "norm", "received", "shards", "step")
 
     def __init__(
         self, shards: Mapping[str, Any], layout: Layout, received: Mapping[str, tuple[bool, ...]] | None = None
@@ -88,6 +90,7 @@ class Sharded:
         self.layout = layout
         self.received = dict(received) if received is not None else None
         self.norm: torch.Tensor | None = None  # gradients only: their global norm, when the step knows it
+        self.step: int | None = None  # gradients only: steps applied before this one, when the step knows it
         self.consumed: str | None = None
 
     @property
@@ -118,9 +121,9 @@ class Sharded:
         return Sharded(self.shards, self.layout, received)
 
     def like(self, shards: Mapping[str, Any]) -> Sharded:
-        """New shards with this tree's layout, ``received`` and ``norm`` (a transformed gradient)."""
+        """New shards with this tree's layout, ``received``, ``norm`` and ``step`` (a transformed gradient)."""
         out = Sharded(shards, self.layout, self.received)
-        out.norm = self.norm
+        out.norm, out.step = self.norm, self.step
         return out
 
     def __repr__(self) -> str:

@@ -225,7 +225,9 @@ class TrainStep:
             nonlocal opt_state
             square_norms[unit] = square_norm(grad)
             only = params.replace({u: grad if u == unit else params[u] for u in plan.unit_names})
-            _, opt_state = self.optimizer.update(only.with_received({unit: received}), opt_state, params)
+            only = only.with_received({unit: received})
+            only.step = state.step
+            _, opt_state = self.optimizer.update(only, opt_state, params)
             stepped.append(unit)
 
         schedule = self.schedule
@@ -271,6 +273,7 @@ class TrainStep:
                     {u: totals[u] if u in totals else torch.zeros_like(params[u]) for u in plan.unit_names}
                 ).with_received(merged)
                 grads.norm = stats[1].sqrt()  # what clip_by_global_norm and apply_if_finite read
+                grads.step = state.step  # what a learning-rate schedule reads
                 params, opt_state = self.optimizer.update(grads, opt_state, params)
                 if saved_buffers is not None and _skipped_by_chain(opt_state):
                     skipped = torch.ones((), dtype=torch.bool)

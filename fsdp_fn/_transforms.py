@@ -196,6 +196,7 @@ def accumulate(every: int, inner: Optimizer) -> Optimizer:
         if mini_step < every:
             return params, AccumulateState(state.inner, mini_step, state.summed, received)
         mean = state.summed.like({u: g / every for u, g in state.summed.shards.items()}).with_received(received)
+        mean.step = None if grads.step is None else grads.step // every  # the inner optimizer's own steps
         params, inner_state = inner.update(mean, state.inner, params)
         for g in state.summed.values():
             g.zero_()

@@ -249,3 +249,100 @@ def test_a_torch_lr_scheduler_drives_a_from_torch_optimizer(pool):
     for full in pool.run(_scheduled, world=2):
         for name, p in ref["params"].items():
             torch.testing.assert_close(full[name], p, rtol=1e-5, atol=1e-6)
+
+
+def _scheduled_ours(group, optimizer, how):
+    """``adamw``/``sgd`` with ``lr`` a schedule of the steps applied before this one."""
+    world, rank = group.size(), group.rank()
+    ours = {
+        "adamw": ff.adamw(lr=lambda k: 1e-2 * _warmup_cosine(k), weight_decay=0.1),
+        "sgd": ff.sgd(lr=lambda k: 0.1 * _warmup_cosine(k), momentum=0.9),
+    }[optimizer]
+    if how == "accumulate":
+        ours = ff.accumulate(2, ours)
+    elif how == "clip":
+        ours = ff.chain(ff.clip_by_global_norm(1e9), ours)
+    schedule = {"update_in_backward": True} if how == "update_in_backward" else {}
+    model, fn, plan, step, state = _setup(group, ours, **schedule)
+    calls = 10 if how == "accumulate" else 5
+    for k in range(calls):
+        state, _ = step(state, local_part(batch_for("mlp", model, k), rank, world))
+    return ff.unshard(state.params)
+
+
+@pytest.mark.parametrize("how", ["plain", "update_in_backward", "clip", "accumulate"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_learning_rate_schedule_equals_torchs_lambda_lr(pool, optimizer, how):
+    # Catches: the schedule read at the wrong step (off by one, per unit under
+    # update_in_backward, per call under accumulate) or lost by a link of the chain.
+    torch.manual_seed(0)
+    model = MLP()
+    base = {"adamw": 1e-2, "sgd": 0.1}[optimizer]
+    make = {
+        "adamw": partial(torch.optim.AdamW, lr=base, weight_decay=0.1),
+        "sgd": partial(torch.optim.SGD, lr=base, momentum=0.9),
+    }[optimizer]
+    if how == "accumulate":  # two calls' mean gradient per step: the same as their two batches at once
+        batches = [
+            torch.utils._pytree.tree_map(
+                lambda a, b: torch.cat([a, b]), batch_for("mlp", model, 2 * k), batch_for("mlp", model, 2 * k + 1)
+            )
+            for k in range(5)
+        ]
+    else:
+        batches = [batch_for("mlp", model, k) for k in range(5)]
+    schedulers = []
+
+    def scheduled(params):
+        opt = make(params)
+        schedulers.append(torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine))
+        return opt
+
+    ref = reference_run(model, mse_loss, batches, scheduled, after_step=lambda: schedulers[0].step())
+    for full in pool.run(_scheduled_ours, optimizer, how, world=2):
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(full[name], p, rtol=1e-5, atol=1e-6)
+
+
+def _own_loop(group):
+    """value_and_grad, then the optimizer by hand: the schedule needs ``grads.step``."""
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = MLP()
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group)
+    opt = ff.adamw(lr=lambda k: 1e-2 * _warmup_cosine(k), weight_decay=0.1)
+    opt_state = opt.init(params)
+    grad_fn = ff.value_and_grad(fn, mse_loss)
+    messages = []
+    for k in range(5):
+        _, grads = grad_fn(params, fn.buffers, local_part(batch_for("mlp", model, k), rank, world))
+        if k == 0:
+            try:
+                opt.update(grads, opt_state, params)
+            except ValueError as e:
+                messages.append(str(e))
+        grads.step = k
+        params, opt_state = opt.update(grads, opt_state, params)
+    return messages, ff.unshard(params)
+
+
+def test_a_schedule_in_a_loop_of_ones_own_reads_grads_step(pool):
+    torch.manual_seed(0)
+    model = MLP()
+    batches = [batch_for("mlp", model, k) for k in range(5)]
+    schedulers = []
+
+    def scheduled(params):
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        schedulers.append(torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine))
+        return opt
+
+    ref = reference_run(model, mse_loss, batches, scheduled, after_step=lambda: schedulers[0].step())
+    for messages, full in pool.run(_own_loop, world=2):
+        assert messages == [
+            "adamw(lr=schedule): the schedule reads grads.step, the number of steps applied before this one; the "
+            "train step sets it, and a loop of your own sets it before update (grads.step = k)"
+        ]
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(full[name], p, rtol=1e-5, atol=1e-6)
