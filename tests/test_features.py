@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import math
 from collections import Counter
 from functools import partial
 
@@ -450,6 +451,59 @@ def test_a_frozen_unit_is_dropped_when_its_inputs_gradients_are_in(pool, kind, r
         assert was_dropped == dropped
         if kind not in ("inner_grad", "penalty"):  # (a backward inside the loss refills on demand)
             assert on_demand == [], on_demand  # every refill started ahead
+
+
+def _llama_recipe(group):
+    """A Hugging Face Llama with a language model's usual recipe: weight decay on the matrices
+    only, warmup then cosine decay, clipping; four steps sharded and in one process."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = tiny_llama(0, num_hidden_layers=2).train()
+    world, rank = group.size(), group.rank()
+    ids = torch.randint(0, 64, (4, 2 * world, 12), generator=torch.Generator().manual_seed(2))
+
+    def loss_fn(m, batch):
+        return m(input_ids=batch, labels=batch).loss
+
+    def shape_of_lr(k):
+        return min(1.0, (k + 1) / 2) * 0.5 * (1 + math.cos(math.pi * k / 4))
+
+    def decayed(name, shape):
+        return len(shape) >= 2
+
+    reference = copy.deepcopy(model)
+    named = list(reference.named_parameters())
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for n, p in named if decayed(n, tuple(p.shape))], "weight_decay": 0.1},
+            {"params": [p for n, p in named if not decayed(n, tuple(p.shape))], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, shape_of_lr)
+    for batch in ids:
+        opt.zero_grad()
+        loss_fn(reference, batch).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        opt.step()
+        scheduler.step()
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([LlamaDecoderLayer]))
+    recipe = ff.chain(
+        ff.clip_by_global_norm(1.0),
+        ff.adamw(lr=lambda k: 1e-2 * shape_of_lr(k), weight_decay=0.1, weight_decay_mask=decayed),
+    )
+    step = ff.train_step(fn, loss_fn, recipe)
+    state = step.init(ff.shard(fn.params, plan, group))
+    for batch in ids:
+        state, _ = step(state, batch.chunk(world)[rank])
+    full = ff.unshard(state.params)
+    return max((full[n] - p).abs().max().item() for n, p in reference.named_parameters())
+
+
+def test_a_hugging_face_llama_trains_with_decay_on_matrices_and_a_schedule_like_one_process(pool):
+    for diff in pool.run(_llama_recipe, world=2):
+        assert diff < 1e-5, diff
 
 
 def _llama_with_a_frozen_top(group):
