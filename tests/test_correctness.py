@@ -532,6 +532,46 @@ def test_a_parameter_skipped_at_an_earlier_step_keeps_its_own_step_count(pool, w
         assert diff < 1e-5, diff
 
 
+def _uneven(group, reduction):
+    """Ranks with 5 and 3 examples of one global batch of 8."""
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = Net()
+    (batch,) = _batches(world, 1)
+    sizes = [5, 3]
+    start = sum(sizes[:rank])
+    local = tuple(t[start : start + sizes[rank]] for t in batch)
+
+    def loss_fn(m, b):
+        x, y = b
+        if reduction == "mean":  # each rank's own mean: the step then averages the ranks' means
+            return F.mse_loss(m(x), y)
+        # a sum over this rank's examples, scaled so that the ranks' mean is the global mean
+        return F.mse_loss(m(x), y, reduction="sum") * world / (sum(sizes) * y.shape[1])
+
+    fn = ff.functionalize(model)
+    step = ff.train_step(fn, loss_fn, ff.sgd(lr=0.1))
+    state = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([Block])), group))
+    state, metrics = step(state, local)
+    ref = copy.deepcopy(model)
+    F.mse_loss(ref(batch[0]), batch[1]).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.grad is not None:
+                p -= 0.1 * p.grad
+    full = ff.unshard(state.params)
+    return max((full[k] - v).abs().max().item() for k, v in ref.named_parameters())
+
+
+def test_ranks_with_unequal_batches_need_a_sum_scaled_by_the_global_count(pool):
+    """The step averages the ranks' losses (as DDP averages gradients): with unequal batches a
+    per-rank mean weighs each rank's examples by 1/its count, not the global mean. A sum
+    scaled by W / the global count is the global mean exactly (docs/errors.md)."""
+    mean, scaled = pool.run(_uneven, "mean", world=2), pool.run(_uneven, "sum", world=2)
+    assert all(d > 1e-4 for d in mean), mean  # the difference is real, not rounding
+    assert all(d < 1e-6 for d in scaled), scaled
+
+
 def _loss_family(group, examples):
     @settings(max_examples=examples)
     @given(
