@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.autograd.forward_ad as fwAD
+import torch.utils._pytree as torch_pytree
 from torch.func import grad_and_value
 
 from fsdp_fn._collectives import all_reduce_
@@ -48,19 +49,42 @@ def checked_loss(loss: Any) -> torch.Tensor:
     return loss.reshape(())
 
 
+def split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
+    """``loss_fn``'s result as ``(loss, aux)``; with ``has_aux`` it must be that pair."""
+    if not has_aux:
+        return out, None
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(f"has_aux=True: loss_fn must return a pair (loss, aux), got {type(out).__name__}")
+    return out
+
+
+def _detached(aux: Any) -> Any:
+    return torch_pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux)
+
+
 def lean_pass(
-    runtime: Runtime, params: Sharded, buffers: Mapping[str, torch.Tensor], batch: Any, loss_fn: LossFn
-) -> torch.Tensor:
-    """Forward and backward of ``loss_fn`` on this rank's ``batch``; return the loss (detached).
+    runtime: Runtime,
+    params: Sharded,
+    buffers: Mapping[str, torch.Tensor],
+    batch: Any,
+    loss_fn: LossFn,
+    has_aux: bool = False,
+) -> tuple[torch.Tensor, Any]:
+    """Forward and backward of ``loss_fn`` on this rank's ``batch``; return the loss and the
+    aux (``has_aux``; else None), detached.
 
     The gradients end in ``runtime.sink``. Memory: shards, the units in flight, the
     activations, one full unit gradient per reduce-scatter in flight.
     """
 
+    aux: Any = None
+
     def objective(shards: dict[str, torch.Tensor]) -> torch.Tensor:
+        nonlocal aux
         model = functools.partial(runtime.run_on, params.replace(shards), buffers)
         with module_parameters_hidden(runtime.fn.module):
-            loss = checked_loss(loss_fn(model, batch))
+            out, aux = split_aux(loss_fn(model, batch), has_aux)
+            loss = checked_loss(out)
         runtime.finish_forward(loss)
         return loss
 
@@ -99,7 +123,7 @@ def lean_pass(
             "trained shards, and its gradient would be lost. Reach the model only through "
             "model(...), loss_fn's first argument"
         )
-    return loss.detach()
+    return loss.detach(), _detached(aux)
 
 
 def _named_trainable(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -125,8 +149,13 @@ def value_and_grad(
     schedule: Schedule | None = None,
     remat: bool | Policy | Remat | None = None,
     timeout: float = 300.0,
-) -> Callable[[Sharded, Mapping[str, torch.Tensor], Any], tuple[torch.Tensor, Sharded]]:
+    has_aux: bool = False,
+) -> Callable[[Sharded, Mapping[str, torch.Tensor], Any], tuple[Any, Sharded]]:
     """``value_and_grad(fn, loss_fn)(params, buffers, batch) -> (loss, grads)`` over shards.
+
+    ``has_aux=True``: ``loss_fn`` returns ``(loss, aux)`` and the result is
+    ``((loss, aux), grads)``, as in JAX; ``aux`` (any pytree: predictions, a metric) is
+    this rank's, detached.
 
     ``loss_fn(model, batch)`` calls ``model`` with whatever the module's forward takes.
     ``loss`` is this rank's loss; ``grads`` is ``Sharded`` like ``params``: the gradient of
@@ -157,20 +186,21 @@ def value_and_grad(
     schedule = schedule or Schedule()
     rematerialise = Remat.of(remat)
 
-    def run(params: Sharded, buffers: Mapping[str, torch.Tensor], batch: Any) -> tuple[torch.Tensor, Sharded]:
+    def run(params: Sharded, buffers: Mapping[str, torch.Tensor], batch: Any) -> tuple[Any, Sharded]:
         ensure_live(params, "value_and_grad")
         params.plan.check_trainable(fn.module)
         if _differentiated_outside(params):
-            return _composable(fn, loss_fn, schedule, rematerialise, params, buffers, batch)
-        sink = GradSink(params, schedule)
-        runtime = Runtime(fn, params, schedule=schedule, sink=sink, remat=rematerialise)
-        with guarded(params.group, "value_and_grad", timeout):
-            loss = lean_pass(runtime, params, buffers, batch, loss_fn)
-            masks = _all_ranks(sink.received_masks(), params)
-        plan = params.plan
-        grads = {u.name: sink.totals.get(u.name) for u in plan.units}
-        shards = {u: g if g is not None else torch.zeros_like(params[u]) for u, g in grads.items()}
-        return loss, params.replace(shards).with_received(masks)
+            loss, aux, out = _composable(fn, loss_fn, schedule, rematerialise, params, buffers, batch, has_aux)
+        else:
+            sink = GradSink(params, schedule)
+            runtime = Runtime(fn, params, schedule=schedule, sink=sink, remat=rematerialise)
+            with guarded(params.group, "value_and_grad", timeout):
+                loss, aux = lean_pass(runtime, params, buffers, batch, loss_fn, has_aux)
+                masks = _all_ranks(sink.received_masks(), params)
+            grads = {u.name: sink.totals.get(u.name) for u in params.plan.units}
+            shards = {u: g if g is not None else torch.zeros_like(params[u]) for u, g in grads.items()}
+            out = params.replace(shards).with_received(masks)
+        return ((loss, aux) if has_aux else loss), out
 
     return run
 
@@ -198,11 +228,15 @@ def _composable(
     params: Sharded,
     buffers: Mapping[str, torch.Tensor],
     batch: Any,
-) -> tuple[torch.Tensor, Sharded]:
-    def objective(shards: dict[str, torch.Tensor]) -> torch.Tensor:
+    has_aux: bool,
+) -> tuple[torch.Tensor, Any, Sharded]:
+    def objective(shards: dict[str, torch.Tensor]) -> Any:
         runtime = Runtime(fn, params.replace(shards), schedule=schedule, composable=True, remat=remat)
         with module_parameters_hidden(fn.module):
-            return checked_loss(loss_fn(functools.partial(runtime.run, buffers), batch))
+            loss, aux = split_aux(loss_fn(functools.partial(runtime.run, buffers), batch), has_aux)
+            return (checked_loss(loss), aux) if has_aux else checked_loss(loss)
 
-    grads, loss = grad_and_value(objective)(params.shards)
-    return loss, params.replace(grads)
+    # Without an aux, none is returned: an outer jvp takes only tensors in its outputs.
+    grads, value = grad_and_value(objective, has_aux=has_aux)(params.shards)
+    loss, aux = value if has_aux else (value, None)
+    return loss, aux, params.replace(grads)

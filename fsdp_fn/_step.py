@@ -51,6 +51,8 @@ class TrainStep:
     are averaged over ranks, so equal per-rank batches give the gradient of the global
     batch's mean loss. ``donate=True`` updates shards and optimizer state in place (the
     returned state reuses the input's tensors); ``False`` leaves the input state intact.
+    ``has_aux=True``: ``loss_fn`` returns ``(loss, aux)`` and ``metrics["aux"]`` is this
+    rank's ``aux``, detached (a list of them with micro-batches): predictions, a metric.
 
     ``schedule`` (a ``Schedule``) says when things happen, as one value: resharding after
     forward, prefetch, the in-flight limit, mixed precision, CPU offload, updating each
@@ -90,6 +92,7 @@ class TrainStep:
         timeout: float = 300.0,
         check_schedule: CheckSchedule = "first",
         buffer_sync: BufferSync = "broadcast",
+        has_aux: bool = False,
     ) -> None:
         if not isinstance(fn, Functional):
             raise TypeError(f"train_step wants the Functional from functionalize(module), got {type(fn).__name__}")
@@ -118,6 +121,7 @@ class TrainStep:
                     f"exists; it cannot be combined with {', '.join(whole)}"
                 )
         self.fn, self.loss_fn, self.optimizer, self.donate = fn, loss_fn, optimizer, donate
+        self.has_aux = has_aux
         self.schedule = schedule
         self.remat = Remat.of(remat)
         self.buffer_sync = buffer_sync
@@ -161,7 +165,7 @@ class TrainStep:
             opt_state = self.optimizer.init(params)
         return TrainState(params, opt_state, copies, 0)
 
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One step on this rank's part of the global batch.
 
         Memory: shards + units in flight + activations; full gradients exist one unit at a
@@ -209,9 +213,7 @@ class TrainStep:
             )
         return new, metrics
 
-    def _step(
-        self, state: TrainState, micro: Sequence[Any], guard: Guard
-    ) -> tuple[TrainState, dict[str, torch.Tensor]]:
+    def _step(self, state: TrainState, micro: Sequence[Any], guard: Guard) -> tuple[TrainState, dict[str, Any]]:
         params, opt_state, buffers = state.params, state.opt_state, state.buffers
         layout, plan = params.layout, params.plan
         # A skipped step must leave everything as it was, buffers the forward moves included.
@@ -235,7 +237,7 @@ class TrainStep:
             {} if schedule.micro_batches > 1 and not schedule.reduce_each_micro_batch else None
         )
         sink = GradSink(params, schedule, defer=deferred, on_unit=step_unit if schedule.update_in_backward else None)
-        losses = []
+        losses, auxes = [], []
         try:
             for mb in micro:
                 runtime = Runtime(
@@ -247,7 +249,9 @@ class TrainStep:
                     remat=self.remat,
                     check_unchanged=guard.check,
                 )
-                losses.append(lean_pass(runtime, params, buffers, mb, self.loss_fn))
+                loss, aux = lean_pass(runtime, params, buffers, mb, self.loss_fn, self.has_aux)
+                losses.append(loss)
+                auxes.append(aux)
                 self.unit_order = runtime.order
             if deferred is not None:  # reduce_each_micro_batch=False: one reduce-scatter per unit, now
                 sink.reduce_deferred()
@@ -291,7 +295,9 @@ class TrainStep:
                 e.add_note(f"fsdp_fn: {note}")
             raise
 
-        metrics = {"loss": stats[0].float(), "grad_norm": stats[1].sqrt().float(), "skipped": skipped}
+        metrics: dict[str, Any] = {"loss": stats[0].float(), "grad_norm": stats[1].sqrt().float(), "skipped": skipped}
+        if self.has_aux:
+            metrics["aux"] = auxes[0] if len(auxes) == 1 else auxes
         sync_buffers(buffers, layout.group, self.buffer_sync)
         if layout.replicate is not None:
             sync_buffers(buffers, layout.replicate, self.buffer_sync)

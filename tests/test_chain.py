@@ -346,3 +346,63 @@ def test_a_schedule_in_a_loop_of_ones_own_reads_grads_step(pool):
         ]
         for name, p in ref["params"].items():
             torch.testing.assert_close(full[name], p, rtol=1e-5, atol=1e-6)
+
+
+def _with_aux(group):
+    """``has_aux``: the loss returns (loss, {predictions, accuracy}); the step and value_and_grad
+    hand the aux back, detached, and train exactly as the loss alone does."""
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = MLP()
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([nn.Linear]))
+    x, y = local_part(batch_for("mlp", model, 0), rank, world)
+
+    def with_aux(m, batch):
+        out = m(batch[0])
+        return mse_loss(lambda _: out, batch), {
+            "out": out,
+            "sign_agrees": (out.sign() == batch[1].sign()).float().mean(),
+        }
+
+    want = model(x).detach()  # the predictions at the initial parameters
+    results = {}
+    step = ff.train_step(fn, with_aux, ff.adamw(lr=1e-2), has_aux=True)
+    plain = ff.train_step(fn, mse_loss, ff.adamw(lr=1e-2))
+    state, metrics = step(step.init(ff.shard(fn.params, plan, group)), (x, y))
+    ref_state, ref_metrics = plain(plain.init(ff.shard(fn.params, plan, group)), (x, y))
+    aux = metrics["aux"]
+    results["step"] = (
+        (aux["out"] - want).abs().max().item(),
+        aux["out"].requires_grad,
+        float(metrics["loss"]) == float(ref_metrics["loss"]),
+        all(torch.equal(a, b) for a, b in zip(state.params.values(), ref_state.params.values(), strict=True)),
+    )
+    micro = ff.train_step(fn, with_aux, ff.adamw(), has_aux=True, schedule=ff.Schedule(micro_batches=2))
+    _, metrics = micro(micro.init(ff.shard(fn.params, plan, group)), [(x[:2], y[:2]), (x[2:], y[2:])])
+    results["micro"] = [tuple(a["out"].shape) for a in metrics["aux"]]
+    params = ff.shard(fn.params, plan, group)
+    (loss, aux), grads = ff.value_and_grad(fn, with_aux, has_aux=True)(params, fn.buffers, (x, y))
+    _, want_grads = ff.value_and_grad(fn, mse_loss)(params, fn.buffers, (x, y))
+    leaves = params.replace({k: v.detach().requires_grad_() for k, v in params.shards.items()})  # composable path
+    (_, aux_c), grads_c = ff.value_and_grad(fn, with_aux, has_aux=True)(leaves, fn.buffers, (x, y))
+    results["value_and_grad"] = (
+        (aux["out"] - want).abs().max().item(),
+        (aux_c["out"] - want).abs().max().item(),
+        max((grads[u] - want_grads[u]).abs().max().item() for u in plan.unit_names),
+        max((grads_c[u] - want_grads[u]).abs().max().item() for u in plan.unit_names),
+    )
+    try:
+        ff.value_and_grad(fn, mse_loss, has_aux=True)(params, fn.buffers, (x, y))
+    except TypeError as e:
+        results["error"] = str(e)
+    return results
+
+
+def test_has_aux_returns_this_ranks_aux_and_trains_as_the_loss_alone(pool):
+    for r in pool.run(_with_aux, world=2):
+        diff, requires_grad, same_loss, same_params = r["step"]
+        assert diff < 1e-6 and not requires_grad and same_loss and same_params, r["step"]
+        assert r["micro"] == [(2, 3), (4, 3)], r["micro"]  # one aux per micro-batch (6 local examples)
+        assert max(r["value_and_grad"]) < 1e-6, r["value_and_grad"]
+        assert r["error"] == "has_aux=True: loss_fn must return a pair (loss, aux), got Tensor"
