@@ -215,13 +215,17 @@ def _warmup_cosine(k: int) -> float:
     return min(1.0, (k + 1) / 2) * 0.5 * (1 + math.cos(math.pi * min(k, 4) / 4))
 
 
-def _scheduled(group):
-    """A learning-rate schedule: torch's own scheduler on a from_torch optimizer, stepped after each step."""
-    world, rank = group.size(), group.rank()
+def _sharded_mlp(group):
     torch.manual_seed(0)
     model = MLP()
     fn = ff.functionalize(model)
-    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group)
+    return model, fn, ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group)
+
+
+def _scheduled(group):
+    """A learning-rate schedule: torch's own scheduler on a from_torch optimizer, stepped after each step."""
+    world, rank = group.size(), group.rank()
+    model, fn, params = _sharded_mlp(group)
     opt = torch.optim.AdamW(list(params.values()), lr=1e-2, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine)
     step = ff.train_step(fn, mse_loss, ff.from_torch(opt))
@@ -232,18 +236,23 @@ def _scheduled(group):
     return ff.unshard(state.params)
 
 
-def test_a_torch_lr_scheduler_drives_a_from_torch_optimizer(pool):
+def _torch_scheduled(make, batches=None):
+    """One process: ``make(params)``'s optimizer with ``LambdaLR(_warmup_cosine)`` stepped after each step."""
     torch.manual_seed(0)
     model = MLP()
-    batches = [batch_for("mlp", model, k) for k in range(5)]
+    batches = batches(model) if batches is not None else [batch_for("mlp", model, k) for k in range(5)]
     schedulers = []
 
-    def make(params):
-        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    def scheduled(params):
+        opt = make(params)
         schedulers.append(torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine))
         return opt
 
-    ref = reference_run(model, mse_loss, batches, make, after_step=lambda: schedulers[0].step())
+    return model, batches, reference_run(model, mse_loss, batches, scheduled, after_step=lambda: schedulers[0].step())
+
+
+def test_a_torch_lr_scheduler_drives_a_from_torch_optimizer(pool):
+    model, batches, ref = _torch_scheduled(partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1))
     constant = reference_run(model, mse_loss, batches, partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1))
     assert max((ref["params"][k] - constant["params"][k]).abs().max().item() for k in ref["params"]) > 1e-3
     for full in pool.run(_scheduled, world=2):
@@ -275,30 +284,20 @@ def _scheduled_ours(group, optimizer, how):
 def test_a_learning_rate_schedule_equals_torchs_lambda_lr(pool, optimizer, how):
     # Catches: the schedule read at the wrong step (off by one, per unit under
     # update_in_backward, per call under accumulate) or lost by a link of the chain.
-    torch.manual_seed(0)
-    model = MLP()
-    base = {"adamw": 1e-2, "sgd": 0.1}[optimizer]
     make = {
-        "adamw": partial(torch.optim.AdamW, lr=base, weight_decay=0.1),
-        "sgd": partial(torch.optim.SGD, lr=base, momentum=0.9),
+        "adamw": partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+        "sgd": partial(torch.optim.SGD, lr=0.1, momentum=0.9),
     }[optimizer]
-    if how == "accumulate":  # two calls' mean gradient per step: the same as their two batches at once
-        batches = [
+
+    def pairs(model):  # two calls' mean gradient per step: the same as their two batches at once
+        return [
             torch.utils._pytree.tree_map(
                 lambda a, b: torch.cat([a, b]), batch_for("mlp", model, 2 * k), batch_for("mlp", model, 2 * k + 1)
             )
             for k in range(5)
         ]
-    else:
-        batches = [batch_for("mlp", model, k) for k in range(5)]
-    schedulers = []
 
-    def scheduled(params):
-        opt = make(params)
-        schedulers.append(torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine))
-        return opt
-
-    ref = reference_run(model, mse_loss, batches, scheduled, after_step=lambda: schedulers[0].step())
+    _, _, ref = _torch_scheduled(make, pairs if how == "accumulate" else None)
     for full in pool.run(_scheduled_ours, optimizer, how, world=2):
         for name, p in ref["params"].items():
             torch.testing.assert_close(full[name], p, rtol=1e-5, atol=1e-6)
@@ -307,10 +306,7 @@ def test_a_learning_rate_schedule_equals_torchs_lambda_lr(pool, optimizer, how):
 def _own_loop(group):
     """value_and_grad, then the optimizer by hand: the schedule needs ``grads.step``."""
     world, rank = group.size(), group.rank()
-    torch.manual_seed(0)
-    model = MLP()
-    fn = ff.functionalize(model)
-    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group)
+    model, fn, params = _sharded_mlp(group)
     opt = ff.adamw(lr=lambda k: 1e-2 * _warmup_cosine(k), weight_decay=0.1)
     opt_state = opt.init(params)
     grad_fn = ff.value_and_grad(fn, mse_loss)
@@ -328,17 +324,7 @@ def _own_loop(group):
 
 
 def test_a_schedule_in_a_loop_of_ones_own_reads_grads_step(pool):
-    torch.manual_seed(0)
-    model = MLP()
-    batches = [batch_for("mlp", model, k) for k in range(5)]
-    schedulers = []
-
-    def scheduled(params):
-        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-        schedulers.append(torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine))
-        return opt
-
-    ref = reference_run(model, mse_loss, batches, scheduled, after_step=lambda: schedulers[0].step())
+    _, _, ref = _torch_scheduled(partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1))
     for messages, full in pool.run(_own_loop, world=2):
         assert messages == [
             "adamw(lr=schedule): the schedule reads grads.step, the number of steps applied before this one; the "
