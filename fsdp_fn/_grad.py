@@ -102,7 +102,7 @@ def lean_pass(
             loss = objective(dict(zip(params.shards, leaves, strict=True)))
         # autograd.grad, not backward: the shards' own results (zeros that own no memory) are dropped.
         reached = torch.autograd.grad(loss, [*leaves, *originals.values()], allow_unused=True)[len(leaves) :]
-    except BaseException as e:
+    except Exception as e:  # (not an interrupt: that should not wait on the exchanges in flight)
         if "backward through the graph a second time" in str(e):
             e.add_note(
                 "fsdp_fn: did loss_fn call .backward() on its loss? The step differentiates the loss loss_fn "
