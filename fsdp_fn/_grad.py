@@ -155,7 +155,8 @@ def value_and_grad(
 
     ``has_aux=True``: ``loss_fn`` returns ``(loss, aux)`` and the result is
     ``((loss, aux), grads)``, as in JAX; ``aux`` (any pytree: predictions, a metric) is
-    this rank's, detached.
+    this rank's, not differentiated (inside an outer transform it carries that transform's
+    derivative, as ``torch.func.grad``'s aux does).
 
     ``loss_fn(model, batch)`` calls ``model`` with whatever the module's forward takes.
     ``loss`` is this rank's loss; ``grads`` is ``Sharded`` like ``params``: the gradient of
@@ -230,13 +231,25 @@ def _composable(
     batch: Any,
     has_aux: bool,
 ) -> tuple[torch.Tensor, Any, Sharded]:
+    aux_leaves: list[Any] = []
+    aux_spec: Any = None
+
     def objective(shards: dict[str, torch.Tensor]) -> Any:
+        nonlocal aux_leaves, aux_spec
         runtime = Runtime(fn, params.replace(shards), schedule=schedule, composable=True, remat=remat)
         with module_parameters_hidden(fn.module):
             loss, aux = split_aux(loss_fn(functools.partial(runtime.run, buffers), batch), has_aux)
-            return (checked_loss(loss), aux) if has_aux else checked_loss(loss)
+        if not has_aux:
+            return checked_loss(loss)
+        # torch.func takes only tensors in an aux; the other leaves (a step count, a name) ride outside.
+        aux_leaves, aux_spec = torch_pytree.tree_flatten(aux)
+        return checked_loss(loss), [t for t in aux_leaves if isinstance(t, torch.Tensor)]
 
     # Without an aux, none is returned: an outer jvp takes only tensors in its outputs.
     grads, value = grad_and_value(objective, has_aux=has_aux)(params.shards)
-    loss, aux = value if has_aux else (value, None)
-    return loss, aux, params.replace(grads)
+    if not has_aux:
+        return value, None, params.replace(grads)
+    loss, tensors = value
+    it = iter(tensors)
+    leaves = [next(it) if isinstance(t, torch.Tensor) else t for t in aux_leaves]
+    return loss, torch_pytree.tree_unflatten(leaves, aux_spec), params.replace(grads)

@@ -649,9 +649,12 @@ def _fingerprints(views: Mapping[str, torch.Tensor]) -> dict[str, int]:
     sums = []
     for view in views.values():
         raw = plain(view).detach().reshape(-1).view(torch.uint8)
-        head = -raw.storage_offset() % 8
-        words = (raw.numel() - head) // 8 if raw.numel() > head else 0
-        aligned = raw[head : head + 8 * words].view(torch.int64).sum()
+        head = min(-raw.storage_offset() % 8, raw.numel())
+        words = (raw.numel() - head) // 8
+        # (an empty slice may sit off the 8-byte grid, where a view as int64 is refused)
+        aligned = (
+            raw[head : head + 8 * words].view(torch.int64).sum() if words else raw.new_zeros((), dtype=torch.int64)
+        )
         ends = raw[:head].sum(dtype=torch.int64) + raw[head + 8 * words :].sum(dtype=torch.int64)
         sums.append(torch.stack([aligned, ends]))
     values = torch.stack(sums).tolist() if sums else []

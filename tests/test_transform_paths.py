@@ -83,3 +83,53 @@ def test_outer_derivatives_see_through_or_are_refused(pool):
         assert worst < 1e-5
         assert "a train step cannot run inside a torch.func transform" in message
         assert "differentiate fsdp_fn.value_and_grad" in message
+
+
+def _aux_under_jvp(group):
+    """value_and_grad(has_aux=True) inside jvp: the aux carries its forward-mode tangent, as
+    torch.func.grad's aux does, and the gradient's tangent is the Hessian-vector product."""
+    model = _model()
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([nn.Linear]))
+    params = ff.shard(fn.params, plan, group)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(group.rank()))
+    full_v = {k: torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) for k, p in fn.params.items()}
+    v = ff.shard(full_v, plan, group).shards
+
+    def with_aux(m, batch):
+        out = m(batch)
+        return _loss(lambda _: out, batch), {"mean": out.mean(), "step": 3}
+
+    def sharded(s):
+        (loss, aux), grads = ff.value_and_grad(fn, with_aux, has_aux=True)(params.replace(s), fn.buffers, x)
+        return aux["mean"], grads.shards
+
+    (aux, _), (aux_tangent, grad_tangent) = torch.func.jvp(sharded, (params.shards,), (v,))
+
+    # The reference: one process, the whole model, this rank's batch, plain torch.func.
+    def reference(p):
+        out = torch.func.functional_call(model, p, (x,))
+        return _loss(lambda _: out, x), out.mean()
+
+    want_aux, want_tangent = torch.func.jvp(
+        lambda p: torch.func.grad(reference, has_aux=True)(p)[1], (dict(fn.params),), (full_v,)
+    )
+    # With plain autograd outside, the same aux comes back detached: nothing to differentiate.
+    (_, plain_aux), _ = ff.value_and_grad(fn, with_aux, has_aux=True)(params, fn.buffers, x)
+    return (
+        (aux - want_aux).abs().item(),
+        (aux_tangent - want_tangent).abs().item(),
+        abs(want_tangent.item()),
+        max(t.abs().max().item() for t in grad_tangent.values()),
+        plain_aux["step"],
+        plain_aux["mean"].requires_grad,
+    )
+
+
+def test_aux_under_an_outer_jvp_carries_its_tangent(pool):
+    for aux_err, tangent_err, size, hvp, step, requires_grad in pool.run(_aux_under_jvp, world=2):
+        assert aux_err < 1e-6
+        assert size > 1e-3
+        assert tangent_err < 1e-5 * max(1.0, size)
+        assert hvp > 0
+        assert step == 3 and not requires_grad
