@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,22 +79,113 @@ and of CPU fused attention; recompute the cheap element-wise rest (JAX's
 ``dots_saveable``, torchtitan's op-level selective activation checkpointing)."""
 
 
-class _Record(TorchDispatchMode):
+# The operators whose inputs' shapes the recomputation must repeat: the products and the
+# attention, which every model's compute goes through. Only these: around them the same
+# region may lower to other operators under a torch.func transform (``empty_like`` there,
+# ``empty`` here), with the same values.
+_CHECKED = frozenset(
+    {
+        aten.mm,
+        aten.addmm,
+        aten.bmm,
+        aten.baddbmm,
+        aten.convolution,
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        aten._scaled_dot_product_flash_attention,
+        aten._scaled_dot_product_efficient_attention,
+        aten._scaled_dot_product_cudnn_attention,
+    }
+)
+
+
+def _signature(func: Any, args: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], torch.dtype], ...]] | None:
+    """A checked operator and its tensor inputs' shapes and dtypes (``None``: not checked)."""
+    if func.overloadpacket not in _CHECKED:
+        return None
+    return func, tuple((tuple(t.shape), t.dtype) for t in torch_pytree.tree_leaves(args) if isinstance(t, torch.Tensor))
+
+
+class _Checked(TorchDispatchMode):
+    """Recomputation: each product and attention must be the forward's, on inputs of the same
+    shapes and dtypes, or ``RematError`` names the region and the first difference (torch's
+    checkpoint compares its saved tensors' metadata the same way). Values are not compared."""
+
+    def __init__(self, forward: _Forward | None, where: str) -> None:
+        super().__init__()
+        self.forward, self.where, self.checked = forward, where, 0
+        self.replayed: set[int] = set()  # kept results handed back (made by the forward, and meant to be read)
+
+    def check(self, func: Any, args: Any, kwargs: Any) -> None:
+        if self.forward is None:  # not checked
+            return
+        for t in torch_pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and _made(self.forward.made, t) and id(t) not in self.replayed:
+                raise RematError(
+                    f"remat({self.where}): the recomputation's {func} read a tensor of shape {list(t.shape)} that the "
+                    "region's forward made from its inputs and kept outside its outputs (in a module's attribute or "
+                    "in an argument it changed): the recomputation would use the forward's values and their "
+                    "gradient would be lost. A Hugging Face model's key/value cache is one: call the model with "
+                    "use_cache=False, as its gradient checkpointing does"
+                )
+        got = _signature(func, args)
+        if got is None:
+            return
+        at, self.checked = self.checked, self.checked + 1
+        want = self.forward.signatures[at] if at < len(self.forward.signatures) else (None, ())
+        if got != want:
+            shapes = lambda sig: ", ".join(f"{list(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype in sig)  # noqa: E731
+            raise RematError(
+                f"remat({self.where}): the recomputation ran {got[0]} on ({shapes(got[1])}) where the forward ran "
+                f"{want[0]} on ({shapes(want[1])}) (product #{at + 1}): the region must compute the same when it is "
+                "recomputed, or its gradients would be wrong. Does it read state that its forward changed? A Hugging "
+                "Face model's key/value cache is one: call the model with use_cache=False, as its gradient "
+                "checkpointing does"
+            )
+
+
+class _Forward(TorchDispatchMode):
+    """Forward of a region: the checked operators' signatures, and the tensors it makes from
+    its inputs that require grad (held weakly), so that the recomputation can tell when it
+    reads one of them: a tensor the forward kept outside its outputs, in state."""
+
+    def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.signatures: list[Any] = []
+        self.sources = {id(t) for t in inputs if t.requires_grad}
+        self.made: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def note(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        if (signature := _signature(func, args)) is not None:
+            self.signatures.append(signature)
+        tensors = [t for t in torch_pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(id(t) in self.sources or _made(self.made, t) for t in tensors):
+            for t in torch_pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.made[id(t)] = weakref.ref(t)
+
+
+def _made(made: dict[int, weakref.ref[torch.Tensor]], t: torch.Tensor) -> bool:
+    ref = made.get(id(t))
+    return ref is not None and ref() is t
+
+
+class _Record(_Forward):
     """Forward: keep the outputs of the policy's operators, in the order they ran."""
 
-    def __init__(self, policy: SavePolicy) -> None:
-        super().__init__()
+    def __init__(self, policy: SavePolicy, inputs: Sequence[torch.Tensor]) -> None:
+        super().__init__(inputs)
         self.policy = policy
         self.kept: list[tuple[Any, Any, tuple[int, ...]]] = []  # (op, output, versions)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         out = func(*args, **(kwargs or {}))
+        self.note(func, args, kwargs, out)
         if self.policy.saves(func) and not func._schema.is_mutable:
             self.kept.append((func, out, _versions(out)))
         return out
 
 
-class _Replay(TorchDispatchMode):
+class _Replay(_Checked):
     """Recomputation: hand back the kept outputs instead of running those operators again.
 
     The operators still run through autograd above this mode, so the recomputed graph
@@ -101,23 +193,24 @@ class _Replay(TorchDispatchMode):
     kept (its version moved) is recomputed instead.
     """
 
-    def __init__(self, policy: SavePolicy, kept: Sequence[Any]) -> None:
-        super().__init__()
+    def __init__(self, policy: SavePolicy, kept: Sequence[Any], forward: _Forward | None, where: str) -> None:
+        super().__init__(forward, where)
         self.policy = policy
         self.kept = list(kept)
-        self.at = 0
+        self.taken = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
-        if self.policy.saves(func) and not func._schema.is_mutable and self.at < len(self.kept):
-            op, out, versions = self.kept[self.at]
-            self.at += 1
-            if op != func:
+        self.check(func, args, kwargs)
+        if self.policy.saves(func) and not func._schema.is_mutable and self.taken < len(self.kept):
+            op, out, versions = self.kept[self.taken]
+            self.taken += 1
+            if op != func:  # (the check above sees every operator; this one only the kept)
                 raise RematError(
-                    f"remat: the recomputation ran {func} where the forward ran {op} (kept result #{self.at}): "
-                    "the region must run the same operators when it is recomputed (no control flow on "
-                    "values that change between forward and backward)"
+                    f"remat({self.where}): the recomputation ran {func} where the forward ran {op} (kept result "
+                    f"#{self.taken}): the region must run the same operators when it is recomputed"
                 )
             if _versions(out) == versions:
+                self.replayed.update(id(t) for t in torch_pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
                 return out
         return func(*args, **(kwargs or {}))
 
@@ -167,12 +260,12 @@ class _Empty:
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
 
 
-class _Trace(TorchDispatchMode):
+class _Trace(_Forward):
     """Forward of a fully rematerialised region: each operator, which earlier operators its
     tensor inputs came from, and its outputs' layout (no tensor is held)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
+        super().__init__(inputs)
         self.ops: list[tuple[Any, list[list[int]], Any]] = []  # (op, producers of each input, output layout)
         self.producer: dict[int, int] = {}  # id(tensor) -> index of the op that made it (the latest with that id)
 
@@ -185,6 +278,7 @@ class _Trace(TorchDispatchMode):
             for t in torch_pytree.tree_leaves((args, kwargs))
             if isinstance(t, torch.Tensor)
         ]
+        self.note(func, args, kwargs, out)
         layout = torch_pytree.tree_map_only(torch.Tensor, _Empty.like, out)
         index = len(self.ops)
         self.ops.append((func, inputs, layout))
@@ -193,10 +287,10 @@ class _Trace(TorchDispatchMode):
                 self.producer[id(t)] = index
         return out
 
-    def tail(self) -> tuple[list[tuple[Any, Any]], int] | None:
+    def tail(self) -> tuple[list[tuple[Any, Any]], int]:
         """The region's operators other than views (each with its outputs' layout) and how
         many of them run before the tail whose outputs no backward reads: from there on, the
-        recomputation may return empty tensors (torch's early stop). ``None``: no such tail."""
+        recomputation may return empty tensors (torch's early stop); all of them: no such tail."""
         must: set[int] = set()
         for i, (op, inputs, _) in enumerate(self.ops):
             random = torch.Tag.nondeterministic_seeded in op.tags
@@ -214,32 +308,34 @@ class _Trace(TorchDispatchMode):
         start = max(must, default=-1) + 1
         kept = [(op, layout) for op, _, layout in self.ops if op not in _VIEWS]
         before = sum(op not in _VIEWS for op, _, _ in self.ops[:start])
-        return (kept, before) if before < len(kept) else None
+        return kept, before
 
 
-class _SkipTail(TorchDispatchMode):
+class _SkipTail(_Checked):
     """Recomputation: run the operators up to the tail as the forward did; for the tail,
     whose outputs no backward reads, return empty tensors of the same layout. Views always
     run (counted apart: their order may differ)."""
 
-    def __init__(self, ops: Sequence[tuple[Any, Any]], start: int) -> None:
-        super().__init__()
+    def __init__(self, ops: Sequence[tuple[Any, Any]], start: int, forward: _Forward | None, where: str) -> None:
+        super().__init__(forward, where)
         self.ops, self.start, self.at, self.same = ops, start, 0, True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         if func in _VIEWS or func.namespace == "prim":  # views; metadata queries (fake tensors)
             return func(*args, **(kwargs or {}))
+        self.check(func, args, kwargs)
         at, self.at = self.at, self.at + 1
         expected = self.ops[at][0] if at < len(self.ops) else None
         if at < self.start:
             self.same = self.same and expected == func
             return func(*args, **(kwargs or {}))
-        if not self.same:  # the recomputation went another way than the forward: skip nothing
+        if not self.same:  # lowered to other operators than the forward's (under a transform): skip nothing
             return func(*args, **(kwargs or {}))
         if expected != func:
             raise RematError(
-                f"remat: the recomputation ran {func} where the forward ran {expected} (operator #{at}), after "
-                "the operators the backward reads: the region must run the same operators when it is recomputed"
+                f"remat({self.where}): the recomputation ran {func} where the forward ran {expected} (operator "
+                f"#{at}), after the operators the backward reads: the region must run the same operators when it "
+                "is recomputed"
             )
         return torch_pytree.tree_map_only(_Empty, _Empty.make, self.ops[at][1])
 
@@ -299,6 +395,7 @@ class _Call:
         self.kept_tensors: list[torch.Tensor] = []
         self.kept_layout: list[tuple[Any, Any, list[Any], tuple[int, ...]]] = []  # (op, spec, leaves, versions)
         self.skip: tuple[list[Any], int] | None = None  # full remat: the forward's operators, where the tail starts
+        self.forward: _Forward | None = None  # what the forward ran and made, to check the recomputation against
 
     def keep(self, kept: list[tuple[Any, Any, tuple[int, ...]]]) -> None:
         for op, out, versions in kept:
@@ -366,13 +463,18 @@ class _Remat(torch.autograd.Function):
     @staticmethod
     def forward(call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         call.save_rng()
-        record = _Record(call.policy) if call.policy.ops else _Trace()
+        record = _Record(call.policy, tensors) if call.policy.ops else _Trace(tensors)
         with _CapturedCheck(tensors, call.where), record:
             outs = call.run(tensors)
         if isinstance(record, _Record):
             call.keep(record.kept)
-        elif os.environ.get("FSDP_FN_REMAT_EARLY_STOP", "1") == "1":
-            call.skip = record.tail()
+            record.kept = []  # (autograd holds them now: the recomputation's own reference would outlive its)
+        else:
+            kept, before = record.tail()
+            record.ops, record.producer = [], {}
+            # FSDP_FN_REMAT_EARLY_STOP=0: recompute the tail too (checked all the same)
+            call.skip = (kept, before if os.environ.get("FSDP_FN_REMAT_EARLY_STOP", "1") == "1" else len(kept))
+        call.forward = record
         inputs = {id(t) for t in tensors}
         # An input returned as-is cannot be both returned and saved: return a view of it.
         return tuple(o.view_as(o) if id(o) in inputs else o for o in outs)
@@ -404,15 +506,21 @@ class _Remat(torch.autograd.Function):
             tensors = list(inputs)
             for i, t in zip(wanted, diff, strict=True):
                 tensors[i] = t
+            # Under a transform the recomputation runs more products than the forward (a jvp's
+            # tangents pass through this mode too): checked under plain autograd only.
+            forward = None if transformed else call.forward
             mode: Any = (
-                _Replay(call.policy, kept) if kept else _SkipTail(*call.skip) if call.skip else contextlib.nullcontext()
+                _SkipTail(*call.skip, forward, call.where)
+                if call.skip is not None
+                else _Replay(call.policy, kept, forward, call.where)
             )
             with mode:
                 outs = call.run(tensors)
             return tuple(outs[j] for j in used)
 
         wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-        if not any(wrapped(t) for t in (*inputs, *(grads[j] for j in used))):
+        transformed = any(wrapped(t) for t in (*inputs, *(grads[j] for j in used)))
+        if not transformed:
             # Plain autograd (a train step, a .backward()): an input the region's outputs do
             # not reach gets no gradient (None), as without remat, so an unused parameter is
             # not stepped; torch.func's vjp would hand it zeros.

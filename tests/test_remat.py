@@ -297,6 +297,48 @@ def test_recomputation_that_diverges_is_named() -> None:
         grad(ff.remat(f, ff.save_dots))(torch.randn(3, 3))
 
 
+class Remembering(nn.Module):
+    """Keeps state across calls, as a key/value cache does: what it keeps from its input
+    (``cache="input"``) or from a constant made once (``cache="constant"``, a lazy table)."""
+
+    def __init__(self, cache: str) -> None:
+        super().__init__()
+        self.lin, self.cache, self.kept = nn.Linear(4, 4), cache, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sin(self.lin(x))
+        if self.cache == "input":
+            # what a Hugging Face cache does: append, then read the first len(h) rows
+            self.kept = h if self.kept is None else torch.cat([self.kept, h])
+            return torch.tanh(self.kept[: len(h)])
+        if self.kept is None:
+            self.kept = torch.linspace(0, 1, 4)
+        return torch.tanh(h + self.kept)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
+@pytest.mark.parametrize("cache", ["input", "constant"])
+def test_recomputation_reading_what_the_forward_kept_in_state(policy: ff.SavePolicy, cache: str) -> None:
+    """A region that keeps a tensor made from its inputs in state, and reads it again when
+    recomputed, would hand that tensor's gradient nowhere: refused, naming the region. State
+    made from no input (a lazily built table) is read as before, with the same gradients."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def grads(module: nn.Module, wrap: Any) -> tuple[torch.Tensor, ...]:
+        module.kept = None
+        run = wrap(module)
+        return torch.autograd.grad(run(x).square().sum(), (x, *module.parameters()))
+
+    module = Remembering(cache)
+    plain = grads(module, lambda m: m)
+    if cache == "input":
+        with pytest.raises(ff.RematError, match=r"remat\(Remembering\): the recomputation's aten.cat.default read a"):
+            grads(module, lambda m: ff.remat(m, policy))
+    else:
+        assert equal(grads(module, lambda m: ff.remat(m, policy)), plain)
+
+
 # --- saving policies ---------------------------------------------------------------------------------------
 
 

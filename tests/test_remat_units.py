@@ -193,7 +193,7 @@ def test_a_unit_with_units_inside_is_refused_by_name(pool):
     assert "rematerialise the units inside it instead" in message
 
 
-def _llama(group, checkpointing):
+def _llama(group, checkpointing, remat=None, use_cache=None):
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -214,14 +214,18 @@ def _llama(group, checkpointing):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     fn = ff.functionalize(model)
     plan = ff.make_plan(model, ff.layer_policy([LlamaDecoderLayer]))
-    step = ff.train_step(fn, lambda m, ids: m(input_ids=ids, labels=ids).loss, ff.adamw(lr=1e-2))
+    kwargs = {} if use_cache is None else {"use_cache": use_cache}
+    step = ff.train_step(fn, lambda m, ids: m(input_ids=ids, labels=ids, **kwargs).loss, ff.adamw(lr=1e-2), remat=remat)
     state = step.init(ff.shard(fn.params, plan, group))
     tokens = torch.randint(0, 64, (4 * world, 16), generator=torch.Generator().manual_seed(0))
     losses = []
-    with ff.comm_log() as log:
-        for _ in range(2):
-            state, metrics = step(state, local_part(tokens, rank, world))
-            losses.append(metrics["loss"].item())
+    try:
+        with ff.comm_log() as log:
+            for _ in range(2):
+                state, metrics = step(state, local_part(tokens, rank, world))
+                losses.append(metrics["loss"].item())
+    except ff.RematError as e:
+        return str(e)
     return losses, ff.unshard(state.params), len(log.records)
 
 
@@ -232,3 +236,21 @@ def test_hugging_face_gradient_checkpointing_trains_like_without(pool):
         assert all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(l0, l1)), (l0, l1)
         assert max((p0[k] - p1[k]).abs().max().item() for k in p0) <= 1e-6
         assert n0 == n1  # no collective added by the recomputation
+
+
+def test_hugging_face_remat_needs_no_cache_and_then_trains_like_without(pool):
+    """``remat=True`` on a Hugging Face model: in training its forward still fills a key/value
+    cache (``use_cache`` defaults to the config's True). The recomputation would append to it,
+    and attention then keeps the first keys, the forward's, so the keys' and values'
+    projections got no gradient: silently, at every layer. The recomputation now refuses to
+    read what the forward kept outside its outputs; with ``use_cache=False``, as Hugging Face's
+    own gradient checkpointing sets, it trains as without remat."""
+    for message in pool.run(_llama, False, True, world=2):
+        assert "remat(model.layers.1): the recomputation's aten.cat.default read a tensor" in message, message
+        assert "call the model with use_cache=False" in message
+    plain = pool.run(_llama, False, world=2)
+    rematerialised = pool.run(_llama, False, True, False, world=2)
+    for (l0, p0, n0), (l1, p1, n1) in zip(plain, rematerialised):
+        assert all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(l0, l1)), (l0, l1)
+        assert max((p0[k] - p1[k]).abs().max().item() for k in p0) <= 1e-6
+        assert n0 == n1
