@@ -297,6 +297,23 @@ def test_recomputation_that_diverges_is_named() -> None:
         grad(ff.remat(f, ff.save_dots))(torch.randn(3, 3))
 
 
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
+def test_recomputation_on_other_shapes_is_named_under_plain_autograd(policy: ff.SavePolicy) -> None:
+    """Control flow on something that changed between forward and backward: the same
+    operators on other shapes. Under plain autograd (the train step) every product and
+    attention is compared with the forward's by its inputs' shapes and dtypes."""
+    calls = []
+    w = torch.randn(3, 5, requires_grad=True)
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        rows = x if len(calls) == 1 else x[:2]
+        return torch.tanh(torch.tanh(rows @ w) @ w.T).sum()
+
+    with pytest.raises(ff.RematError, match=r"ran aten.mm.default on \(\[2, 3\] float32, \[3, 5\] float32\) where"):
+        ff.remat(f, policy)(torch.randn(4, 3), w).backward()
+
+
 class Remembering(nn.Module):
     """Keeps state across calls, as a key/value cache does: what it keeps from its input
     (``cache="input"``) or from a constant made once (``cache="constant"``, a lazy table)."""
