@@ -79,23 +79,12 @@ and of CPU fused attention; recompute the cheap element-wise rest (JAX's
 ``dots_saveable``, torchtitan's op-level selective activation checkpointing)."""
 
 
-# The operators whose inputs' shapes the recomputation must repeat: the products and the
-# attention, which every model's compute goes through. Only these: around them the same
-# region may lower to other operators under a torch.func transform (``empty_like`` there,
-# ``empty`` here), with the same values.
-_CHECKED = frozenset(
-    {
-        aten.mm,
-        aten.addmm,
-        aten.bmm,
-        aten.baddbmm,
-        aten.convolution,
-        aten._scaled_dot_product_flash_attention_for_cpu,
-        aten._scaled_dot_product_flash_attention,
-        aten._scaled_dot_product_efficient_attention,
-        aten._scaled_dot_product_cudnn_attention,
-    }
-)
+# The operators whose inputs' shapes the recomputation must repeat: the products of linear
+# layers and convolutions, which every model's compute goes through. Only these: around them
+# the same region may lower to other operators (``empty_like`` under a transform, ``empty``
+# here), and attention may take another kernel once its inputs require grad (T5's learned
+# position bias: a fused kernel in the forward, products and a softmax in the recomputation).
+_CHECKED = frozenset({aten.mm, aten.addmm, aten.convolution})
 
 
 def _signature(func: Any, args: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], torch.dtype], ...]] | None:
@@ -106,9 +95,11 @@ def _signature(func: Any, args: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], 
 
 
 class _Checked(TorchDispatchMode):
-    """Recomputation: each product and attention must be the forward's, on inputs of the same
-    shapes and dtypes, or ``RematError`` names the region and the first difference (torch's
-    checkpoint compares its saved tensors' metadata the same way). Values are not compared."""
+    """Recomputation: each product of a linear layer or convolution must be the forward's, on
+    inputs of the same shapes and dtypes, or ``RematError`` names the region and the first
+    difference (torch's checkpoint compares its saved tensors' metadata the same way); and
+    it may not read a tensor the forward made from its inputs and kept in state. Values are
+    not compared."""
 
     def __init__(self, forward: _Forward | None, where: str) -> None:
         super().__init__()

@@ -180,3 +180,87 @@ def tiny_llama(seed: int = 0, **config: Any) -> nn.Module:
     }
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**(defaults | config)))
+
+
+def tiny_hugging_face(
+    name: str, seed: int = 0
+) -> tuple[nn.Module, type, Callable[[Any, Any], torch.Tensor], list[Any]]:
+    """A small Hugging Face model of another family than Llama: (model, its layer class, a
+    loss, three global batches of 6). ``gpt2``: Conv1D layers, the head tied to the token
+    embedding; ``bert``: an encoder with a pooler and a classifier; ``t5``: an encoder and a
+    decoder, a shared embedding, a learned position bias; ``qwen2``: grouped-query attention,
+    tied head. Dropout off (the reference draws other masks), the cache off (what training
+    with remat needs)."""
+    import transformers as hf
+
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    if name == "gpt2":
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block as layer
+
+        model = hf.GPT2LMHeadModel(
+            hf.GPT2Config(
+                vocab_size=61, n_positions=32, n_embd=24, n_layer=3, n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+            )
+        )
+        batches = [torch.randint(0, 61, (6, 10), generator=g) for _ in range(3)]
+        return model, layer, lambda m, b: m(input_ids=b, labels=b, use_cache=False).loss, batches
+    if name == "bert":
+        from transformers.models.bert.modeling_bert import BertLayer as layer
+
+        model = hf.BertForSequenceClassification(
+            hf.BertConfig(
+                vocab_size=61,
+                hidden_size=24,
+                num_hidden_layers=3,
+                num_attention_heads=2,
+                intermediate_size=37,
+                max_position_embeddings=32,
+                hidden_dropout_prob=0,
+                attention_probs_dropout_prob=0,
+                num_labels=3,
+            )
+        )
+        batches = [
+            (torch.randint(0, 61, (6, 10), generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(3)
+        ]
+        return model, layer, lambda m, b: m(input_ids=b[0], labels=b[1]).loss, batches
+    if name == "t5":
+        from transformers.models.t5.modeling_t5 import T5Block as layer
+
+        model = hf.T5ForConditionalGeneration(
+            hf.T5Config(
+                vocab_size=61,
+                d_model=24,
+                d_kv=8,
+                d_ff=37,
+                num_layers=2,
+                num_decoder_layers=2,
+                num_heads=3,
+                dropout_rate=0,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+            )
+        )
+        batches = [
+            (torch.randint(1, 61, (6, 10), generator=g), torch.randint(1, 61, (6, 7), generator=g)) for _ in range(3)
+        ]
+        return model, layer, lambda m, b: m(input_ids=b[0], labels=b[1], use_cache=False).loss, batches
+    if name == "qwen2":
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer as layer
+
+        model = hf.Qwen2ForCausalLM(
+            hf.Qwen2Config(
+                vocab_size=61,
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=32,
+                tie_word_embeddings=True,
+            )
+        )
+        batches = [torch.randint(0, 61, (6, 10), generator=g) for _ in range(3)]
+        return model, layer, lambda m, b: m(input_ids=b, labels=b, use_cache=False).loss, batches
+    raise ValueError(f"no tiny {name!r}")
