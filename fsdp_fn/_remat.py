@@ -134,16 +134,54 @@ class _Checked(TorchDispatchMode):
             )
 
 
+# Operators that change some of their arguments in place without their schema saying so.
+_WRITES_UNMARKED: dict[Any, list[str]] = {
+    op: ["running_mean", "running_var"]  # when training
+    for op in (aten.native_batch_norm, aten.cudnn_batch_norm, aten.miopen_batch_norm)
+}
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Which storage holds a tensor's data, shared by its views (0: none, a tensor subclass)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
 class _Forward(TorchDispatchMode):
-    """Forward of a region: the checked operators' signatures, and the tensors it makes from
-    its inputs that require grad (held weakly), so that the recomputation can tell when it
-    reads one of them: a tensor the forward kept outside its outputs, in state."""
+    """Forward of a region: the checked operators' signatures; the tensors it makes from its
+    inputs that require grad (held weakly), so that the recomputation can tell when it reads
+    one of them (a tensor the forward kept outside its outputs, in state); and a copy of each
+    input that needs no gradient taken just before the forward first changes it in place
+    (a BatchNorm's running statistics), for the recomputation to start from."""
 
     def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
         super().__init__()
         self.signatures: list[Any] = []
         self.sources = {id(t) for t in inputs if t.requires_grad}
         self.made: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.constants: dict[
+            int, list[tuple[int, torch.Tensor]]
+        ] = {}  # storage -> (index, input) of those needing no grad
+        for i, t in enumerate(inputs):
+            if not t.requires_grad and (where := _storage(t)):
+                self.constants.setdefault(where, []).append((i, t))
+        self.before: dict[int, torch.Tensor] = {}  # input index -> its value before the forward changed it
+
+    def copy_before_write(self, func: Any, args: Any, kwargs: Any) -> None:
+        unmarked = _WRITES_UNMARKED.get(func.overloadpacket)
+        if not self.constants or not (func._schema.is_mutable or unmarked):
+            return
+        named = dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | (kwargs or {})
+        written = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        if unmarked and named.get("training"):
+            written += unmarked
+        for name in written:  # (a write through a view changes the input it views: keyed by storage)
+            for t in torch_pytree.tree_leaves(named.get(name)):
+                for i, tensor in self.constants.get(_storage(t), []) if isinstance(t, torch.Tensor) else []:
+                    if i not in self.before:
+                        self.before[i] = tensor.clone()
 
     def note(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         if (signature := _signature(func, args)) is not None:
@@ -169,6 +207,7 @@ class _Record(_Forward):
         self.kept: list[tuple[Any, Any, tuple[int, ...]]] = []  # (op, output, versions)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        self.copy_before_write(func, args, kwargs)
         out = func(*args, **(kwargs or {}))
         self.note(func, args, kwargs, out)
         if self.policy.saves(func) and not func._schema.is_mutable:
@@ -261,6 +300,7 @@ class _Trace(_Forward):
         self.producer: dict[int, int] = {}  # id(tensor) -> index of the op that made it (the latest with that id)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        self.copy_before_write(func, args, kwargs)
         out = func(*args, **(kwargs or {}))
         if func.namespace == "prim":  # metadata queries (fake tensors): not operators of the region
             return out
@@ -425,6 +465,15 @@ class _Call:
             leaves[i] = t
         return torch_pytree.tree_unflatten(leaves, self.out_spec)
 
+    def as_before(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The region's inputs for a recomputation: each one the forward changed in place as it
+        was before (a fresh copy, which the recomputation changes again and drops), so that
+        state such as a BatchNorm's running statistics moves once per step, as without remat."""
+        out = list(tensors)
+        for i, value in (self.forward.before if self.forward is not None else {}).items():
+            out[i] = value.clone()
+        return out
+
     def save_rng(self) -> None:
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
         self.rng = (torch.get_rng_state(), devices, [torch.cuda.get_rng_state(d) for d in devices])
@@ -494,7 +543,7 @@ class _Remat(torch.autograd.Function):
             return tuple(result)
 
         def region(*diff: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            tensors = list(inputs)
+            tensors = call.as_before(inputs)
             for i, t in zip(wanted, diff, strict=True):
                 tensors[i] = t
             # Under a transform the recomputation runs more products than the forward (a jvp's
@@ -542,7 +591,7 @@ class _Remat(torch.autograd.Function):
         live = [i for i, t in enumerate(tangents) if t is not None]
 
         def region(*diff: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            tensors = list(primals)
+            tensors = ctx.call.as_before(primals)
             for i, t in zip(live, diff, strict=True):
                 tensors[i] = t
             return tuple(ctx.call.run(tensors))
@@ -579,7 +628,11 @@ def remat(fn: Callable[..., Any], policy: SavePolicy = save_nothing) -> Callable
     tensors (``torch.is_grad_enabled()`` is False), in the backward under
     ``torch.func.vjp``. Bookkeeping that only happens with grad enabled (marking which
     parameters a backward reaches, registering hooks on outputs) happens in the
-    recomputation; side effects (buffer updates, counters) happen twice.
+    recomputation. An input needing no gradient that the forward changes in place (a
+    BatchNorm's running statistics and batch counter, through a view too) is copied just
+    before that first change, and the recomputation runs on a fresh copy of that value and
+    drops it: such state moves once, as without remat (the copy is the buffer's size, held
+    until the backward). Other side effects (appending to a Python list) happen twice.
 
     >>> import torch
     >>> f = remat(lambda x: torch.tanh(x).sum())

@@ -3,6 +3,8 @@ less memory, every feature, and models that call torch.utils.checkpoint themselv
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -254,3 +256,54 @@ def test_hugging_face_remat_needs_no_cache_and_then_trains_like_without(pool):
         assert all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(l0, l1)), (l0, l1)
         assert max((p0[k] - p1[k]).abs().max().item() for k in p0) <= 1e-6
         assert n0 == n1
+
+
+class ConvBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.relu(self.bn(self.conv(x)))
+
+
+def _batch_norm_units(group, remat):
+    """Two steps of a CNN whose units hold BatchNorms; this rank's running statistics, as torch
+    moves them on this rank's part of the batch, and the parameters."""
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), ConvBlock(), ConvBlock(), nn.Flatten(), nn.Linear(64, 5))
+    reference = copy.deepcopy(model)
+    fn = ff.functionalize(model)
+    step = ff.train_step(fn, _cross_entropy, ff.sgd(lr=0.1), remat=remat)
+    state = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([ConvBlock])), group))
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for k in range(2):
+        g = torch.Generator().manual_seed(k)
+        x, y = torch.randn(3 * world, 3, 4, 4, generator=g), torch.randint(0, 5, (3 * world,), generator=g)
+        state, _ = step(state, (x.chunk(world)[rank], y.chunk(world)[rank]))
+        opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()  # the running statistics of the whole batch: not compared
+        opt.step()
+    torch_state = {k: v.detach() for k, v in [*reference.named_parameters(), *reference.named_buffers()]}
+    return dict(state.buffers), ff.unshard(state.params), torch_state
+
+
+def _cross_entropy(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def test_batch_norm_statistics_move_once_per_step_under_remat(pool):
+    """The recomputation of a unit with a BatchNorm starts from the running statistics as they
+    were before its forward and drops its own changes: before, they moved twice per step."""
+    for world in (1, 2):
+        plain = pool.run(_batch_norm_units, None, world=world)
+        rematerialised = pool.run(_batch_norm_units, True, world=world)
+        for (b0, p0, ref), (b1, p1, _) in zip(plain, rematerialised):
+            assert b0.keys() == b1.keys() and b0["1.bn.num_batches_tracked"].item() == 2
+            assert all(torch.equal(b0[k], b1[k]) for k in b0), world
+            assert max((p0[k] - p1[k]).abs().max().item() for k in p0) <= 1e-6
+            if world == 1:  # one rank sees the whole batch: torch's model itself
+                for mine in (p0, b1):
+                    assert max((mine[k].double() - ref[k].double()).abs().max().item() for k in mine) <= 1e-6
