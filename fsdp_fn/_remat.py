@@ -144,7 +144,7 @@ _WRITES_UNMARKED: dict[Any, list[str]] = {
 def _storage(t: torch.Tensor) -> int:
     """Which storage holds a tensor's data, shared by its views (0: none, a tensor subclass)."""
     try:
-        return t.untyped_storage()._cdata
+        return int(t.untyped_storage()._cdata)
     except (RuntimeError, NotImplementedError):
         return 0
 
