@@ -16,13 +16,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as torch_pytree
 from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
+
+from fsdp_fn._tree import tensors_in
 
 
 def needing_grad(tree: Any) -> list[torch.Tensor]:
-    """The tensors in ``tree`` (any pytree) that need a gradient."""
-    return [t for t in torch_pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
+    """The tensors in ``tree`` (any pytree; dataclass instances are opened) that need a gradient."""
+    return [t for t in tensors_in(tree) if t.requires_grad]
 
 
 class InputsWatch:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import sys
 import threading
@@ -32,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_fn._plan import ROOT, Plan, Policy, unit_label
+from fsdp_fn._tree import flatten, unflatten
 
 aten = torch.ops.aten
 
@@ -186,11 +188,40 @@ class _Forward(TorchDispatchMode):
     def note(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         if (signature := _signature(func, args)) is not None:
             self.signatures.append(signature)
+        if func is aten.detach.default:  # (a detached copy carries no gradient without remat either)
+            return
         tensors = [t for t in torch_pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(id(t) in self.sources or _made(self.made, t) for t in tensors):
             for t in torch_pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self.made[id(t)] = weakref.ref(t)
+
+    def check_nothing_kept(self, outputs: Sequence[torch.Tensor], where: str) -> None:
+        """After the forward: no tensor it made from its inputs may outlive it other than its
+        outputs (and views of them) and the policy's results. Such a tensor, kept in state (a
+        module's attribute, an argument it changed), was made without autograd: a loss reading
+        it would silently get no gradient through it. Raises ``RematError``."""
+        keep = {_storage(t) for t in outputs} | {_storage(t) for t in self.policy_results()}
+        left = self._alive_apart_from(keep)
+        if left:
+            gc.collect()  # (a reference cycle may hold one a while)
+            left = self._alive_apart_from(keep)
+        if left:
+            raise RematError(
+                f"remat({where}): the region's forward kept a tensor of shape {list(left[0].shape)} that it made "
+                "from its inputs outside its outputs (in a module's attribute, in an argument it changed, such "
+                "as a Hugging Face key/value cache, or in a returned object that is neither a pytree nor a "
+                "dataclass). A rematerialised forward runs without autograd, so that tensor carries no gradient "
+                "and a loss reading it would silently lose it. Return it from the region instead (for a unit: "
+                "from its forward); keep its .detach() if it is only looked at (logging); call a Hugging Face "
+                "model with use_cache=False, as its gradient checkpointing does"
+            )
+
+    def _alive_apart_from(self, storages: set[int]) -> list[torch.Tensor]:
+        return [t for ref in self.made.values() if (t := ref()) is not None and _storage(t) not in storages]
+
+    def policy_results(self) -> list[torch.Tensor]:
+        return []
 
 
 def _made(made: dict[int, weakref.ref[torch.Tensor]], t: torch.Tensor) -> bool:
@@ -205,6 +236,9 @@ class _Record(_Forward):
         super().__init__(inputs)
         self.policy = policy
         self.kept: list[tuple[Any, Any, tuple[int, ...]]] = []  # (op, output, versions)
+
+    def policy_results(self) -> list[torch.Tensor]:
+        return [t for _, out, _ in self.kept for t in torch_pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         self.copy_before_write(func, args, kwargs)
@@ -450,8 +484,8 @@ class _Call:
         leaves = list(self.constants)
         for i, t in zip(self.slots, tensors, strict=True):
             leaves[i] = t
-        args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
-        out_leaves, out_spec = torch_pytree.tree_flatten(self.fn(*args, **kwargs))
+        args, kwargs = unflatten(leaves, self.spec)
+        out_leaves, out_spec = flatten(self.fn(*args, **kwargs))
         if self.out_spec is None:  # the layout only: holding the outputs would keep them alive
             self.out_spec = out_spec
             self.out_constants = [_TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]
@@ -463,7 +497,7 @@ class _Call:
         leaves = list(self.out_constants)
         for i, t in zip(self.out_slots, tensors, strict=True):
             leaves[i] = t
-        return torch_pytree.tree_unflatten(leaves, self.out_spec)
+        return unflatten(leaves, self.out_spec)
 
     def as_before(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The region's inputs for a recomputation: each one the forward changed in place as it
@@ -506,6 +540,7 @@ class _Remat(torch.autograd.Function):
         record = _Record(call.policy, tensors) if call.policy.ops else _Trace(tensors)
         with _CapturedCheck(tensors, call.where), record:
             outs = call.run(tensors)
+        record.check_nothing_kept(outs, call.where)
         if isinstance(record, _Record):
             call.keep(record.kept)
             record.kept = []  # (autograd holds them now: the recomputation's own reference would outlive its)
@@ -650,7 +685,7 @@ def remat(fn: Callable[..., Any], policy: SavePolicy = save_nothing) -> Callable
 
     @functools.wraps(fn)
     def rematerialised(*args: Any, **kwargs: Any) -> Any:
-        leaves, spec = torch_pytree.tree_flatten((args, kwargs))
+        leaves, spec = flatten((args, kwargs))
         call = _Call(fn, policy, leaves, spec, where)
         outs = _Remat.apply(call, *(leaves[i] for i in call.slots))
         call.kept_tensors = []  # autograd holds them now (every level's context has been set up)

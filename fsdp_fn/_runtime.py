@@ -39,7 +39,7 @@ from fsdp_fn._remat import Remat, _remat_with_state, handling_regions, route_tor
 from fsdp_fn._shard import Sharded, check_shard, ensure_live, shards_of, unit_views
 from fsdp_fn._sink import GradSink
 from fsdp_fn._standin import StandIn
-from fsdp_fn._unit import FlatPart, GatheredUnit, GatherUnit, UnitState, plain
+from fsdp_fn._unit import FlatPart, ForwardSpans, GatheredUnit, GatherUnit, UnitState, plain
 
 
 def _lift(buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -122,7 +122,8 @@ class Runtime:
         self.running: list[str] = []  # units whose forward is in progress, innermost last
         self.order: list[str] = []  # units in the order their forward ran
         # Uses whose forward is running: the gathered use, None (composable), or _FETCHING (a lookup's rows).
-        self.live: dict[tuple[str, int], list[GatheredUnit | str | None]] = {}
+        # (unit, module) -> its uses running now: the record, and autograd's node count at its start
+        self.live: dict[tuple[str, int], list[tuple[GatheredUnit | str | None, int]]] = {}
         self.watches: dict[GatheredUnit, InputsWatch] = {}  # frozen uses whose forward is running
         self.loss_known = False  # finish_forward ran: a backward from now on is the step's own
         module = fn.module
@@ -244,8 +245,9 @@ class Runtime:
             and torch._C._functorch.maybe_current_level() is None
         )
 
-    def _lookup(self, unit: Unit, indices: Any) -> torch.Tensor:
+    def _lookup(self, unit: Unit, *args: Any, **kwargs: Any) -> torch.Tensor:
         """``nn.Embedding.forward`` on the rows its indices name, fetched from their holders."""
+        indices = _indices(args, kwargs)
         check_indices(indices, unit)
         module = self.fn.module.get_submodule(unit.name)
         assert isinstance(module, nn.Embedding)
@@ -262,12 +264,11 @@ class Runtime:
         out = torch.nn.functional.embedding(
             inverse, table, padding, None, module.norm_type, module.scale_grad_by_freq, False
         )
-        self.inflight -= self._rows_bytes(unit, (indices,))  # F.embedding keeps no row for backward
+        self.inflight -= self._rows_bytes(unit, indices)  # F.embedding keeps no row for backward
         return out
 
-    def _rows_bytes(self, unit: Unit, args: tuple[Any, ...]) -> int:
+    def _rows_bytes(self, unit: Unit, indices: Any) -> int:
         """The most bytes a lookup's rows take: one row per index, the table at most."""
-        indices = args[0] if args else None
         count = indices.numel() if isinstance(indices, torch.Tensor) else 0
         rows, dim = unit.params[0].shape
         return min(count, rows) * dim * unit.dtype.itemsize
@@ -422,6 +423,13 @@ class Runtime:
         an output thrown away): they will never get a backward, so backward must not refill them."""
         self.loss_known = True
         gathers: set[int] = set()  # uses whose gradient the backward computes
+        # A freed use's refill hooks its outputs; a path into its forward that bypasses them (a
+        # tensor it kept on its module, read by the loss) would reach a node reading the freed
+        # buffer first: the nodes where such paths enter refill it too.
+        spans = ForwardSpans(
+            [r for r in self.records if isinstance(r, GatheredUnit) and r.state is UnitState.FREED and r.refill]
+        )
+        entries: dict[GatheredUnit, list[Any]] = collections.defaultdict(list)
         seen: set[Any] = set()
         stack = [loss.grad_fn]
         while stack:
@@ -432,8 +440,17 @@ class Runtime:
             use = getattr(node, "fsdp_fn_use", None)
             if use is not None:
                 gathers.add(id(use))
-            stack.extend(next_node for next_node, _ in node.next_functions)
+            number = node._sequence_nr()
+            for next_node, _ in node.next_functions:
+                if next_node is not None and next_node not in seen:
+                    for entered in spans.entered(next_node._sequence_nr(), number):
+                        entries[entered].append(next_node)
+                    stack.append(next_node)
         reached = {node._sequence_nr() for node in seen}  # (see GatheredUnit.outputs)
+        for entered, nodes in entries.items():
+            outputs = [n for n in nodes if n._sequence_nr() not in entered.outputs]
+            if outputs:
+                entered.refill_on_entry(outputs)
         uses: collections.Counter[str] = collections.Counter()
         for rec in list(self.records):
             if id(rec) in gathers:
@@ -555,11 +572,11 @@ class Runtime:
             if self._fetches_rows(unit):  # nothing to gather: its forward fetches the rows it reads
                 self.uses[unit.name] = self.uses.get(unit.name, 0) + 1
                 # The rows count against the prefetch limit while they live (at most one per index).
-                self.inflight += self._rows_bytes(unit, args)
+                self.inflight += self._rows_bytes(unit, _indices(args, kwargs))
                 if self.schedule.forward_prefetch:
                     self._prefetch(self.forward_order.advance(unit.name))
                 self.order.append(unit.name)
-                self.live.setdefault(key, []).append(_FETCHING)
+                self.live.setdefault(key, []).append((_FETCHING, 0))
                 return
             rec, views = self._gather(unit)
             upcoming = self.forward_order.advance(unit.name)
@@ -569,7 +586,7 @@ class Runtime:
                 swapped.append((owner, attr, owner._parameters[attr]))
                 owner._parameters[attr] = views[name]  # type: ignore[assignment]
             self.order.append(unit.name)
-            self.live.setdefault(key, []).append(rec)
+            self.live.setdefault(key, []).append((rec, torch._C._autograd._get_sequence_nr()))
             if self.check_unchanged:
                 self.fingerprints.setdefault(key, []).append((_fingerprints(views), views))
             if rec is not None and self._watches_inputs(unit):
@@ -585,7 +602,7 @@ class Runtime:
         key = (unit.name, id(target))
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            rec = self.live[key].pop()
+            rec, nodes_before = self.live[key].pop()
             if isinstance(rec, str):  # _FETCHING: nothing was gathered or swapped
                 self.running.pop()
                 return output
@@ -601,11 +618,21 @@ class Runtime:
             watch = self.watches.pop(rec, None)
             if watch is not None:
                 watch.keep_if_closed(outputs)
-            reshard = not self.forward_order.keep_gathered(unit.name, self.schedule)
+            # A forward that recorded autograd history but returns no tensor that needs a gradient
+            # (inside an object of its own, not a pytree or dataclass) leaves nothing to hook the
+            # refill on: the unit stays gathered for its backward instead.
+            rec.made = range(nodes_before, torch._C._autograd._get_sequence_nr())
+            hidden = not outputs and torch.is_grad_enabled() and bool(rec.made)
+            reshard = not hidden and not self.forward_order.keep_gathered(unit.name, self.schedule)
             self._after_forward(rec, outputs, reshard, self._backward_reads(unit))
             return output
 
         return hook
+
+
+def _indices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The indices an ``nn.Embedding`` is called with: ``emb(idx)`` or ``emb(input=idx)``."""
+    return args[0] if args else kwargs.get("input")
 
 
 def _sparse_grad_params(module: nn.Module, plan: Plan) -> frozenset[str]:

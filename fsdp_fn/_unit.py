@@ -5,7 +5,8 @@ full parameters, the unit's parameters are views into it. FREED (post-forward): 
 buffer's storage is released (``untyped_storage().resize_(0)``); autograd's saved tensors
 still alias it. GATHERED again (pre-backward): a hook on the unit's outputs' gradients
 refills it before the unit's backward runs (a hook, not an identity ``autograd.Function``,
-whose outputs would be views that code after the unit may not change in place). SHARDED
+whose outputs would be views that code after the unit may not change in place), and so
+does a hook on any other node of its forward where the loss's backward enters it. SHARDED
 (post-backward): the full gradient goes to the owner, the buffer is dropped.
 
 Each parameter's gradient is written into its slice of one flat gradient buffer the moment
@@ -18,7 +19,9 @@ from the call that runs it comes in as an ``Owner``.
 
 from __future__ import annotations
 
+import bisect
 import enum
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -163,6 +166,7 @@ class GatheredUnit:
         self.taken = False  # the flat gradient is autograd's own tensor (see _may_take)
         self.refill = True  # freed after forward, gathered again for backward (not a lookup's)
         self.outputs: frozenset[int] = frozenset()  # sequence numbers of the nodes of the outputs that refill it
+        self.made = range(0)  # sequence numbers of the autograd nodes its forward made
         # Only non-root units whose gather allocates take a buffer that counts against the limit.
         counted = unit.name != ROOT and not all(p.in_place for p in self.parts)
         self.nbytes = sum(p.shard.numel() * int(p.group.size()) * p.dtype.itemsize for p in parts) if counted else 0
@@ -198,9 +202,17 @@ class GatheredUnit:
         self.outputs = frozenset(get_gradient_edge(t).node._sequence_nr() for t in outputs)
         register_multi_grad_hook(outputs, lambda _grad: self.refill_now(), mode="any")
 
+    def refill_on_entry(self, nodes: Sequence[Any]) -> None:
+        """Also refill before any of ``nodes`` runs: nodes of its forward that the loss's backward
+        reaches other than through its outputs (a tensor the forward kept on its module)."""
+        for node in nodes:
+            node.register_prehook(lambda _grads: self.refill_now())
+
     def refill_now(self) -> None:
         """The unit's backward is about to run: its buffer gathered (started here if it was not
-        prefetched), then the owner told."""
+        prefetched), then the owner told. Once its backward is done (released), nothing."""
+        if self.state is UnitState.SHARDED:
+            return
         if self.state is UnitState.FREED:  # not prefetched
             self.start()
         self.wait()
@@ -324,6 +336,32 @@ class GatheredUnit:
             assert part.buffer is not None
             out.update(part.views(part.buffer))
         return out
+
+
+class ForwardSpans:
+    """The spans of autograd node numbers that uses' forwards made (nested, as the calls are,
+    or apart), to find the edges of a backward graph that enter one from outside it."""
+
+    def __init__(self, uses: Sequence[GatheredUnit]) -> None:
+        self.uses = sorted((u for u in uses if u.made), key=lambda u: (u.made.start, -u.made.stop))
+        self.starts = [u.made.start for u in self.uses]
+        self.parent: list[int] = []  # index of the innermost span around each one (-1: none)
+        open_: list[int] = []
+        for i, use in enumerate(self.uses):
+            while open_ and self.uses[open_[-1]].made.stop <= use.made.start:
+                open_.pop()
+            self.parent.append(open_[-1] if open_ else -1)
+            open_.append(i)
+
+    def entered(self, node: int, source: int) -> Iterator[GatheredUnit]:
+        """The uses whose span holds node number ``node`` but not ``source``, the node whose
+        gradient flows into it."""
+        i = bisect.bisect_right(self.starts, node) - 1
+        while i >= 0 and node not in self.uses[i].made:
+            i = self.parent[i]
+        while i >= 0 and source not in self.uses[i].made:
+            yield self.uses[i]
+            i = self.parent[i]
 
 
 class GatherUnit(torch.autograd.Function):

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -985,3 +988,131 @@ def test_an_embedding_is_gathered_again_for_backward_only_when_backward_reads_it
         assert param < 1e-5, param
         assert plan_lookups == lookups
         assert again == regathered
+
+
+# --- what a unit returns and keeps ------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Hidden:
+    h: torch.Tensor
+    note: str = "block"
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenHidden:
+    parts: tuple[torch.Tensor, ...]
+
+    @property
+    def h(self) -> torch.Tensor:
+        return self.parts[0]
+
+
+class Boxed:
+    """A container of the user's own: neither a pytree node nor a dataclass."""
+
+    def __init__(self, h: torch.Tensor) -> None:
+        self.h = h
+
+
+class BoxingBlock(nn.Module):
+    """Returns its output inside ``box``; ``keep_aux``: also keeps an auxiliary loss on itself
+    (a router's load-balancing term, read by the loss after the forward)."""
+
+    def __init__(self, d: int, box: str, keep_aux: bool) -> None:
+        super().__init__()
+        self.fc, self.router = nn.Linear(d, d), nn.Linear(d, 3)
+        self.box, self.keep_aux = box, keep_aux
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = x + torch.tanh(self.fc(x))
+        if self.keep_aux:
+            self.aux = self.router(x).softmax(-1).square().mean()
+        if self.box == "dataclass":
+            return Hidden(h)
+        if self.box == "frozen_dataclass":
+            return FrozenHidden((h, torch.sigmoid(self.router(h))))
+        return Boxed(h) if self.box == "object" else h
+
+
+class BoxingNet(nn.Module):
+    def __init__(self, box: str, keep_aux: bool = False, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(5, 6), nn.Linear(6, 3)
+        self.blocks = nn.ModuleList([BoxingBlock(6, box, keep_aux) for _ in range(2)])
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            run = functools.partial(torch.utils.checkpoint.checkpoint, block, use_reentrant=False)
+            x = (run(x) if self.checkpointed else block(x)).h if block.box != "tensor" else block(x)
+        return self.out(x)
+
+
+def _boxed_loss(module):
+    def loss_fn(m, batch):  # (``m`` is the module itself in the reference)
+        x, y = batch
+        loss = F.mse_loss(m(x), y)
+        blocks = m.blocks if isinstance(m, nn.Module) else module.blocks
+        return loss + sum(b.aux for b in blocks) if blocks[0].keep_aux else loss
+
+    return loss_fn
+
+
+def _train_boxed(group, box, remat, keep_aux=False, checkpointed=False):
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = BoxingNet(box, keep_aux, checkpointed)
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([BoxingBlock]))
+    step = ff.train_step(fn, _boxed_loss(model), ff.adamw(lr=0.05, weight_decay=0.1), remat=remat)
+    state = step.init(ff.shard(fn.params, plan, group))
+    batches = _batches(world)
+    norms = []
+    try:
+        for b in batches:
+            state, metrics = step(state, tuple(t.chunk(world)[rank] for t in b))
+            norms.append(metrics["grad_norm"].item())
+    except ff.RematError as e:
+        return str(e)
+    full = ff.unshard(state.params)
+    for block in model.blocks:
+        block.__dict__.pop("aux", None)  # (a tensor with its graph: the reference copies the model)
+    ref_norms, ref_params = _reference(model, _boxed_loss(model), batches, 0.05)
+    return (
+        max(rel(a, b) for a, b in zip(norms, ref_norms)),
+        max((full[k] - v).abs().max().item() for k, v in ref_params.items()),
+        all(torch.equal(full[k], v.detach()) for k, v in model.named_parameters() if torch.equal(ref_params[k], v)),
+    )
+
+
+@pytest.mark.parametrize("remat", [None, True], ids=["default", "remat"])
+@pytest.mark.parametrize("box", ["dataclass", "frozen_dataclass", "object"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_units_output_inside_a_container_trains_like_one_process(pool, world, box, remat):
+    """A unit may return its output inside a dataclass (opened like a pytree, as torch's FSDP1
+    does; before, the default step freed the unit with no refill and its backward read freed
+    storage, and remat dropped the units' gradients silently) or an object of the user's own
+    (which fsdp_fn cannot see into: the unit stays gathered for its backward; under remat,
+    whose forward runs without autograd, that would lose its gradient: refused, naming it)."""
+    results = pool.run(_train_boxed, box, remat, world=world)
+    if box == "object" and remat:
+        for message in results:
+            assert message.startswith("remat(blocks.0): the region's forward kept a tensor of shape"), message
+            assert "neither a pytree nor a dataclass" in message
+        return
+    _check(results)
+
+
+@pytest.mark.parametrize("how", ["remat", "torch_checkpoint"])
+def test_a_tensor_a_rematerialised_unit_keeps_on_itself_is_refused(pool, how):
+    """A unit that keeps an auxiliary loss on itself (``self.aux = ...``), which the loss adds:
+    without remat the step is torch's; rematerialised (by the step, or by the model's own
+    ``torch.utils.checkpoint``), its forward runs without autograd, so the term would carry no
+    gradient: refused, naming the unit (before, the routers silently got none)."""
+    _check(pool.run(_train_boxed, "tensor", None, True, world=2))
+    remat, checkpointed = (True, False) if how == "remat" else (None, True)
+    box = "tensor" if how == "remat" else "dataclass"
+    for message in pool.run(_train_boxed, box, remat, True, checkpointed, world=2):
+        assert message.startswith("remat(blocks.0): the region's forward kept a tensor of shape []"), message

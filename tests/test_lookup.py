@@ -15,7 +15,8 @@ VOCAB, DIM = 37, 6
 
 
 class Tagger(nn.Module):
-    """Two lookups (one with a padding row and frequency-scaled gradients, one used twice) and a head."""
+    """Two lookups (one with a padding row and frequency-scaled gradients, one used twice, the
+    second time with its indices as a keyword, ``input=``) and a head."""
 
     def __init__(self, scale: bool = True, sparse: bool = False) -> None:
         super().__init__()
@@ -26,7 +27,7 @@ class Tagger(nn.Module):
     def forward(self, ids: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             self.tokens(ids)  # an extra lookup whose rows get no gradient
-        hidden = self.tokens(ids) + self.tags(tags) + self.tags(tags.flip(-1))
+        hidden = self.tokens(ids) + self.tags(tags) + self.tags(input=tags.flip(-1))
         return self.head(torch.tanh(hidden))
 
 

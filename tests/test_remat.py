@@ -352,7 +352,8 @@ def test_recomputation_on_other_shapes_is_named_under_plain_autograd(policy: ff.
 
 class Remembering(nn.Module):
     """Keeps state across calls, as a key/value cache does: what it keeps from its input
-    (``cache="input"``) or from a constant made once (``cache="constant"``, a lazy table)."""
+    (``cache="input"``; ``"view"``: and returns a view of it) or from a constant made once
+    (``cache="constant"``, a lazy table)."""
 
     def __init__(self, cache: str) -> None:
         super().__init__()
@@ -364,17 +365,21 @@ class Remembering(nn.Module):
             # what a Hugging Face cache does: append, then read the first len(h) rows
             self.kept = h if self.kept is None else torch.cat([self.kept, h])
             return torch.tanh(self.kept[: len(h)])
+        if self.cache == "view":
+            self.kept = h if self.kept is None else torch.cat([self.kept, h])
+            return self.kept[: len(h)]
         if self.kept is None:
             self.kept = torch.linspace(0, 1, 4)
         return torch.tanh(h + self.kept)
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
-@pytest.mark.parametrize("cache", ["input", "constant"])
+@pytest.mark.parametrize("cache", ["input", "view", "constant"])
 def test_recomputation_reading_what_the_forward_kept_in_state(policy: ff.SavePolicy, cache: str) -> None:
     """A region that keeps a tensor made from its inputs in state, and reads it again when
-    recomputed, would hand that tensor's gradient nowhere: refused, naming the region. State
-    made from no input (a lazily built table) is read as before, with the same gradients."""
+    recomputed, would hand that tensor's gradient nowhere: refused when its forward ends,
+    naming the region. State made from no input (a lazily built table) is read as before,
+    with the same gradients."""
     torch.manual_seed(0)
     x = torch.randn(3, 4, requires_grad=True)
 
@@ -386,6 +391,10 @@ def test_recomputation_reading_what_the_forward_kept_in_state(policy: ff.SavePol
     module = Remembering(cache)
     plain = grads(module, lambda m: m)
     if cache == "input":
+        kept = r"remat\(Remembering\): the region's forward kept a tensor of shape \[3, 4\]"
+        with pytest.raises(ff.RematError, match=kept):
+            grads(module, lambda m: ff.remat(m, policy))
+    elif cache == "view":  # kept in the output's storage: found when the recomputation reads it
         with pytest.raises(ff.RematError, match=r"remat\(Remembering\): the recomputation's aten.cat.default read a"):
             grads(module, lambda m: ff.remat(m, policy))
     else:
