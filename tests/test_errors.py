@@ -76,15 +76,28 @@ def _batch_rejected(group):
     step = ff.train_step(fn, loss_fn, ff.adamw())
     state = step.init(params)
     before = ff.unshard(state.params)
+    originals = list(model.parameters())
     msg = _error(step, state, (torch.randn(3, 4), torch.randn(3, 3)))  # 4 features, the model takes 7
     intact = all(torch.equal(before[k], v) for k, v in ff.unshard(state.params).items())
-    return msg, intact
+    msg_applied = _error(ff.apply_sharded, fn, state.params, fn.buffers, torch.randn(3, 4))
+    # The module keeps its own parameters (the unit's gathered views were put back before them),
+    # so the module, value_and_grad and the next step work as if the failure never happened.
+    own = all(a is b for a, b in zip(originals, model.parameters(), strict=True))
+    good = (torch.randn(3, 7), torch.randn(3, 3))
+    model(good[0])
+    ff.value_and_grad(fn, loss_fn)(state.params, fn.buffers, good)
+    fresh = ff.train_step(fn, loss_fn, ff.adamw())
+    expected, _ = fresh(fresh.init(ff.shard(fn.params, plan, group)), good)
+    state, _ = step(state, good)
+    same = all(torch.equal(a, b) for a, b in zip(ff.tree_leaves(state.params), ff.tree_leaves(expected.params)))
+    return msg, msg_applied, intact, own, same
 
 
 def test_batch_the_model_rejects(pool):
-    for msg, intact in pool.run(_batch_rejected, world=2):
-        assert "RuntimeError" in msg and "fsdp_fn: raised in the forward of unit 'net.0'" in msg
-        assert intact
+    for msg, msg_applied, intact, own, same in pool.run(_batch_rejected, world=2):
+        for m in (msg, msg_applied):
+            assert "RuntimeError" in m and "fsdp_fn: raised in the forward of unit 'net.0'" in m
+        assert intact and own and same
 
 
 def _bad_loss(group):
