@@ -584,10 +584,13 @@ class _Remat(torch.autograd.Function):
             # Under a transform the recomputation runs more products than the forward (a jvp's
             # tangents pass through this mode too): checked under plain autograd only.
             forward = None if transformed else call.forward
+            # Tangents pushed through the recomputation (a jvp, jacfwd or hessian around this
+            # backward) run their products through this mode too, where the kept results, handed
+            # back in order, would stand in for them: nothing is replayed then.
             mode: Any = (
                 _SkipTail(*call.skip, forward, call.where)
                 if call.skip is not None
-                else _Replay(call.policy, kept, forward, call.where)
+                else _Replay(call.policy, [] if _tangents_pushed() else kept, forward, call.where)
             )
             with mode:
                 outs = call.run(tensors)
@@ -636,6 +639,15 @@ class _Remat(torch.autograd.Function):
         return pushed[1]
 
 
+def _tangents_pushed() -> bool:
+    """Whether forward-mode derivatives are being taken of what runs now: a ``torch.func``
+    jvp level (``jvp``, ``jacfwd``, ``hessian``) or autograd's forward AD."""
+    if torch.autograd.forward_ad._current_level >= 0:
+        return True
+    jvp = torch._C._functorch.TransformType.Jvp
+    return any(level.key() == jvp for level in torch._C._functorch.get_interpreter_stack() or [])
+
+
 def _describe(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
 
@@ -668,6 +680,8 @@ def remat(fn: Callable[..., Any], policy: SavePolicy = save_nothing) -> Callable
     before that first change, and the recomputation runs on a fresh copy of that value and
     drops it: such state moves once, as without remat (the copy is the buffer's size, held
     until the backward). Other side effects (appending to a Python list) happen twice.
+    Under forward-mode derivatives of the backward (``jvp`` of ``grad``, ``hessian``) the
+    recomputation runs every operator: ``policy``'s kept results are not handed back there.
 
     >>> import torch
     >>> f = remat(lambda x: torch.tanh(x).sum())

@@ -253,15 +253,18 @@ def test_captured_tensor_that_requires_grad_is_refused() -> None:
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
 def test_every_transform_matches_the_plain_function(policy: ff.SavePolicy) -> None:
     """vmap (per-sample gradients, dropout with randomness='different'), jvp, jacfwd/jacrev
-    Hessians and plain double backward: remat changes no result."""
+    Hessians, forward-over-reverse Hessian-vector products and plain double backward: remat
+    changes no result. ``g`` runs two products, one with a bias: a tangent's products pass
+    through the recomputation too, and once took the kept results of the primal's (a wrong
+    Hessian-vector product under ``save_dots``, silently; ``hessian`` raised)."""
     torch.manual_seed(0)
-    w, x = torch.randn(3, 3), torch.randn(4, 3)
+    w, x, b = torch.randn(3, 3), torch.randn(4, 3), torch.randn(3)
 
     def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(torch.tanh(x @ w), 0.5).sum()
 
     def g(w: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(x @ w).square().sum()
+        return torch.tanh(torch.addmm(b, torch.tanh(x @ w), w)).square().sum()
 
     def results(f: Any, g: Any) -> list[Any]:
         torch.manual_seed(1)
@@ -269,6 +272,8 @@ def test_every_transform_matches_the_plain_function(policy: ff.SavePolicy) -> No
         out.append(torch.func.jvp(g, (w,), (torch.ones_like(w),)))
         out.append(torch.func.jacfwd(torch.func.jacrev(g))(w))
         out.append(torch.func.jacrev(torch.func.jacrev(g))(w))
+        out.append(torch.func.jvp(grad(g), (w,), (torch.ones_like(w),)))
+        out.append(torch.func.hessian(g)(w))
         leaf = w.clone().requires_grad_()
         (first,) = torch.autograd.grad(g(leaf), leaf, create_graph=True)
         out.append(torch.autograd.grad(first.sum(), leaf))
