@@ -381,9 +381,10 @@ def _skipped_by_chain(opt_state: Any) -> bool:
     """Whether an ``apply_if_finite`` in the optimizer's state left the last update out."""
     if isinstance(opt_state, ApplyIfFiniteState):
         return not opt_state.last_finite or _skipped_by_chain(opt_state.inner)
-    if isinstance(opt_state, ChainState | AccumulateState):
-        inner = opt_state.states if isinstance(opt_state, ChainState) else (opt_state.inner,)
-        return any(_skipped_by_chain(s) for s in inner)
+    if isinstance(opt_state, ChainState):
+        return any(_skipped_by_chain(s) for s in opt_state.states)
+    if isinstance(opt_state, AccumulateState):  # its inner ran in this call only if a round just ended
+        return opt_state.mini_step == 0 and _skipped_by_chain(opt_state.inner)
     return False
 
 

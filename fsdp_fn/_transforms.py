@@ -167,7 +167,7 @@ class AccumulateState(NamedTuple):
     inner: Any
     mini_step: int  # gradients summed so far in this round
     summed: Sharded  # their sum (shards)
-    received: dict[str, tuple[bool, ...]]  # which parameters got a gradient in any of them
+    received: frozenset[str]  # the parameters that got a gradient in any of them, by name (any plan's)
 
 
 def accumulate(every: int, inner: Optimizer) -> Optimizer:
@@ -181,26 +181,27 @@ def accumulate(every: int, inner: Optimizer) -> Optimizer:
 
     def init(params: Sharded) -> AccumulateState:
         zeros = params.replace({u: torch.zeros_like(params[u]) for u in params.plan.unit_names})
-        return AccumulateState(inner.init(params), 0, zeros, {})
+        return AccumulateState(inner.init(params), 0, zeros, frozenset())
 
     def update(grads: Sharded, state: AccumulateState, params: Sharded) -> tuple[Sharded, AccumulateState]:
-        received = dict(state.received)
+        received = set(state.received)
         for unit in params.plan.units:
             mask = (True,) * len(unit.params) if grads.received is None else grads.received.get(unit.name)
             if mask is None:
                 continue
             state.summed[unit.name].add_(grads[unit.name])
-            before = received.get(unit.name, (False,) * len(unit.params))
-            received[unit.name] = tuple(a or b for a, b in zip(before, mask, strict=True))
+            received.update(spec.name for spec, got in zip(unit.params, mask, strict=True) if got)
         mini_step = state.mini_step + 1
         if mini_step < every:
-            return params, AccumulateState(state.inner, mini_step, state.summed, received)
-        mean = state.summed.like({u: g / every for u, g in state.summed.shards.items()}).with_received(received)
+            return params, AccumulateState(state.inner, mini_step, state.summed, frozenset(received))
+        masks = {u.name: tuple(spec.name in received for spec in u.params) for u in params.plan.units}
+        mean = state.summed.like({u: g / every for u, g in state.summed.shards.items()})
+        mean = mean.with_received({u: mask for u, mask in masks.items() if any(mask)})
         mean.step = None if grads.step is None else grads.step // every  # the inner optimizer's own steps
         params, inner_state = inner.update(mean, state.inner, params)
         for g in state.summed.values():
             g.zero_()
-        return params, AccumulateState(inner_state, 0, state.summed, {})
+        return params, AccumulateState(inner_state, 0, state.summed, frozenset())
 
     name = f"accumulate({every})"
     return Optimizer(init, update, links=(name, *inner.links), whole=(name, *inner.whole))

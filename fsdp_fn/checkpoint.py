@@ -373,7 +373,11 @@ def _write(final: Path, entries: dict[str, Any], group: dist.ProcessGroup, step:
     error = None
     if coordinator:
         if final.exists():
-            error = f"{final} already exists; checkpoints are never overwritten"
+            error = (
+                f"{final} already exists; checkpoints are never overwritten (CheckpointManager names them after "
+                "state.step, the steps applied, which a step that apply_if_finite skipped leaves as it was: "
+                "pass save(state, step=...) the loop's own count)"
+            )
         else:
             try:
                 shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
@@ -638,7 +642,7 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
 class CheckpointManager:
     """Checkpoints of one run under ``root`` (``root/step_00000100``), the last ``keep`` kept.
 
-    ``save(state)`` names the directory after ``state.step``; once it is committed, rank 0
+    ``save(state)`` names the directory after ``state.step`` (or ``step=``); once it is committed, rank 0
     deletes the oldest ones beyond ``keep`` (and temporary directories left by interrupted
     saves). ``restore(like)`` loads the latest, or returns ``None`` when there is none.
     """
@@ -653,15 +657,24 @@ class CheckpointManager:
         return self.root / f"step_{step:08d}"
 
     def steps(self) -> list[int]:
-        return [s for s, _ in _committed(self.root)]
+        """The steps of the complete checkpoints (their directories' names), oldest first."""
+        return [int(d.name.removeprefix("step_")) for _, d in _committed(self.root) if d.name.startswith("step_")]
 
     def latest(self) -> Path | None:
         return latest(self.root)
 
-    def save(self, state: TrainState, *, extra: Any = None, blocking: bool = True, **kwargs: Any) -> PendingSave | Path:
-        """``save(root/step_N, state, ...)`` then the retention (in the background too, with ``blocking=False``)."""
+    def save(
+        self, state: TrainState, *, step: int | None = None, extra: Any = None, blocking: bool = True, **kwargs: Any
+    ) -> PendingSave | Path:
+        """``save(root/step_N, state, ...)`` then the retention (in the background too, with
+        ``blocking=False``). ``N`` is ``step``, by default ``state.step``: the steps applied,
+        which a step that ``apply_if_finite`` skipped leaves as it was; a loop that saves
+        every K calls names its checkpoints after its own count (``step=k + 1``)."""
         self.wait()  # the previous background save, then its retention
-        result = save(self.directory(state.step), state, extra=extra, blocking=blocking, **kwargs)
+        n = state.step if step is None else step
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"CheckpointManager.save: step must be a whole number >= 0, got {n!r}")
+        result = save(self.directory(n), state, extra=extra, blocking=blocking, **kwargs)
         if isinstance(result, Path):
             self._prune(state.params.layout)
         else:

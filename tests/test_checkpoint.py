@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 import fsdp_fn as ff
@@ -369,6 +370,42 @@ def test_retention_keeps_the_last_k_and_finds_the_latest(pool, tmp_path):
     assert pool.run(_restore, str(root), world=3) == [(5, 5)] * 3
     with pytest.raises(RankError, match="already exists; checkpoints are never overwritten"):
         pool.run(_save_steps, str(root), [5], 2, world=2)
+
+
+def _skipping_run(group, root, name_by_loop):
+    """Six calls of a step under ``apply_if_finite``, the third one's gradient NaN, a save after
+    every second call: named after ``state.step`` or after the loop's count."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
+    fn = ff.functionalize(model)
+    step = ff.train_step(fn, _mse, ff.apply_if_finite(ff.adamw()))
+    state = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group))
+    manager = ckpt.CheckpointManager(root, keep=None)
+    for k in range(6):
+        g = torch.Generator().manual_seed(k)
+        x, y = torch.randn(4, 7, generator=g), torch.randn(4, 5, generator=g)
+        state, _ = step(state, (x * float("nan") if k == 2 else x, y))
+        if name_by_loop and (k + 1) % 2 == 0:
+            manager.save(state, step=k + 1, extra={"data": k + 1})
+        elif not name_by_loop and state.step % 2 == 0:  # the state does not move at the skipped step
+            try:
+                manager.save(state, extra={"data": k + 1})
+            except ckpt.CheckpointError as e:
+                return str(e), state.step, manager.steps()
+    restored, extra = manager.restore(state)
+    return manager.steps(), restored.step, extra
+
+
+def test_a_skipped_step_does_not_move_the_step_a_manager_names_after(pool, tmp_path):
+    """``state.step`` counts the steps applied: after a skipped one a loop that saves when
+    ``state.step % K == 0`` saves the same step again, refused with the fix in the message;
+    named after the loop's own count, the checkpoints and the data position agree."""
+    for message, applied, steps in pool.run(_skipping_run, str(tmp_path / "by_state"), False, world=2):
+        assert "step_00000002 already exists; checkpoints are never overwritten" in message, message
+        assert "pass save(state, step=...) the loop's own count" in message
+        assert applied == 2 and steps == [2]
+    for steps, applied, extra in pool.run(_skipping_run, str(tmp_path / "by_loop"), True, world=2):
+        assert steps == [2, 4, 6] and applied == 5 and extra == {"data": 6}
 
 
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(fresh, tmp_path):
@@ -732,3 +769,62 @@ def test_a_chained_optimizer_state_round_trips_across_world_sizes(pool, tmp_path
         assert all(torch.equal(tensors[n], loaded[0][k][n]) for n in tensors), k
     assert list(loaded[2][0]) == pytest.approx(list(saved[2][0]), rel=1e-5)  # loss, gradient norm
     assert all(torch.allclose(saved[3][k], loaded[3][k], atol=1e-6) for k in saved[3])
+
+
+class _Heads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, h: torch.Tensor, which: str) -> torch.Tensor:
+        return self.a(h) if which == "a" else self.b(h)
+
+
+class _MultiTask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.heads = nn.Linear(5, 8), _Heads()
+
+    def forward(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        return self.heads(torch.tanh(self.trunk(x)), which)
+
+
+def _multitask_loss(model, batch):
+    x, y, which = batch
+    return F.mse_loss(model(x, which), y)
+
+
+def _accumulated(group, directory, policy, phase):
+    """``accumulate(3, adamw)`` on a two-head model whose head ``b`` only call 3 uses: saved
+    after call 3 (``b``'s gradient waits in the round), loaded under ``policy``'s plan."""
+    rank, world = group.rank(), group.size()
+    torch.manual_seed(0)
+    model = _MultiTask()
+    fn = ff.functionalize(model)
+    pol = ff.layer_policy([_Heads]) if policy == "heads" else ff.layer_policy([nn.Linear])
+    step = ff.train_step(fn, _multitask_loss, ff.accumulate(3, ff.adamw(lr=LR)))
+    state = step.init(ff.shard(fn.params, ff.make_plan(model, pol), group))
+    calls = range(6) if phase == "whole" else range(4) if phase == "save" else range(4, 6)
+    if phase == "load":
+        state, _ = ckpt.load(directory, state)
+    for k in calls:
+        g = torch.Generator().manual_seed(k)
+        x, y = torch.randn(12, 5, generator=g), torch.randn(12, 3, generator=g)  # one global batch at any W
+        state, _ = step(state, (x.chunk(world)[rank], y.chunk(world)[rank], "b" if k == 3 else "a"))
+    if phase == "save":
+        ckpt.save(directory, state)
+    return ff.unshard(state.params)
+
+
+def test_an_accumulation_saved_mid_round_resumes_under_another_plan(pool, tmp_path):
+    """Which parameters got a gradient in the round is kept by name, not by unit: under another
+    plan (or world size) head ``b`` is still stepped when the round ends. Before, its summed
+    gradient was dropped silently under a plan of other units, or ``zip`` raised."""
+    d = str(tmp_path / "acc")
+    whole = pool.run(_accumulated, d, "heads", "whole", world=2)[0]
+    start = pool.run(_accumulated, d, "heads", "save", world=2)[0]
+    assert not torch.equal(whole["heads.b.weight"], start["heads.b.weight"])  # b moves at the round's end
+    for policy, world in (("heads", 2), ("linears", 2), ("linears", 3)):
+        resumed = pool.run(_accumulated, d, policy, "load", world=world)[0]
+        for k, v in whole.items():
+            torch.testing.assert_close(resumed[k], v, rtol=1e-5, atol=1e-7, msg=f"{k} ({policy}, W={world})")

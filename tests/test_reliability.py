@@ -287,6 +287,36 @@ def test_nonfinite_step_is_skipped_on_every_rank(pool):
         assert count2 == 1
 
 
+def _nan_inside_accumulate(group):
+    """``accumulate(2, apply_if_finite(adamw))``, the second call's gradient NaN: that round's
+    update is skipped; the calls after it are not (one reported skipped, its buffers kept)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 1))
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group)
+    opt = ff.accumulate(2, ff.apply_if_finite(ff.adamw()))
+    step = ff.train_step(fn, lambda m, b: m(b[0]).sub(b[1]).square().mean(), opt)
+    state = step.init(params)
+    log = []
+    for k in range(5):
+        g = torch.Generator().manual_seed(k)
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)
+        before = {n: b.clone() for n, b in state.buffers.items()}
+        state, metrics = step(state, (x * float("nan") if k == 1 else x, y))
+        moved = not all(torch.equal(before[n], b) for n, b in state.buffers.items() if b.is_floating_point())
+        log.append((bool(metrics["skipped"]), state.step, moved))
+    return log
+
+
+def test_a_nonfinite_round_inside_accumulate_skips_that_round_only(pool):
+    # Before, every call after the skipped round was reported skipped until the next round ended
+    # (its buffer changes undone, state.step held back) while its gradient was summed.
+    for log in pool.run(_nan_inside_accumulate, world=2):
+        assert [s for s, _, _ in log] == [False, True, False, False, False], log
+        assert [n for _, n, _ in log] == [1, 1, 2, 3, 4], log
+        assert [m for _, _, m in log] == [True, False, True, True, True], log
+
+
 def _empty_batch_on_one_rank(group):
     rank = group.rank()
     torch.manual_seed(0)
