@@ -135,7 +135,7 @@ def _materialise(unit: Unit, device: torch.device | str) -> dict[str, torch.Tens
         spec.name: nn.Parameter(
             torch.empty(spec.shape, dtype=spec.dtype, device=device), requires_grad=spec.requires_grad
         )
-        for spec in unit.params
+        for spec in unit.all_params  # frozen ones too: the unit's modules initialise them alike
     }
 
 

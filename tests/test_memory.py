@@ -141,9 +141,11 @@ def test_keep_gathered_trades_memory_for_one_all_gather_per_unit(pool):
 # --- meta-device initialisation ------------------------------------------------------------------
 
 
-def _meta_init(group, seed=3):
+def _meta_init(group, seed=3, frozen=()):
     with torch.device("meta"):
         model = GPT(CFG)
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith(frozen))
     plan = ff.make_plan(model, ff.layer_policy([Block]))
     with ff.MemoryMeter() as meter:
         params, buffers = ff.init_shards(model, plan, group, seed=seed)
@@ -169,6 +171,17 @@ def test_meta_init_is_the_same_model_at_every_world_size(pool):
             assert torch.equal(full[k], ref[k]), k
     assert ref["blocks.0.qkv.weight"].std() > 0.01  # really initialised (GPT.reset_parameters)
     assert torch.equal(ref["blocks.0.ln1.weight"], torch.ones(CFG.d_model))
+
+
+def test_meta_init_with_frozen_parameters_is_the_same_model(pool):
+    """Frozen parameters (a fine-tuning run's, or a template for ``checkpoint.load``) are
+    initialised like the rest; freezing changes no value (before: ``KeyError``)."""
+    ref = pool.run(_meta_init, world=1)[0]["full"]
+    for w in (1, 2, 3):
+        full = pool.run(_meta_init, 3, ("wte", "blocks.1.qkv", "blocks.0.ln1.bias"), world=w)[0]["full"]
+        assert full.keys() == ref.keys()
+        for k in ref:
+            assert torch.equal(full[k], ref[k]), (w, k)
 
 
 def test_meta_init_never_holds_the_full_model(pool):
