@@ -508,10 +508,14 @@ def _check(path: Path, md: Metadata, target: _Target, like: TrainState) -> None:
             + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
             + ": saved from another model?"
         )
+    fresh = _never_stepped(saved, target)
     for key, (shape, dtype, what) in target.expected.items():
         if key not in saved:
             if what.startswith("buffer"):
                 del target.entries[key]  # non-persistent buffers (and FSDP2's checkpoints lack them): keep like's
+                continue
+            if key in fresh:  # as torch.optim has it: no state yet, a fresh start
+                _zero(target.entries.pop(key, None))
                 continue
             raise CheckpointError(f"{path} has no {what}: missing from the checkpoint")
         entry = saved[key]
@@ -526,6 +530,31 @@ def _check(path: Path, md: Metadata, target: _Target, like: TrainState) -> None:
                 f"{path}: {what} is {entry.properties.dtype} in the checkpoint, {dtype} in the target"
             )
     _check_files(path, md, target)
+
+
+def _never_stepped(saved: Mapping[str, Any], target: _Target) -> set[str]:
+    """The optimizer keys of the parameters the checkpoint holds no optimizer state for at all,
+    while it holds some for others: torch.optim makes a parameter's state at its first step,
+    so a torch checkpoint of a head not used yet has none. Those load as a fresh start."""
+    if not any(k.startswith("optim.state.") for k in saved):
+        return set()
+    names = [tname for tname, _ in _opt_fields(target.state.opt_state)]
+    fresh: set[str] = set()
+    for unit in target.state.params.plan.units:
+        for spec in unit.params:
+            keys = [f"optim.state.{spec.name}.{tname}" for tname in names]
+            if not any(k in saved for k in keys):
+                fresh.update(keys)
+    return fresh
+
+
+def _zero(entry: Any) -> None:
+    """Zero the tensors a load would have read into (a parameter's step count and moments)."""
+    if isinstance(entry, Pieces):
+        for chunk in entry.chunks.values():
+            chunk.zero_()
+    elif isinstance(entry, torch.Tensor):
+        entry.zero_()
 
 
 def _check_files(path: Path, md: Metadata, target: _Target) -> None:

@@ -828,3 +828,55 @@ def test_an_accumulation_saved_mid_round_resumes_under_another_plan(pool, tmp_pa
         resumed = pool.run(_accumulated, d, policy, "load", world=world)[0]
         for k, v in whole.items():
             torch.testing.assert_close(resumed[k], v, rtol=1e-5, atol=1e-7, msg=f"{k} ({policy}, W={world})")
+
+
+def _fsdp2_unused_head(group, directory):
+    """FSDP2 trains head ``a`` only (torch.optim has no state for ``b`` yet), saves; fsdp_fn
+    loads that and both go on with head ``b``."""
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = group.rank(), group.size()
+    torch.manual_seed(0)
+    model = _MultiTask()
+    peer = copy.deepcopy(model)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    fully_shard(peer.heads, mesh=mesh)
+    fully_shard(peer, mesh=mesh)
+    opt = torch.optim.AdamW(peer.parameters(), lr=LR)
+    fn = ff.functionalize(model)
+    step = ff.train_step(fn, _multitask_loss, ff.adamw(lr=LR))
+    like = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([_Heads])), group))
+
+    def batch(k, which):
+        g = torch.Generator().manual_seed(k)
+        x, y = torch.randn(12, 5, generator=g), torch.randn(12, 3, generator=g)
+        return x.chunk(world)[rank], y.chunk(world)[rank], which
+
+    for k in range(2):
+        opt.zero_grad()
+        _multitask_loss(peer, batch(k, "a")).backward()
+        opt.step()
+    msd, osd = get_state_dict(peer, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=directory, process_group=group)
+    state, _ = ckpt.load(directory, like)
+    for k in range(2, 4):
+        state, _ = step(state, batch(k, "b" if k == 2 else "a"))
+        opt.zero_grad()
+        _multitask_loss(peer, batch(k, "b" if k == 2 else "a")).backward()
+        opt.step()
+    theirs, _ = get_state_dict(peer, opt, options=StateDictOptions(full_state_dict=True))
+    return ff.unshard(state.params), theirs
+
+
+def test_a_torch_checkpoint_of_a_parameter_without_optimizer_state_loads_it_fresh(pool, tmp_path):
+    """torch.optim makes a parameter's state at its first step: a head no step has used yet
+    has none in an FSDP2 checkpoint. It loads as torch has it, a fresh start (step 0, zero
+    moments), and trains on like FSDP2 (before: refused as missing from the checkpoint)."""
+    for mine, theirs in pool.run(_fsdp2_unused_head, str(tmp_path / "t"), world=2):
+        for k, v in theirs.items():
+            torch.testing.assert_close(mine[k], v, rtol=1e-5, atol=1e-6, msg=k)
