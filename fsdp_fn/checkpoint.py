@@ -25,6 +25,7 @@ same with a plain state dict (on rank 0 / from full tensors).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -43,7 +44,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from fsdp_fn._agree import failures
+from fsdp_fn._agree import failures, gather_objects
 from fsdp_fn._dcp import LoadPlanner, Pieces, SavePlanner, ranges
 from fsdp_fn._export import export_safetensors, export_state_dict, import_safetensors, import_state_dict
 from fsdp_fn._guard import join
@@ -183,6 +184,21 @@ def _entries(state: TrainState, *, write_shards: bool, coordinator: bool) -> dic
         for name, b in state.buffers.items():
             out[f"model.{name}"] = b
     return out
+
+
+def _own_buffers(buffers: Mapping[str, torch.Tensor], group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """The buffers whose values differ between ranks (``buffer_sync=None``), as this rank has
+    them (on the CPU): saved per rank beside rank 0's, which every world size reads. Costs one
+    small all-gather of the buffers' digests; nothing when the ranks agree."""
+    digests = {name: hashlib.sha1(_bytes(b)).hexdigest() for name, b in buffers.items()}
+    everyone = gather_objects(digests, group, "checkpoint.save (buffers)")
+    differ = [name for name in buffers if any(d.get(name) != digests[name] for d in everyone)]
+    return {name: buffers[name].detach().to("cpu", copy=True) for name in differ}
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
 def _rng_state() -> dict[str, Any]:
@@ -331,6 +347,9 @@ def save(
         state = TrainState(params, opt_state, buffers, state.step)
     entries = _entries(state, write_shards=write_shards, coordinator=coordinator)
     entries[f"rng.{dist.get_rank()}"] = _rng_state()
+    own = _own_buffers(state.buffers, group)
+    if own:
+        entries[f"buffers.{dist.get_rank()}"] = own
     if coordinator:
         entries[_META] = {
             "format": _FORMAT,
@@ -617,9 +636,9 @@ def load(directory: str | os.PathLike[str], like: TrainState, *, timeout: float 
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
         raise CheckpointError(f"rank {failed[0][0]} cannot load {path}: {failed[0][1]}")
-    rng_key = f"rng.{dist.get_rank()}"
+    rng_key, buffers_key = f"rng.{dist.get_rank()}", f"buffers.{dist.get_rank()}"
     entries = dict(target.entries)
-    for key in (_META, rng_key):
+    for key in (_META, rng_key, buffers_key):
         if key in md.state_dict_metadata:
             entries[key] = None
     dcp_load(
@@ -633,9 +652,13 @@ def load(directory: str | os.PathLike[str], like: TrainState, *, timeout: float 
     meta = entries.get(_META)
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
         meta = {"step": _torch_step(target), "world": None, "extra": None}  # written by torch (FSDP2)
-    if meta["world"] == group.size() and entries.get(rng_key) is not None:
-        _set_rng_state(entries[rng_key])
     loaded = target.state
+    if meta["world"] == group.size():  # the same ranks: each its own RNG state and buffers
+        if entries.get(rng_key) is not None:
+            _set_rng_state(entries[rng_key])
+        for name, value in (entries.get(buffers_key) or {}).items():
+            if name in loaded.buffers:
+                loaded.buffers[name].copy_(value)
     values = meta.get("optimizer") or {}
     if values:  # a chain's counters, as saved
         same = {id(v): v for _, v in _opt_fields(loaded.opt_state)}

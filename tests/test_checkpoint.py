@@ -880,3 +880,56 @@ def test_a_torch_checkpoint_of_a_parameter_without_optimizer_state_loads_it_fres
     for mine, theirs in pool.run(_fsdp2_unused_head, str(tmp_path / "t"), world=2):
         for k, v in theirs.items():
             torch.testing.assert_close(mine[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+class _RunningMean(nn.Module):
+    """An input normaliser whose running mean each rank moves with its own data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(7, 13), nn.Linear(13, 5)
+        self.register_buffer("mu", torch.zeros(7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.mu.mul_(0.5).add_(0.5 * x.mean(0))
+        return self.l2(torch.tanh(self.l1(x - self.mu)))
+
+
+def _per_rank_buffers(group, directory, phase, first, last):
+    rank, world = group.rank(), group.size()
+    torch.manual_seed(0)
+    model = _RunningMean()
+    fn = ff.functionalize(model)
+    step = ff.train_step(fn, _mse, ff.adamw(lr=LR), buffer_sync=None)
+    state = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group))
+    if phase == "load":
+        state, _ = ckpt.load(directory, state)
+    mu = state.buffers["mu"].clone()
+    losses = []
+    for k in range(first, last):
+        g = torch.Generator().manual_seed(k)
+        x, y = torch.randn(12, 7, generator=g), torch.randn(12, 5, generator=g)
+        state, m = step(state, (x.chunk(world)[rank], y.chunk(world)[rank]))
+        losses.append(m["loss"].item())
+    if phase == "save":
+        ckpt.save(directory, state)
+        mu = state.buffers["mu"].clone()
+    return losses, mu
+
+
+def test_buffers_that_differ_between_ranks_are_saved_per_rank(pool, tmp_path):
+    """With ``buffer_sync=None`` each rank's buffers are its own (DDP's
+    ``broadcast_buffers=False``): a checkpoint keeps every rank's, and a resume at the same
+    world size goes on exactly (before: every rank got rank 0's, and the losses moved). At
+    another world size every rank gets rank 0's."""
+    d = str(tmp_path / "b")
+    straight = pool.run(_per_rank_buffers, None, "straight", 0, 6, world=2)
+    saved = pool.run(_per_rank_buffers, d, "save", 0, 3, world=2)
+    assert not torch.equal(saved[0][1], saved[1][1])
+    resumed = pool.run(_per_rank_buffers, d, "load", 3, 6, world=2)
+    for (losses, mu), (at_save_losses, at_save_mu), (whole, _) in zip(resumed, saved, straight):
+        assert torch.equal(mu, at_save_mu)
+        assert losses == whole[3:] and at_save_losses == whole[:3]
+    for _, mu in pool.run(_per_rank_buffers, d, "load", 3, 3, world=3):
+        assert torch.equal(mu, saved[0][1])
