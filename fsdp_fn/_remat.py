@@ -112,7 +112,7 @@ class _Checked(TorchDispatchMode):
         if self.forward is None:  # not checked
             return
         for t in torch_pytree.tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and _made(self.forward.made, t) and id(t) not in self.replayed:
+            if isinstance(t, torch.Tensor) and self.forward.carries_grad(t) and id(t) not in self.replayed:
                 raise RematError(
                     f"remat({self.where}): the recomputation's {func} read a tensor of shape {list(t.shape)} that the "
                     "region's forward made from its inputs and kept outside its outputs (in a module's attribute or "
@@ -151,6 +151,14 @@ def _storage(t: torch.Tensor) -> int:
         return 0
 
 
+def _unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under ``torch.func``'s wrappers (a vmap's batched outputs): what the
+    operators below them, and so this file's dispatch modes, see."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
 class _Forward(TorchDispatchMode):
     """Forward of a region: the checked operators' signatures; the tensors it makes from its
     inputs that require grad (held weakly), so that the recomputation can tell when it reads
@@ -161,8 +169,13 @@ class _Forward(TorchDispatchMode):
     def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
         super().__init__()
         self.signatures: list[Any] = []
-        self.sources = {id(t) for t in inputs if t.requires_grad}
-        self.made: dict[int, weakref.ref[torch.Tensor]] = {}
+        # (by the plain tensor: a vmap hands the region batched ones, its operators see what is under them)
+        self.sources = {id(_unwrapped(t)): i for i, t in enumerate(inputs)}
+        self.needing = frozenset(i for i, t in enumerate(inputs) if t.requires_grad)
+        self.input_storages = {_storage(_unwrapped(t)) for t in inputs}
+        # tensors made from inputs, held weakly, with the indices of the inputs they come from
+        self.made: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int]]] = {}
+        self.written: dict[int, frozenset[int]] = {}  # storage -> inputs an in-place write there came from
         self.constants: dict[
             int, list[tuple[int, torch.Tensor]]
         ] = {}  # storage -> (index, input) of those needing no grad
@@ -191,17 +204,38 @@ class _Forward(TorchDispatchMode):
         if func is aten.detach.default:  # (a detached copy carries no gradient without remat either)
             return
         tensors = [t for t in torch_pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if any(id(t) in self.sources or _made(self.made, t) for t in tensors):
+        sources = frozenset().union(*(self.inputs_of(t) for t in tensors))
+        if sources:
             for t in torch_pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
-                    self.made[id(t)] = weakref.ref(t)
+                    self.made[id(t)] = (weakref.ref(t), sources)
+                    if func._schema.is_mutable and (where := _storage(t)):  # written in place: so is every view
+                        self.written[where] = self.written.get(where, frozenset()) | sources
+
+    def carries_grad(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` was made by the forward from an input that needs a gradient."""
+        entry = self.made.get(id(t))
+        return entry is not None and entry[0]() is t and not self.needing.isdisjoint(entry[1])
+
+    def inputs_of(self, t: torch.Tensor) -> frozenset[int]:
+        """The indices of the inputs that ``t`` is or was computed from (a data path)."""
+        out = self.written.get(_storage(t), frozenset()) if self.written else frozenset()
+        if (i := self.sources.get(id(t))) is not None:
+            out |= {i}
+        entry = self.made.get(id(t))
+        return out | entry[1] if entry is not None and entry[0]() is t else out
+
+    def reached(self, outputs: Sequence[torch.Tensor]) -> frozenset[int]:
+        """The inputs some output was computed from: those an autograd backward gives a gradient."""
+        return frozenset().union(*(self.inputs_of(_unwrapped(t)) for t in outputs))
 
     def check_nothing_kept(self, outputs: Sequence[torch.Tensor], where: str) -> None:
         """After the forward: no tensor it made from its inputs may outlive it other than its
         outputs (and views of them) and the policy's results. Such a tensor, kept in state (a
         module's attribute, an argument it changed), was made without autograd: a loss reading
         it would silently get no gradient through it. Raises ``RematError``."""
-        keep = {_storage(t) for t in outputs} | {_storage(t) for t in self.policy_results()}
+        # (state changed in place in an input, a buffer, is the recomputation's to repeat: as_before)
+        keep = {_storage(_unwrapped(t)) for t in (*outputs, *self.policy_results())} | self.input_storages
         left = self._alive_apart_from(keep)
         if left:
             gc.collect()  # (a reference cycle may hold one a while)
@@ -218,15 +252,14 @@ class _Forward(TorchDispatchMode):
             )
 
     def _alive_apart_from(self, storages: set[int]) -> list[torch.Tensor]:
-        return [t for ref in self.made.values() if (t := ref()) is not None and _storage(t) not in storages]
+        return [
+            t
+            for ref, sources in self.made.values()
+            if not self.needing.isdisjoint(sources) and (t := ref()) is not None and _storage(t) not in storages
+        ]
 
     def policy_results(self) -> list[torch.Tensor]:
         return []
-
-
-def _made(made: dict[int, weakref.ref[torch.Tensor]], t: torch.Tensor) -> bool:
-    ref = made.get(id(t))
-    return ref is not None and ref() is t
 
 
 class _Record(_Forward):
@@ -461,6 +494,7 @@ class _Call:
         self.kept_layout: list[tuple[Any, Any, list[Any], tuple[int, ...]]] = []  # (op, spec, leaves, versions)
         self.skip: tuple[list[Any], int] | None = None  # full remat: the forward's operators, where the tail starts
         self.forward: _Forward | None = None  # what the forward ran and made, to check the recomputation against
+        self.reached: frozenset[int] = frozenset()  # the inputs the forward's outputs were computed from
 
     def keep(self, kept: list[tuple[Any, Any, tuple[int, ...]]]) -> None:
         for op, out, versions in kept:
@@ -541,6 +575,7 @@ class _Remat(torch.autograd.Function):
         with _CapturedCheck(tensors, call.where), record:
             outs = call.run(tensors)
         record.check_nothing_kept(outs, call.where)
+        call.reached = record.reached(outs)
         if isinstance(record, _Record):
             call.keep(record.kept)
             record.kept = []  # (autograd holds them now: the recomputation's own reference would outlive its)
@@ -618,8 +653,11 @@ class _Remat(torch.autograd.Function):
             with call.replay_rng():
                 _, pull = torch.func.vjp(region, *(inputs[i] for i in wanted))[:2]
             pulled = pull(tuple(grads[j] for j in used))
+        # torch.func's vjp hands zeros to an input no output was computed from; autograd gives
+        # None, as it would without remat: a train step's backward (under a vmap in the loss
+        # too, which takes this branch) must not count an unused parameter as reached.
         for i, g in zip(wanted, pulled, strict=True):
-            result[1 + i] = g
+            result[1 + i] = g if i in call.reached else None
         return tuple(result)
 
     @staticmethod

@@ -367,6 +367,8 @@ class ForwardSpans:
 class GatherUnit(torch.autograd.Function):
     """shard -> full flat buffer; backward: the full gradient goes to the owner (into its ``GradSink``)."""
 
+    generate_vmap_rule = True
+
     @staticmethod
     def forward(shard: torch.Tensor, rec: GatheredUnit) -> torch.Tensor:
         if rec.state is UnitState.SHARDED:  # not prefetched
@@ -407,6 +409,8 @@ _AS_SOON_AS_READY = 2**64 - 1  # the sequence number autograd gives AccumulateGr
 class _ParamView(torch.autograd.Function):
     """One parameter of a gathered use: a view into the flat buffer. Its backward writes the
     parameter's gradient into the use's flat gradient and returns none to autograd."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(flat: torch.Tensor, rec: GatheredUnit, index: int) -> torch.Tensor:

@@ -107,6 +107,18 @@ def _vmapped(m, x, y):
     return per_example.mean()
 
 
+def _input_jvp(m, x, y):
+    # A forward-mode derivative of the model in its input (a smoothness penalty): the tangent's
+    # graph reads the units' parameters too, and must find them gathered in backward.
+    out, tangent = torch.func.jvp(lambda a: m(a), (x,), (torch.ones_like(x),))
+    return F.mse_loss(out, y) + 0.1 * tangent.square().mean()
+
+
+def _per_example(m, x, y):
+    # The model itself called under vmap, one example at a time.
+    return torch.func.vmap(lambda xi, yi: F.mse_loss(m(xi[None]), yi[None]))(x, y).mean()
+
+
 TERMS = {
     f.__name__.lstrip("_"): f
     for f in (
@@ -120,6 +132,8 @@ TERMS = {
         _no_head,
         _scaled_in_place,
         _vmapped,
+        _input_jvp,
+        _per_example,
     )
 }
 
@@ -246,6 +260,20 @@ def test_a_units_output_changed_in_place_after_it_ran(pool, step_kw, world):
     the module reads it); so must the step: its refill before a unit's backward is a hook on
     the outputs' gradients, not an identity function whose outputs autograd forbids changing."""
     _check(pool.run(_run, ["scaled_in_place"], step_kw, world=world))
+
+
+@pytest.mark.parametrize(
+    "step_kw",
+    [{}, {"update_in_backward": True}, {"remat": True}],
+    ids=["default", "update_in_backward", "remat"],
+)
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_loss_that_transforms_the_model_itself(pool, step_kw, world):
+    """``torch.func.jvp`` and ``vmap`` over the model inside the loss: a tangent's backward
+    reads the units' parameters (before: freed storage at W >= 2), and a vmapped call goes
+    through the gathers (before: ``GatherUnit`` has no vmap support)."""
+    _check(pool.run(_run, ["input_jvp"], step_kw, world=world))
+    _check(pool.run(_run, ["per_example", "plain"], step_kw, world=world))
 
 
 def _module_read_in_loss(group, how, update_in_backward):

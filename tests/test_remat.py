@@ -327,6 +327,54 @@ def test_a_write_through_a_view_of_an_input_happens_once() -> None:
     assert results[1][1].tolist() == [0.0, 1.0, 1.0]
 
 
+class RunningMean(nn.Module):
+    """Normalises by a running mean of its inputs, updated under ``no_grad`` (an observation
+    normaliser): state made from a region input that needs a gradient, kept in a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("mu", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.mu.mul_(0.5).add_(0.5 * x.mean(0))
+        return torch.tanh(self.lin(x - self.mu))
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
+def test_a_buffer_written_from_the_inputs_is_state_not_a_kept_tensor(policy: ff.SavePolicy) -> None:
+    """A write into a buffer the region reads is state, moved once as without remat; only a new
+    tensor kept outside the outputs is refused (a buffer written in place was, falsely)."""
+    x = torch.randn(3, 4, requires_grad=True)
+    results = []
+    for wrap in (lambda m: m, lambda m: ff.remat(m, policy)):
+        torch.manual_seed(0)
+        module = RunningMean()
+        grads = torch.autograd.grad(wrap(module)(x).square().sum(), (x, *module.parameters()))
+        results.append((grads, module.mu.clone()))
+    assert equal(results[0], results[1])
+
+
+def test_an_input_no_output_comes_from_gets_no_gradient_under_vmap() -> None:
+    """Under a vmap the backward differentiates the recomputation with torch.func, whose vjp
+    hands zeros to an input no output came from: autograd's None instead, as without remat
+    (a train step would otherwise step an unused parameter); an input that reaches the
+    output only through an in-place write into a view still gets its gradient."""
+    a, b, unused = (torch.randn(3, requires_grad=True) for _ in range(3))
+
+    def f(x: torch.Tensor, y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        z = x * 1.0
+        z.view(-1).add_(y)
+        return z
+
+    for fn in (f, ff.remat(f)):
+        out = torch.func.vmap(lambda x, fn=fn: fn(x, b, unused).sum())(torch.stack([a, 2 * a]))
+        ga, gb, gu = torch.autograd.grad(out.sum(), [a, b, unused], allow_unused=True)
+        assert torch.equal(ga, torch.full((3,), 3.0)) and torch.equal(gb, torch.full((3,), 2.0))
+        assert gu is None
+
+
 def test_recomputation_that_diverges_is_named() -> None:
     calls = []
 
