@@ -49,7 +49,11 @@ def _lift(buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     level = torch._C._functorch.maybe_current_level()
     if level is None:
         return dict(buffers)
-    return {k: torch._C._functorch._wrap_for_grad(v, level) for k, v in buffers.items()}
+    # (buffers made inside the transform, or differentiated by it, are of its level already)
+    return {
+        k: v if torch._C._functorch.maybe_get_level(v) >= level else torch._C._functorch._wrap_for_grad(v, level)
+        for k, v in buffers.items()
+    }
 
 
 def _not_gathered(spec: ParamSpec, unit: str) -> StandIn:

@@ -133,3 +133,53 @@ def test_aux_under_an_outer_jvp_carries_its_tangent(pool):
         assert tangent_err < 1e-5 * max(1.0, size)
         assert hvp > 0
         assert step == 3 and not requires_grad
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+        self.register_buffer("scale", torch.linspace(1.0, 2.0, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * self.scale
+
+
+def _buffers_of_the_transform(group):
+    """Buffers made inside the transformed function (a fresh copy per call) or differentiated
+    by it are of its level already: used as they are (before: functorch's internal assert),
+    with torch.func.functional_call's results on the full parameters."""
+    torch.manual_seed(0)
+    model = _Scaled()
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))  # the same data on every rank
+    full = dict(fn.params)
+
+    def sharded(s, b):
+        return ff.apply_sharded(fn, params.replace(s), b, x).square().sum()
+
+    def plain(p, b):
+        return torch.func.functional_call(model, {**p, **b}, (x,)).square().sum()
+
+    def fresh(b):
+        return {k: v.clone() for k, v in b.items()}
+
+    out = {}
+    got = torch.func.grad(lambda s: sharded(s, fresh(fn.buffers)))(params.shards)
+    want = torch.func.grad(lambda p: plain(p, fresh(fn.buffers)))(full)
+    out["cloned inside"] = (ff.unshard(params.replace(got)), want)
+    gs, gb = torch.func.grad(sharded, argnums=(0, 1))(params.shards, dict(fn.buffers))
+    ws, wb = torch.func.grad(plain, argnums=(0, 1))(full, dict(fn.buffers))
+    out["buffers differentiated"] = ({**ff.unshard(params.replace(gs)), **gb}, {**ws, **wb})
+    v = {u: torch.ones_like(t) for u, t in params.shards.items()}
+    _, tangent = torch.func.jvp(lambda s: sharded(s, fresh(fn.buffers)), (params.shards,), (v,))
+    full_v = ff.unshard(params.replace(v))
+    _, want_tangent = torch.func.jvp(lambda p: plain(p, fresh(fn.buffers)), (full,), (full_v,))
+    out["jvp"] = ({"t": tangent}, {"t": want_tangent})
+    return {k: max((a[n] - b[n]).abs().max().item() for n in b) for k, (a, b) in out.items()}
+
+
+def test_buffers_of_the_transforms_own_level(pool):
+    for worst in pool.run(_buffers_of_the_transform, world=2):
+        assert all(w < 1e-5 for w in worst.values()), worst
