@@ -16,15 +16,22 @@ def gather_for(unit: str | Unit) -> Callable[[Sharded], dict[str, torch.Tensor]]
 
     The full parameters are views into one gathered flat buffer. The backward is the
     reduce-scatter, averaged over ranks (like DDP). Works inside ``torch.func.grad``,
-    ``grad_and_value`` and ``vjp``. Memory: the unit's full parameters (padded);
-    communication: one all-gather forward, one reduce-scatter backward.
+    ``grad_and_value`` and ``vjp``. The unit's frozen parameters come too, gathered into a
+    second buffer that needs no gradient. Memory: the unit's full parameters (padded);
+    communication: one all-gather forward (two with frozen parameters), one reduce-scatter
+    backward.
     """
     name = unit.name if isinstance(unit, Unit) else unit
 
     def gather(params: Sharded) -> dict[str, torch.Tensor]:
         ensure_live(params, "gather_for")
         u = params.plan.unit(name)
-        return unit_views(u, gather_differentiably(check_shard(params, u), params.layout, u.name))
+        full = unit_views(u, gather_differentiably(check_shard(params, u), params.layout, u.name))
+        if u.frozen:
+            frozen = params.layout.frozen[u.name].detach()
+            with torch.no_grad():
+                full.update(unit_views(u.frozen_part, gather_differentiably(frozen, params.layout, u.name)))
+        return full
 
     return gather
 

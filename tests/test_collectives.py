@@ -331,6 +331,34 @@ def test_gather_for_and_reduce_grads(pool, mean):
         assert all(pool.run(_gather_for_and_reduce_grads, mean, world=world))
 
 
+def _gather_for_with_frozen(group):
+    """A unit with a frozen parameter: gather_for hands it back too (needing no gradient), so
+    ``functional_call`` on what it returns needs nothing of the module's own values."""
+    torch.manual_seed(0)
+    m = nn.Linear(5, 3)
+    m.bias.requires_grad_(False)
+    params = ff.shard(dict(m.named_parameters()), ff.make_plan(m), group)
+    x = torch.randn(4, 5)
+
+    def loss(shards):
+        full = ff.gather_for("")(params.replace(shards))
+        assert not full["bias"].requires_grad
+        with torch.device("meta"):
+            bare = nn.Linear(5, 3)  # no values at all: every tensor comes from the gather
+        return torch.func.functional_call(bare, full, (x,)).square().mean()
+
+    g = torch.func.grad(loss)(params.shards)
+    w = m.weight.detach().clone().requires_grad_()
+    (x @ w.T + m.bias).square().mean().backward()
+    full = ff.gather_for("")(params)
+    return torch.equal(full["bias"], m.bias), torch.allclose(ff.unshard(params.replace(g))["weight"], w.grad)
+
+
+def test_gather_for_gathers_a_units_frozen_parameters_too(pool):
+    for world in (1, 3):
+        assert all(all(r) for r in pool.run(_gather_for_with_frozen, world=world))
+
+
 def _sharded_pytree(group):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
