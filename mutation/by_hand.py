@@ -1,4 +1,4 @@
-"""Mutants planted by hand (docs/testing.md, the fifth batch): each a plausible slip in a
+"""Mutants planted by hand (docs/testing.md, the fifth and sixth batches): each a plausible slip in a
 core module, applied to a copy of the tracked tree, its tests run with ``pytest -x``.
 
     python mutation/by_hand.py                    # every mutant
@@ -145,6 +145,142 @@ MUTANTS = [
             "tests/test_chain.py "
             "tests/test_features.py::test_a_hugging_face_llama_trains_with_decay_on_matrices_and_a_schedule_like_one_process"
         ),
+    ),
+    # --- the sixth batch: what a unit returns and keeps, transforms in the loss, checkpoints ---
+    (
+        "dataclasses_closed",
+        "fsdp_fn/_tree.py",
+        "        lambda x: _Opened(x) if dataclasses.is_dataclass(x) and not isinstance(x, type) else x, tree",
+        "        lambda x: x, tree",
+        "tests/test_correctness.py::test_a_units_output_inside_a_container_trains_like_one_process",
+    ),
+    (
+        "no_hidden_fallback",
+        "fsdp_fn/_runtime.py",
+        "            hidden = not outputs and torch.is_grad_enabled() and bool(rec.made)",
+        "            hidden = False",
+        "tests/test_correctness.py::test_a_units_output_inside_a_container_trains_like_one_process",
+    ),
+    (
+        "no_entry_refill",
+        "fsdp_fn/_unit.py",
+        "            node.register_prehook(lambda _grads: self.refill_now())",
+        "            pass",
+        (
+            "tests/test_correctness.py::test_a_tensor_a_rematerialised_unit_keeps_on_itself_is_refused "
+            "tests/test_correctness.py::test_a_loss_that_transforms_the_model_itself"
+        ),
+    ),
+    (
+        "nothing_kept_unchecked",
+        "fsdp_fn/_remat.py",
+        "        record.check_nothing_kept(outs, call.where)",
+        "        pass",
+        (
+            "tests/test_correctness.py::test_a_tensor_a_rematerialised_unit_keeps_on_itself_is_refused "
+            "tests/test_remat.py::test_recomputation_reading_what_the_forward_kept_in_state"
+        ),
+    ),
+    (
+        "buffer_writes_kept",
+        "fsdp_fn/_remat.py",
+        "self.policy_results())} | self.input_storages",
+        "self.policy_results())}",
+        "tests/test_remat.py::test_a_buffer_written_from_the_inputs_is_state_not_a_kept_tensor",
+    ),
+    (
+        "views_not_put_back_first",
+        "fsdp_fn/_runtime.py",
+        "                _put_back(swapped),  # (first out: before the module's own parameters are restored)\n",
+        "",
+        "tests/test_errors.py::test_batch_the_model_rejects",
+    ),
+    (
+        "replay_under_tangents",
+        "fsdp_fn/_remat.py",
+        "    if torch.autograd.forward_ad._current_level >= 0:\n        return True\n    jvp = ",
+        "    return False\n    jvp = ",
+        "tests/test_remat.py::test_every_transform_matches_the_plain_function",
+    ),
+    (
+        "unreached_input_gets_zeros",
+        "fsdp_fn/_remat.py",
+        "            result[1 + i] = g if i in call.reached else None",
+        "            result[1 + i] = g",
+        (
+            "tests/test_remat.py::test_an_input_no_output_comes_from_gets_no_gradient_under_vmap "
+            "tests/test_correctness.py::test_a_loss_that_transforms_the_model_itself"
+        ),
+    ),
+    (
+        "writes_through_views_lost",
+        "fsdp_fn/_remat.py",
+        "                        self.written[where] = self.written.get(where, frozenset()) | sources",
+        "                        pass",
+        "tests/test_remat.py::test_an_input_no_output_comes_from_gets_no_gradient_under_vmap",
+    ),
+    (
+        "gather_unit_not_vmappable",
+        "fsdp_fn/_unit.py",
+        "    generate_vmap_rule = True\n\n    @staticmethod\n    def forward(shard",
+        "    @staticmethod\n    def forward(shard",
+        "tests/test_correctness.py::test_a_loss_that_transforms_the_model_itself",
+    ),
+    (
+        "buffers_wrapped_again",
+        "fsdp_fn/_runtime.py",
+        "maybe_get_level(v) >= level else torch._C._functorch._wrap_for_grad(v, level)",
+        "maybe_get_level(v) > 10**9 else torch._C._functorch._wrap_for_grad(v, level)",
+        "tests/test_transform_paths.py::test_buffers_of_the_transforms_own_level",
+    ),
+    (
+        "embedding_keyword_dropped",
+        "fsdp_fn/_runtime.py",
+        '    return args[0] if args else kwargs.get("input")',
+        "    return args[0]",
+        "tests/test_lookup.py",
+    ),
+    (
+        "inner_skip_every_call",
+        "fsdp_fn/_step.py",
+        "        return opt_state.mini_step == 0 and _skipped_by_chain(opt_state.inner)",
+        "        return _skipped_by_chain(opt_state.inner)",
+        "tests/test_reliability.py::test_a_nonfinite_round_inside_accumulate_skips_that_round_only",
+    ),
+    (
+        "per_rank_buffers_not_saved",
+        "fsdp_fn/checkpoint.py",
+        '    if own:\n        entries[f"buffers.{dist.get_rank()}"] = own',
+        '    if False:\n        entries[f"buffers.{dist.get_rank()}"] = own',
+        "tests/test_checkpoint.py::test_buffers_that_differ_between_ranks_are_saved_per_rank",
+    ),
+    (
+        "missing_state_refused",
+        "fsdp_fn/checkpoint.py",
+        "            if key in fresh:  # as torch.optim has it: no state yet, a fresh start",
+        "            if False:",
+        "tests/test_checkpoint.py::test_a_torch_checkpoint_of_a_parameter_without_optimizer_state_loads_it_fresh",
+    ),
+    (
+        "fresh_state_not_zeroed",
+        "fsdp_fn/checkpoint.py",
+        "                _zero(target.entries.pop(key, None))",
+        "                target.entries.pop(key, None)",
+        "tests/test_checkpoint.py::test_a_torch_checkpoint_of_a_parameter_without_optimizer_state_loads_it_fresh",
+    ),
+    (
+        "frozen_not_materialised",
+        "fsdp_fn/_init.py",
+        "        for spec in unit.all_params  # frozen ones too",
+        "        for spec in unit.params  # frozen ones too",
+        "tests/test_memory.py::test_meta_init_with_frozen_parameters_is_the_same_model",
+    ),
+    (
+        "gather_for_without_frozen",
+        "fsdp_fn/_gather.py",
+        "        if u.frozen:\n            frozen = params.layout.frozen",
+        "        if False:\n            frozen = params.layout.frozen",
+        "tests/test_collectives.py::test_gather_for_gathers_a_units_frozen_parameters_too",
     ),
 ]
 
