@@ -20,7 +20,7 @@ import collections
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -532,7 +532,6 @@ class Runtime:
                 route_torch_checkpoint(),
                 handling_regions(self._region),
                 requires_grad_tolerated(),
-                _put_back(swapped),  # (first out: before the module's own parameters are restored)
             ):
                 out = functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
             _check_unchanged(ROOT, *root)
@@ -552,6 +551,9 @@ class Runtime:
                     del target.forward
                 else:
                     target.forward = forward
+            # (A forward that raised inside a unit left its views swapped in: parameters_restored
+            # put the module's own parameters back; putting back what the swap replaced, the
+            # call's stand-ins, would undo that.)
             self.running.clear()
             self.watches.clear()
             self.fingerprints.clear()
@@ -631,17 +633,6 @@ class Runtime:
             return output
 
         return hook
-
-
-@contextlib.contextmanager
-def _put_back(swapped: list[tuple[nn.Module, str, Any]]) -> Iterator[None]:
-    """On the way out, a forward that raised inside a unit: its gathered views swapped out again."""
-    try:
-        yield
-    finally:
-        for owner, attr, original in reversed(swapped):
-            owner._parameters[attr] = original
-        swapped.clear()
 
 
 def _indices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

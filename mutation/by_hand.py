@@ -189,10 +189,12 @@ MUTANTS = [
         "tests/test_remat.py::test_a_buffer_written_from_the_inputs_is_state_not_a_kept_tensor",
     ),
     (
-        "views_not_put_back_first",
+        "stand_ins_put_back_after_a_raise",
         "fsdp_fn/_runtime.py",
-        "                _put_back(swapped),  # (first out: before the module's own parameters are restored)\n",
-        "",
+        "            self.running.clear()\n            self.watches.clear()",
+        "            for owner, attr, original in reversed(swapped):\n"
+        "                owner._parameters[attr] = original\n"
+        "            self.running.clear()\n            self.watches.clear()",
         "tests/test_errors.py::test_batch_the_model_rejects",
     ),
     (

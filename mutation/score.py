@@ -1,6 +1,6 @@
 """The kill rate of a cosmic-ray session, counting only mutants that ran (not the filtered or unsampled).
 
-    python mutation/score.py SESSION.sqlite
+python mutation/score.py SESSION.sqlite
 """
 
 from __future__ import annotations

@@ -863,6 +863,7 @@ def _fsdp2_unused_head(group, directory):
         opt.step()
     msd, osd = get_state_dict(peer, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=directory, process_group=group)
+    like, _ = step(like, batch(9, "b"))  # a template whose head b has moments and a count already
     state, _ = ckpt.load(directory, like)
     for k in range(2, 4):
         state, _ = step(state, batch(k, "b" if k == 2 else "a"))
@@ -876,7 +877,8 @@ def _fsdp2_unused_head(group, directory):
 def test_a_torch_checkpoint_of_a_parameter_without_optimizer_state_loads_it_fresh(pool, tmp_path):
     """torch.optim makes a parameter's state at its first step: a head no step has used yet
     has none in an FSDP2 checkpoint. It loads as torch has it, a fresh start (step 0, zero
-    moments), and trains on like FSDP2 (before: refused as missing from the checkpoint)."""
+    moments, whatever the template held), and trains on like FSDP2 (before: refused as
+    missing from the checkpoint)."""
     for mine, theirs in pool.run(_fsdp2_unused_head, str(tmp_path / "t"), world=2):
         for k, v in theirs.items():
             torch.testing.assert_close(mine[k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -1078,9 +1078,14 @@ class BoxingNet(nn.Module):
         return self.out(x)
 
 
-def _boxed_loss(module):
+def _boxed_loss(module, penalty=False):
     def loss_fn(m, batch):  # (``m`` is the module itself in the reference)
         x, y = batch
+        if penalty:  # a gradient penalty on the inputs: a backward inside the loss, before the step's
+            x = x.detach().requires_grad_()
+            out = m(x)
+            (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            return F.mse_loss(out, y) + 0.1 * g.square().mean()
         loss = F.mse_loss(m(x), y)
         blocks = m.blocks if isinstance(m, nn.Module) else module.blocks
         return loss + sum(b.aux for b in blocks) if blocks[0].keep_aux else loss
@@ -1088,13 +1093,13 @@ def _boxed_loss(module):
     return loss_fn
 
 
-def _train_boxed(group, box, remat, keep_aux=False, checkpointed=False):
+def _train_boxed(group, box, remat, keep_aux=False, checkpointed=False, penalty=False):
     world, rank = group.size(), group.rank()
     torch.manual_seed(0)
     model = BoxingNet(box, keep_aux, checkpointed)
     fn = ff.functionalize(model)
     plan = ff.make_plan(model, ff.layer_policy([BoxingBlock]))
-    step = ff.train_step(fn, _boxed_loss(model), ff.adamw(lr=0.05, weight_decay=0.1), remat=remat)
+    step = ff.train_step(fn, _boxed_loss(model, penalty), ff.adamw(lr=0.05, weight_decay=0.1), remat=remat)
     state = step.init(ff.shard(fn.params, plan, group))
     batches = _batches(world)
     norms = []
@@ -1107,7 +1112,7 @@ def _train_boxed(group, box, remat, keep_aux=False, checkpointed=False):
     full = ff.unshard(state.params)
     for block in model.blocks:
         block.__dict__.pop("aux", None)  # (a tensor with its graph: the reference copies the model)
-    ref_norms, ref_params = _reference(model, _boxed_loss(model), batches, 0.05)
+    ref_norms, ref_params = _reference(model, _boxed_loss(model, penalty), batches, 0.05)
     return (
         max(rel(a, b) for a, b in zip(norms, ref_norms)),
         max((full[k] - v).abs().max().item() for k, v in ref_params.items()),
@@ -1122,8 +1127,9 @@ def test_a_units_output_inside_a_container_trains_like_one_process(pool, world, 
     """A unit may return its output inside a dataclass (opened like a pytree, as torch's FSDP1
     does; before, the default step freed the unit with no refill and its backward read freed
     storage, and remat dropped the units' gradients silently) or an object of the user's own
-    (which fsdp_fn cannot see into: the unit stays gathered for its backward; under remat,
-    whose forward runs without autograd, that would lose its gradient: refused, naming it)."""
+    (which fsdp_fn cannot see into: the unit stays gathered for its backward, and for a
+    backward inside the loss; under remat, whose forward runs without autograd, that would
+    lose its gradient: refused, naming it)."""
     results = pool.run(_train_boxed, box, remat, world=world)
     if box == "object" and remat:
         for message in results:
@@ -1131,6 +1137,8 @@ def test_a_units_output_inside_a_container_trains_like_one_process(pool, world, 
             assert "neither a pytree nor a dataclass" in message
         return
     _check(results)
+    if box == "object" and world > 1:  # a backward inside the loss comes before the loss is known
+        _check(pool.run(_train_boxed, box, remat, penalty=True, world=world))
 
 
 @pytest.mark.parametrize("how", ["remat", "torch_checkpoint"])
