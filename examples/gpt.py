@@ -104,6 +104,18 @@ def stdlib_text(max_bytes: int = 4 << 20) -> bytes:
     return b"".join(chunks)[:max_bytes]
 
 
+def token_windows(text: bytes, indices: range, seq: int, seed: int) -> torch.Tensor:
+    """Windows of ``seq + 1`` byte tokens, one per global sample index in ``indices``: sample
+    ``n`` is the same window whatever the world size or step it falls in, so a run resumed at
+    another world size reads on from where it stopped, no sample seen twice."""
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    starts = [
+        int(torch.randint(0, data.numel() - seq - 1, (1,), generator=torch.Generator().manual_seed(seed * 2**40 + n)))
+        for n in indices
+    ]
+    return torch.stack([data[s : s + seq + 1] for s in starts])
+
+
 def token_batches(text: bytes, batch: int, seq: int, seed: int) -> torch.Tensor:
     """Random windows of ``seq + 1`` byte tokens, (batch, seq + 1), from a seeded generator."""
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()

@@ -7,7 +7,8 @@ The model is built on the meta device and initialised straight into shards; each
 1/W of every block, embedding and head, gathered just before they run; each unit's AdamW
 update runs as soon as its gradient shard exists.
 Every --save-every steps the train state is checkpointed (sharded, atomic, the last
---keep kept) under --ckpt-dir; --resume continues from the latest one, exactly.
+--keep kept) under --ckpt-dir; --resume continues from the latest one, exactly at the same
+world size, and at another one on the samples after those already read.
 Rank 0 shows a progress bar; the last line gives tokens/s and each rank's peak memory.
 """
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 import fsdp_fn as ff
 import fsdp_fn.checkpoint as ckpt
-from examples.gpt import GPT, Block, GPTConfig, lm_loss, stdlib_text, token_batches
+from examples.gpt import GPT, Block, GPTConfig, lm_loss, stdlib_text, token_windows
 
 
 def parse_args() -> argparse.Namespace:
@@ -60,10 +61,12 @@ def main() -> None:
     state = step.init(params, buffers)
     manager = ckpt.CheckpointManager(args.ckpt_dir, keep=args.keep)
     resumed = manager.restore(state) if args.resume else None
+    samples = 0  # the data position: sequences every rank together has read
     if resumed is not None:
-        state, _ = resumed
+        state, extra = resumed
+        samples = extra["samples"]
         if rank == 0:
-            print(f"resumed from {manager.latest()} at step {state.step}", flush=True)
+            print(f"resumed from {manager.latest()} at step {state.step}, sample {samples}", flush=True)
     text = stdlib_text()
     if rank == 0:
         print(
@@ -86,7 +89,9 @@ def main() -> None:
     for k in range(state.step, args.steps):
         if k == timed_from:
             start = time.perf_counter()
-        batch = token_batches(text, args.batch, args.seq, seed=args.seed + k * world + rank)
+        mine = samples + rank * args.batch  # this rank's part of the global batch, by sample index
+        batch = token_windows(text, range(mine, mine + args.batch), args.seq, seed=args.seed)
+        samples += args.batch * world
         if k == meter_step:
             with ff.MemoryMeter() as meter:
                 meter.tag(state, "state")
@@ -99,8 +104,8 @@ def main() -> None:
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.3f}")
             bar.update()
-        if args.save_every and state.step % args.save_every == 0:
-            manager.save(state)  # the batch of step k depends only on k: the step is the data position
+        if args.save_every and (k + 1) % args.save_every == 0:
+            manager.save(state, step=k + 1, extra={"samples": samples})  # any world size reads on from there
     elapsed = time.perf_counter() - start
     if bar is not None:
         bar.close()

@@ -935,3 +935,29 @@ def test_buffers_that_differ_between_ranks_are_saved_per_rank(pool, tmp_path):
         assert losses == whole[3:] and at_save_losses == whole[:3]
     for _, mu in pool.run(_per_rank_buffers, d, "load", 3, 3, world=3):
         assert torch.equal(mu, saved[0][1])
+
+
+def test_the_demo_reads_on_from_the_same_sample_at_any_world_size():
+    """examples/train_gpt.py draws sample ``n`` of the run the same whatever the world size:
+    3 steps at W=2 then 2 at W=3 read 24 distinct windows, the ones a run at W=4 with the same
+    per-rank batch reads in its first 3 steps (before: seeds of ``k * world + rank`` made a
+    resume at another world size read batches it had trained on)."""
+    from examples.gpt import token_windows
+
+    text = bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0)).tolist())
+    batch, seq = 2, 8
+
+    def run(world, steps, samples):
+        out = []
+        for _ in range(steps):
+            for r in range(world):  # (rank r's part of the step's global batch)
+                out.append(token_windows(text, range(samples + r * batch, samples + (r + 1) * batch), seq, 0))
+            samples += batch * world
+        return out, samples
+
+    first, at = run(2, 3, 0)
+    second, _ = run(3, 2, at)
+    resumed = torch.cat(first + second)
+    straight = torch.cat(run(4, 3, 0)[0])
+    assert torch.equal(resumed, straight)
+    assert len({tuple(w.tolist()) for w in resumed}) == 24
