@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_fn._functional import Functional
 from fsdp_fn._plan import ROOT, Plan, Policy, unit_label
+from fsdp_fn._policy import MixedPrecision
 from fsdp_fn._remat import Remat, _remat_with_state, route_torch_checkpoint
 
 LOSS = "(loss)"
@@ -213,11 +214,16 @@ class _Trace:
         self.recompute[unit] = max(self.recompute.get(unit, 0), self.live.current - before)
         return out
 
-    def model(self, fn: Functional, params: Any, buffers: Any) -> Callable[..., Any]:
+    def model(
+        self, fn: Functional, params: Any, buffers: Any, precision: MixedPrecision | None = None
+    ) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             self.in_model = True
             try:
-                return fn(params, buffers, *args, **kwargs)
+                if precision is None:
+                    return fn(params, buffers, *args, **kwargs)
+                args, kwargs = precision.cast_inputs(args, kwargs)  # as the train step casts them
+                return precision.cast_output(fn(params, buffers, *args, **kwargs))
             finally:
                 self.in_model = False
 
@@ -275,6 +281,7 @@ def estimate_activations(
     plan: Plan,
     *,
     remat: bool | Policy | Remat | None = None,
+    mixed_precision: MixedPrecision | None = None,
 ) -> ActivationEstimate:
     """Activation bytes of one train step on this rank's ``batch``, without running it.
 
@@ -283,10 +290,11 @@ def estimate_activations(
     part of ``estimate_memory`` and are left out here), with the units ``remat`` selects
     rematerialised as ``train_step(remat=...)`` does. Allocates no tensor data and
     communicates nothing; the module is left as it was (hooks and forwards are installed
-    for the call only). What it cannot see: the train step's own buffers (gathered units,
-    flat gradients, communication buffers: the plan's part), a mixed-precision cast of
-    the activations, and allocator effects (it counts live tensor bytes, as
-    ``MemoryMeter`` does).
+    for the call only). ``mixed_precision``: the step's (``Schedule.mixed_precision``): the
+    parameters in its ``param_dtype``, the inputs and outputs cast as the step casts them.
+    What it cannot see: the train step's own buffers (gathered units, flat gradients,
+    communication buffers: the plan's part) and allocator effects (it counts live tensor
+    bytes, as ``MemoryMeter`` does).
 
     >>> import torch
     >>> from torch import nn
@@ -319,7 +327,9 @@ def estimate_activations(
 
     with mode:
         params = {
-            spec.name: torch.empty(spec.shape, dtype=spec.dtype, device=device).requires_grad_(spec.requires_grad)
+            spec.name: torch.empty(
+                spec.shape, dtype=mixed_precision.gathered(spec.dtype) if mixed_precision else spec.dtype, device=device
+            ).requires_grad_(spec.requires_grad)
             for spec in plan.params
         }
         buffers = {k: fake(v) for k, v in fn.buffers.items()}
@@ -328,7 +338,7 @@ def estimate_activations(
     live = trace.live
     with mode, live, route_torch_checkpoint(), _installed(trace, plan, fn.module, params, chosen, remat_units):
         with torch.autograd.graph.saved_tensors_hooks(trace.pack, lambda t: t):
-            loss = loss_fn(trace.model(fn, params, buffers), fake_batch)
+            loss = loss_fn(trace.model(fn, params, buffers, mixed_precision), fake_batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError(
                 "estimate_activations: loss_fn must return a scalar tensor that depends on the parameters, "

@@ -37,7 +37,8 @@ from torch.utils._python_dispatch import (
 
 from fsdp_fn import _labels
 from fsdp_fn._activations import ActivationEstimate
-from fsdp_fn._plan import ROOT, Plan
+from fsdp_fn._plan import ROOT, Plan, Unit
+from fsdp_fn._policy import Schedule
 from fsdp_fn._tree import NAMESPACE
 
 CATEGORIES = ("params", "gathered", "grads", "optimizer", "buffers", "comm", "activations")
@@ -230,6 +231,7 @@ def estimate_memory(
     update_in_backward: bool = False,
     units_in_flight: int = 1,
     activations: ActivationEstimate | None = None,
+    schedule: Schedule | None = None,
 ) -> MemoryEstimate:
     """Predict a step's per-rank memory from the plan alone, before anything is allocated.
 
@@ -237,8 +239,12 @@ def estimate_memory(
     momentum 1, plain SGD 0). The root unit, when there is one, stays gathered for the
     whole step; at most ``units_in_flight`` other units are gathered at once.
     ``activations``: ``estimate_activations(fn, loss_fn, batch, plan, remat=...)`` on
-    this rank's batch, for the activations (rematerialisation included). Nothing is
-    allocated, nothing is communicated.
+    this rank's batch (one micro-batch), for the activations (rematerialisation included).
+    ``schedule``: the step's ``Schedule``, which then sets ``update_in_backward`` and
+    ``units_in_flight`` (``max_inflight``) and adds what it keeps: every unit gathered
+    with ``reshard_after_forward=False``, units gathered in ``mixed_precision``'s dtype,
+    the gradients summed over earlier micro-batches (shards, or every unit's full gradient
+    without ``reduce_each_micro_batch``). Nothing is allocated, nothing is communicated.
 
     >>> from torch import nn
     >>> from fsdp_fn import make_plan
@@ -246,10 +252,23 @@ def estimate_memory(
     >>> estimate_memory(p, world=2).params  # 8 elements, 4 per rank
     16
     """
+    if schedule is not None:
+        update_in_backward, units_in_flight = schedule.update_in_backward, schedule.max_inflight
+        if not schedule.reshard_after_forward:
+            units_in_flight = len(plan.units)  # each stays gathered from its forward to its backward
     shard_bytes = {u.name: u.shard_numel(world) * u.dtype.itemsize for u in plan.units}
     params = sum(shard_bytes.values())
-    others = sorted((u.gather_bytes(world) for u in plan.units if u.name != ROOT), reverse=True)
-    root = next((u.gather_bytes(world) for u in plan.units if u.name == ROOT), 0)
+
+    def gathered(u: Unit) -> int:
+        return u.gather_bytes(world, schedule.gather_dtype(u.dtype) if schedule is not None else None)
+
+    others = sorted((gathered(u) for u in plan.units if u.name != ROOT), reverse=True)
+    root = next((gathered(u) for u in plan.units if u.name == ROOT), 0)
+    # Gradients an earlier micro-batch left for the later ones, alive through their activations.
+    summed = 0
+    if schedule is not None and schedule.micro_batches > 1:
+        full = sum(u.padded_numel(world) * u.dtype.itemsize for u in plan.units)
+        summed = params if schedule.reduce_each_micro_batch else full
     largest_shard = max(shard_bytes.values())
     counters = 4 * sum(len(u.params) for u in plan.units)  # one float32 step count per trainable parameter
     with_gradients = 0
@@ -261,7 +280,7 @@ def estimate_memory(
             if stage.running is not None
             else 0
         )
-        with_gradients = max(with_gradients, stage.peak + shards + full)
+        with_gradients = max(with_gradients, stage.peak + shards + full + summed)
     return MemoryEstimate(
         params=params,
         grads=largest_shard if update_in_backward else params,
