@@ -308,10 +308,16 @@ class TrainStep:
         n = self.schedule.micro_batches
         if n == 1:
             return [batch]
+        if isinstance(batch, tuple):  # (x, y) is one batch to a loss that unpacks it, not two micro-batches
+            raise ValueError(
+                f"with Schedule(micro_batches={n}) the batch must be a list of {n} micro-batches, got a tuple of "
+                f"{len(batch)}: a tuple is read as one batch (x, y), so its items are not split into micro-batches; "
+                "pass [micro_batch_1, ...]"
+            )
         if not isinstance(batch, Sequence) or len(batch) != n:
             got = f"{len(batch)} items" if isinstance(batch, Sequence) else type(batch).__name__
             raise ValueError(
-                f"with Schedule(micro_batches={n}) the batch must be a sequence of that many micro-batches, got {got}"
+                f"with Schedule(micro_batches={n}) the batch must be a list of that many micro-batches, got {got}"
             )
         return batch
 

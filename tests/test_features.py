@@ -671,17 +671,24 @@ def _wrong_micro_batches(group):
     fn = ff.functionalize(model)
     params = ff.shard(fn.params, ff.make_plan(model, policy), group)
     step = ff.train_step(fn, loss_fn, ff.adamw(), schedule=ff.Schedule(micro_batches=3))
-    try:
-        step(step.init(params), [batch_for("mlp", model, 0, size=4)] * 2)
-    except ValueError as e:  # every rank checks its own input before waiting on the others
-        return str(e)
-    return "no error"
+    state = step.init(params)
+    messages = []
+    for batch in ([batch_for("mlp", model, 0, size=4)] * 2, (torch.randn(4, 2), torch.randn(4, 2), torch.randn(4, 2))):
+        try:
+            step(state, batch)
+            messages.append("no error")
+        except ValueError as e:  # every rank checks its own input before waiting on the others
+            messages.append(str(e))
+    return messages
 
 
 def test_wrong_number_of_micro_batches(pool):
-    for msg in pool.run(_wrong_micro_batches, world=2):
-        assert "with Schedule(micro_batches=3) the batch must be a sequence of that many micro-batches" in msg
-        assert "got 2 items" in msg
+    for few, as_tuple in pool.run(_wrong_micro_batches, world=2):
+        assert "with Schedule(micro_batches=3) the batch must be a list of that many micro-batches" in few
+        assert "got 2 items" in few
+        # A tuple (x, y, ...) is one batch to a loss that unpacks it: never split into micro-batches
+        # (before, a batch (x, y) at micro_batches=2 trained on x and y as the two micro-batches).
+        assert "must be a list of 3 micro-batches, got a tuple of 3: a tuple is read as one batch" in as_tuple
 
 
 def _hsdp_mesh_of_wrong_size(group):
