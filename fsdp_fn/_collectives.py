@@ -238,7 +238,15 @@ def all_gather_into(
             for lo, hi in [(0, shard.numel())] if own is None else own:
                 mine[lo:hi].copy_(shard[lo:hi])
         else:
-            pending = Pending([dist.all_gather_single(out, shard, group=group, async_op=True)], what, (out, shard))
+            # Into an alias of ``out``'s storage with a version counter of its own: a backend's
+            # collective counts its output as changed in place when it completes (on its own
+            # thread, after the preserving block here), and a refill, the same values again, must
+            # not look like a change to the views autograd saved ("a view created inside a custom
+            # Function ... has been modified inplace"). Pairwise receives write unseen anyway.
+            into = torch.empty(0, dtype=out.dtype, device=out.device).set_(
+                out.untyped_storage(), out.storage_offset(), out.shape, out.stride()
+            )
+            pending = Pending([dist.all_gather_single(into, shard, group=group, async_op=True)], what, (into, shard))
         if not async_op:
             pending.wait()
             return None

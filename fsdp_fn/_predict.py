@@ -38,7 +38,9 @@ def predict_collectives(
     (hybrid sharding), one all-reduce of the gradient shard across them. Then one
     all-gather of ``metrics_words(plan)`` float64 numbers per rank (the step's loss,
     gradient norm, the fingerprint of the collectives it issued and which parameters got
-    a gradient), and with replicas an all-reduce of two.
+    a gradient), and with replicas an all-reduce of two. With ``update_in_backward``, per unit
+    one all-reduce of a number per parameter (which parameters any rank reached), over the
+    ranks and over the replicas, before its update.
 
     ``lookup_rows`` (the train step on gloo's pairwise collectives; pass ``False`` for other
     backends or ``FSDP_FN_COLLECTIVES=native``): a lookup unit's rows are fetched instead,
@@ -52,10 +54,14 @@ def predict_collectives(
     kept = set(order[kept_tail(order, nbytes, schedule) :])
     out: list[Collective] = []
     for u in plan.units:
+        # update_in_backward: which of the unit's parameters any rank reached, before its update
+        merged = [Collective("all_reduce", u.name, len(u.params), torch.float32, n) for n in (world, replicas)]
+        merged = merged if u.params and schedule.update_in_backward else []
         if lookup_rows and rows_fit(u, schedule, replicas):
             out += [
                 Collective("row_fetch", u.name, 0, u.dtype, world),
                 Collective("row_reduce", u.name, 0, u.dtype, world),
+                *merged,
             ]
             continue
         resharded = (
@@ -71,6 +77,7 @@ def predict_collectives(
                 out.append(Collective("reduce_scatter", u.name, u.padded_numel(world), reduce, world))
                 if replicas > 1:
                     out.append(Collective("all_reduce", u.name, u.shard_numel(world), reduce, replicas))
+        out += merged
     out.append(Collective("all_gather", None, metrics_words(plan) * world, torch.float64, world))
     if replicas > 1:
         out.append(Collective("all_reduce", None, 2, torch.float64, replicas))

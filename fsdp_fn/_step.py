@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
 
-from fsdp_fn._agree import DivergenceError
 from fsdp_fn._collectives import all_gather_into, all_reduce_, broadcast_
 from fsdp_fn._functional import Functional
 from fsdp_fn._grad import LossFn, lean_pass
@@ -225,6 +224,7 @@ class TrainStep:
 
         def step_unit(unit: str, grad: torch.Tensor, received: tuple[bool, ...]) -> None:
             nonlocal opt_state
+            received = _reached_on_any_rank(unit, received, layout, grad.device)
             square_norms[unit] = square_norm(grad)
             only = params.replace({u: grad if u == unit else params[u] for u in plan.unit_names})
             only = only.with_received({unit: received})
@@ -258,14 +258,8 @@ class TrainStep:
             loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
             masks = sink.received_masks()
             skipped = torch.zeros((), dtype=torch.bool)
-            if schedule.update_in_backward:
-                stats, merged, same = self._global(loss, square_norms.values(), masks, layout, guard, "")
-                if not same:
-                    raise DivergenceError(
-                        "with update_in_backward each rank steps a unit as soon as its gradient is ready, so every "
-                        "rank must reach the same parameters; they differ at "
-                        f"{_first_difference(masks, merged, plan)}: the units' updates were already applied"
-                    )
+            if schedule.update_in_backward:  # (each unit was stepped with what any rank reached)
+                stats, merged, _ = self._global(loss, square_norms.values(), masks, layout, guard, "")
             else:
                 totals = sink.totals
                 if len(micro) > 1:
@@ -374,13 +368,17 @@ def _unpack_masks(words: torch.Tensor, plan: Plan) -> dict[str, tuple[bool, ...]
     return out
 
 
-def _first_difference(mine: Mapping[str, tuple[bool, ...]], merged: Mapping[str, tuple[bool, ...]], plan: Plan) -> str:
-    for u in plan.units:
-        ours = mine.get(u.name, (False,) * len(u.params))
-        for spec, a, b in zip(u.params, ours, merged[u.name], strict=True):
-            if a != b:
-                return f"parameter {spec.name!r} (unit {unit_label(u.name)})"
-    return "a parameter another rank reached"
+def _reached_on_any_rank(
+    unit: str, received: tuple[bool, ...], layout: Layout, device: torch.device
+) -> tuple[bool, ...]:
+    """Which of a unit's parameters some rank's batch reached (torch's rule: the global batch's
+    gradient is not None), for ``update_in_backward``, which steps the unit before the step's
+    metrics merge the ranks' masks: one all-reduce of a number per parameter per unit."""
+    flags = torch.tensor(received, dtype=torch.float32, device=device)
+    all_reduce_(flags, layout.group, unit)
+    if layout.replicate is not None:
+        all_reduce_(flags, layout.replicate, unit)
+    return tuple(bool(f) for f in (flags > 0).tolist())
 
 
 def _skipped_by_chain(opt_state: Any) -> bool:

@@ -92,8 +92,13 @@ def test_step_issues_exactly_the_predicted_collectives(pool, world, split_root, 
                         kept_units.add(tail.pop().name)
             param_bytes = sum(u.padded_numel(world) * 4 for u in dense)
             kept = sum(u.padded_numel(world) * 4 for u in dense if u.name in kept_units)
-            sent = sum(c.ring_bytes for c in records if c.unit is not None)  # the units, not the metrics
+            # (the units' parameters, not the metrics nor update_in_backward's masks, counted below)
+            sent = sum(c.ring_bytes for c in records if c.unit is not None and c.op != "all_reduce")
             assert sent == pytest.approx((3 * param_bytes - kept) * (world - 1) / world)
+            # update_in_backward: which parameters any rank reached, merged before each unit's update
+            masks = [(c.unit, c.numel) for c in records if c.op == "all_reduce"]
+            stepped = [(u.name, len(u.params)) for u in plan.units if u.params]
+            assert sorted(masks) == (sorted(stepped) if schedule.update_in_backward else [])
             backward = records[len(plan.units) :]
             backward_gathers = {c.unit for c in backward if c.op == "all_gather" and c.unit is not None}
             assert backward_gathers == set(plan.unit_names) - kept_units - embeddings

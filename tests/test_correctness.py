@@ -1152,3 +1152,100 @@ def test_a_tensor_a_rematerialised_unit_keeps_on_itself_is_refused(pool, how):
     box = "tensor" if how == "remat" else "dataclass"
     for message in pool.run(_train_boxed, box, remat, True, checkpointed, world=2):
         assert message.startswith("remat(blocks.0): the region's forward kept a tensor of shape []"), message
+
+
+class Routed(nn.Module):
+    """Two experts; each row goes to ``b`` when its first feature is positive, else to ``a``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        to_b = x[:, 0] > 0
+        out = torch.zeros_like(x)
+        if (~to_b).any():
+            out[~to_b] = self.a(x[~to_b])
+        if to_b.any():
+            out[to_b] = self.b(x[to_b])
+        return x + out
+
+
+class RoutedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Routed(), Routed()])
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _routed_loss(model, batch):
+    return F.mse_loss(model(batch[0]), batch[1])
+
+
+def _routed(group, update_in_backward):
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = RoutedNet()
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1)).abs()
+    x[:3, 0] = -x[:3, 0]  # at W=2 rank 0's rows all go to expert a, rank 1's to b
+    y = torch.randn(6, 1, generator=torch.Generator().manual_seed(2))
+    fn = ff.functionalize(model)
+    schedule = ff.Schedule(update_in_backward=update_in_backward)
+    step = ff.train_step(
+        fn, lambda m, b: F.mse_loss(m(b[0]), b[1]), ff.adamw(lr=0.05, weight_decay=0.1), schedule=schedule
+    )
+    state = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([Routed])), group))
+    norms = []
+    for _ in range(2):
+        state, metrics = step(state, (x.chunk(world)[rank], y.chunk(world)[rank]))
+        norms.append(metrics["grad_norm"].item())
+    full = ff.unshard(state.params)
+    ref_norms, ref_params = _reference(model, _routed_loss, [(x, y)] * 2, 0.05)
+    return (
+        max(rel(a, b) for a, b in zip(norms, ref_norms)),
+        max((full[k] - v).abs().max().item() for k, v in ref_params.items()),
+        True,
+    )
+
+
+@pytest.mark.parametrize("update_in_backward", [False, True], ids=["default", "update_in_backward"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_expert_only_some_ranks_route_to_is_stepped_on_every_rank(pool, world, update_in_backward):
+    """A mixture-of-experts unit whose experts get rows on some ranks only: a parameter any
+    rank's batch reached is stepped, as torch steps what the global batch reached. With
+    ``update_in_backward`` each unit's mask is merged over the ranks before its update (before:
+    every rank stepped its own, and the step raised a DivergenceError after applying them)."""
+    _check(pool.run(_routed, update_in_backward, world=world))
+
+
+def _on_native_collectives(group, names, step_kw):
+    """``_run`` with the backend's own all-gather and reduce-scatter (NCCL's path; on gloo,
+    ``FSDP_FN_COLLECTIVES=native``) instead of the pairwise exchanges."""
+    from fsdp_fn import _collectives
+
+    pairwise = _collectives.pairwise
+    _collectives.pairwise = lambda group: False
+    try:
+        return _run(group, names, step_kw)
+    finally:
+        _collectives.pairwise = pairwise
+
+
+@pytest.mark.parametrize(
+    "step_kw",
+    [{}, {"update_in_backward": True}, {"remat": True}, {"micro_batches": 2}],
+    ids=["default", "update_in_backward", "remat", "micro_batches"],
+)
+def test_the_backends_own_collectives_train_like_one_process(pool, step_kw):
+    """Every step at W >= 2 on the backend's own collectives (the path NCCL takes) once failed
+    in backward: the collective counts its output as changed in place when it completes, on
+    its own thread, so a refilled unit's views looked modified to autograd ("a view created
+    inside a custom Function ... has been modified inplace"). It gathers into an alias of the
+    buffer's storage with a version counter of its own now."""
+    for world in (2, 3):
+        _check(pool.run(_on_native_collectives, ["plain", "nograd_extra", "no_head"], step_kw, world=world))
