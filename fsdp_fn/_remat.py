@@ -248,7 +248,9 @@ class _Forward(TorchDispatchMode):
                 "dataclass). A rematerialised forward runs without autograd, so that tensor carries no gradient "
                 "and a loss reading it would silently lose it. Return it from the region instead (for a unit: "
                 "from its forward); keep its .detach() if it is only looked at (logging); call a Hugging Face "
-                "model with use_cache=False, as its gradient checkpointing does"
+                "model with use_cache=False, as its gradient checkpointing does, and for the outputs it records "
+                "with hooks (output_router_logits, output_attentions) use model.gradient_checkpointing_enable() "
+                "instead of remat"
             )
 
     def _alive_apart_from(self, storages: set[int]) -> list[torch.Tensor]:
@@ -457,6 +459,7 @@ class _CapturedCheck(TorchFunctionMode):
         super().__init__()
         self.inputs = {id(t) for t in inputs}
         self.where = where
+        self.made: dict[int, weakref.ref[torch.Tensor]] = {}  # tensors the region made (views of inputs)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         for t in torch_pytree.tree_leaves((args, kwargs)):
@@ -467,11 +470,19 @@ class _CapturedCheck(TorchFunctionMode):
                     "so its gradient would be lost; pass it as an argument (for a module's parameters: "
                     "remat the module itself, remat(module)(...))"
                 )
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        for t in torch_pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                self.made[id(t)] = weakref.ref(t)
+        return out
 
     def _input(self, t: torch.Tensor) -> bool:
-        # Under plain autograd the inputs themselves require grad, and so do views of them.
-        return id(t) in self.inputs or (t._base is not None and id(t._base) in self.inputs)
+        # Under plain autograd the inputs themselves require grad, and so do views the region
+        # takes of them (``w[1]``, ``w.mT``: a view of a view has the first one's base).
+        if id(t) in self.inputs or (t._base is not None and id(t._base) in self.inputs):
+            return True
+        ref = self.made.get(id(t))
+        return ref is not None and ref() is t
 
 
 _TENSOR = object()  # where a kept result has a tensor
