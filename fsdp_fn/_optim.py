@@ -14,6 +14,7 @@ kept per parameter, as torch.optim keeps them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -130,7 +131,18 @@ def _rate(lr: LearningRate, grads: Sharded, optimizer: str) -> float:
             f"{optimizer}(lr=schedule): the schedule reads grads.step, the number of steps applied before this "
             "one; the train step sets it, and a loop of your own sets it before update (grads.step = k)"
         )
-    return float(lr(grads.step))
+    rate = lr(grads.step)
+    if (
+        isinstance(rate, bool)
+        or not isinstance(rate, int | float | torch.Tensor)
+        or not math.isfinite(float(rate))
+        or float(rate) < 0
+    ):
+        raise ValueError(
+            f"{optimizer}(lr=schedule): the schedule gave lr={rate!r} at step {grads.step}; a learning rate must "
+            "be a finite number >= 0 (nothing was applied)"
+        )
+    return float(rate)
 
 
 def _by_decay(todo: _Slices) -> list[tuple[bool, _Slices]]:

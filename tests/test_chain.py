@@ -320,15 +320,26 @@ def _own_loop(group):
                 messages.append(str(e))
         grads.step = k
         params, opt_state = opt.update(grads, opt_state, params)
+    for bad in (-1e-3, float("nan")):  # a schedule gone wrong: refused, nothing applied
+        wrong = ff.adamw(lr=lambda k, bad=bad: bad)
+        try:
+            wrong.update(grads, wrong.init(params), params)
+        except ValueError as e:
+            messages.append(str(e))
     return messages, ff.unshard(params)
 
 
 def test_a_schedule_in_a_loop_of_ones_own_reads_grads_step(pool):
     _, _, ref = _torch_scheduled(partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1))
     for messages, full in pool.run(_own_loop, world=2):
-        assert messages == [
+        assert messages[0] == (
             "adamw(lr=schedule): the schedule reads grads.step, the number of steps applied before this one; the "
             "train step sets it, and a loop of your own sets it before update (grads.step = k)"
+        )
+        assert messages[1:] == [
+            f"adamw(lr=schedule): the schedule gave lr={bad} at step 4; a learning rate must be a finite number >= 0 "
+            "(nothing was applied)"
+            for bad in (-0.001, "nan")
         ]
         for name, p in ref["params"].items():
             torch.testing.assert_close(full[name], p, rtol=1e-5, atol=1e-6)
