@@ -317,6 +317,39 @@ def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup, unit: str | None
     return tensor
 
 
+def all_reduce_start(
+    tensor: torch.Tensor, group: dist.ProcessGroup, unit: str | None = None
+) -> Callable[[], torch.Tensor]:
+    """Issue a sum over ranks of a small ``tensor`` without waiting; call the result to wait and
+    get the sum (a new tensor). Pairwise: this rank's tensor goes to every peer and theirs are
+    received (``W-1`` copies of it), so it waits on nothing but those peers' messages, not on
+    collectives queued before it (a synchronous all-reduce here waited for the peer's next unit)."""
+    record("all_reduce", unit, tensor.numel(), tensor.dtype, group)
+    world, rank = group.size(), group.rank()
+    what = _guard.describe("all_reduce", unit)
+    with torch._C._DisableFuncTorch(), torch.no_grad():
+        mine = tensor.clone()
+        if world == 1:
+            return lambda: mine
+        if not pairwise(group):
+            work = Pending([dist.all_reduce(mine, group=group, async_op=True)], what, (mine,))
+
+            def finish_native() -> torch.Tensor:
+                work.wait()
+                return mine
+
+            return finish_native
+        into = [None if j == rank else torch.empty_like(mine) for j in range(world)]
+        pending = _exchange(group, [None if j == rank else mine for j in range(world)], into, what)
+
+        def finish() -> torch.Tensor:
+            pending.wait()
+            parts = [mine if t is None else t for t in into]  # in rank order: every rank sums alike
+            return torch.stack(parts).sum(0)
+
+        return finish
+
+
 def broadcast_(tensor: torch.Tensor, group: dist.ProcessGroup, src: int = 0) -> torch.Tensor:
     """``tensor`` <- group rank ``src``'s ``tensor``, in place."""
     record("broadcast", None, tensor.numel(), tensor.dtype, group)

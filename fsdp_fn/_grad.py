@@ -214,6 +214,8 @@ def _all_ranks(masks: Mapping[str, tuple[bool, ...]], params: Sharded) -> dict[s
     )
     if flat.numel() and layout.world > 1:
         all_reduce_(flat, layout.group)
+    if flat.numel() and layout.replicate is not None:  # or on another replica's
+        all_reduce_(flat, layout.replicate)
     out, at = {}, 0
     for u in plan.units:
         out[u.name] = tuple(bool(b > 0) for b in flat[at : at + len(u.params)])

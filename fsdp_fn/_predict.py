@@ -38,9 +38,9 @@ def predict_collectives(
     (hybrid sharding), one all-reduce of the gradient shard across them. Then one
     all-gather of ``metrics_words(plan)`` float64 numbers per rank (the step's loss,
     gradient norm, the fingerprint of the collectives it issued and which parameters got
-    a gradient), and with replicas an all-reduce of two. With ``update_in_backward``, per unit
-    one all-reduce of a number per parameter (which parameters any rank reached), over the
-    ranks and over the replicas, before its update.
+    a gradient), and with replicas an all-reduce of two numbers and one per parameter. With
+    ``update_in_backward``, per unit one all-reduce of a number per parameter (which
+    parameters any rank reached), over the ranks and over the replicas, before its update.
 
     ``lookup_rows`` (the train step on gloo's pairwise collectives; pass ``False`` for other
     backends or ``FSDP_FN_COLLECTIVES=native``): a lookup unit's rows are fetched instead,
@@ -80,5 +80,6 @@ def predict_collectives(
         out += merged
     out.append(Collective("all_gather", None, metrics_words(plan) * world, torch.float64, world))
     if replicas > 1:
-        out.append(Collective("all_reduce", None, 2, torch.float64, replicas))
+        reached = sum(len(u.params) for u in plan.units)  # which parameters any replica reached
+        out.append(Collective("all_reduce", None, 2 + reached, torch.float64, replicas))
     return [c for c in out if c.world > 1]

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from fsdp_fn._collectives import all_reduce_, reduce_scatter_start
+from fsdp_fn._collectives import all_reduce_, all_reduce_start, reduce_scatter_start
 from fsdp_fn._labels import label
 from fsdp_fn._plan import Unit
 from fsdp_fn._policy import Schedule
@@ -30,7 +30,9 @@ class GradSink:
     ``defer`` (accumulating micro-batches without reducing) the full gradients are summed
     instead and reduced once by ``reduce_deferred``. ``on_unit(unit, grad, received)`` is
     called the moment a unit's last reachable use is reduced (``expect`` says how many
-    uses the loss reaches); otherwise ``drain()`` then ``grads()`` hand them over at the end.
+    uses the loss reaches), ``received`` merged over the ranks (torch's rule: a parameter some
+    rank's batch reached gets a gradient) by messages issued beside that use's reduce-scatter;
+    otherwise ``drain()`` then ``grads()`` hand them over at the end.
     Memory: one gradient shard per unit (or one full gradient per unit with ``defer``),
     plus the full gradient of the reduction in flight (and ``W-1`` received shards).
     """
@@ -50,6 +52,8 @@ class GradSink:
         self.received: dict[str, list[bool]] = {}
         self.expected: dict[str, int] = {}
         self.arrived: collections.Counter[str] = collections.Counter()
+        self.pushed: collections.Counter[str] = collections.Counter()
+        self.reached: dict[str, Callable[[], tuple[bool, ...]]] = {}  # on_unit: the masks being merged
         self.pending: collections.deque[tuple[str, Callable[[], torch.Tensor], torch.Tensor | None]] = (
             collections.deque()
         )
@@ -62,20 +66,23 @@ class GradSink:
         """How many gathered uses of each unit the loss reaches (the others never get a backward)."""
         self.expected = dict(uses)
 
-    def _mark(self, unit: Unit, received: Sequence[bool]) -> None:
+    def _mark(self, unit: Unit, received: Sequence[bool], device: torch.device) -> None:
         mask = self.received.setdefault(unit.name, [False] * len(unit.params))
         for i, got in enumerate(received):
             mask[i] = mask[i] or got
+        self.pushed[unit.name] += 1
+        if self.on_unit is not None and self.pushed[unit.name] == self.expected.get(unit.name, 0):
+            self.reached[unit.name] = _merge_reached(self.params, unit.name, mask, device)
 
     def push_reduced(self, unit: Unit, finish: Callable[[], torch.Tensor], received: Sequence[bool]) -> None:
         """A reduction already issued (a lookup's rows' gradient on its way): ``finish()`` waits
         and gives the gradient shard; left in flight like a reduce-scatter."""
-        self._mark(unit, received)
+        self._mark(unit, received, self.params[unit.name].device)
         self.pending.append((unit.name, finish, None))
         self.drain(keep=1)
 
     def push(self, unit: Unit, full: torch.Tensor, received: Sequence[bool], reusable: bool = False) -> None:
-        self._mark(unit, received)
+        self._mark(unit, received, full.device)
         with torch._C._DisableFuncTorch(), torch.no_grad():
             if self.deferred is not None:
                 total = self.deferred.get(unit.name)
@@ -127,7 +134,7 @@ class GradSink:
         self.arrived[unit] += 1
         if self.on_unit is not None and self.arrived[unit] == self.expected.get(unit, 0):
             self.delivered.append(unit)
-            self.on_unit(unit, self.totals.pop(unit), tuple(self.received[unit]))
+            self.on_unit(unit, self.totals.pop(unit), self.reached.pop(unit)())
 
     def reduce_deferred(self) -> None:
         """``defer``: reduce-scatter every unit's summed full gradient once, now."""
@@ -156,5 +163,23 @@ def reduce_unit(params: Sharded, unit: Unit, full: torch.Tensor, schedule: Sched
         if layout.replicate is not None:
             all_reduce_(out, layout.replicate, unit.name).div_(layout.replicas)
         return out.to(dtype=shard.dtype, device=shard.device)
+
+    return result
+
+
+def _merge_reached(
+    params: Sharded, unit: str, mask: Sequence[bool], device: torch.device
+) -> Callable[[], tuple[bool, ...]]:
+    """Issue the merge of a unit's reached-parameter mask over the ranks (and replicas); the
+    result waits and gives which parameters any rank reached. One message of a number per
+    parameter to each peer, issued now (beside the unit's reduce-scatter)."""
+    layout = params.layout
+    finish = all_reduce_start(torch.tensor(mask, dtype=torch.float32, device=device), layout.group, unit)
+
+    def result() -> tuple[bool, ...]:
+        flags = finish()
+        if layout.replicate is not None:
+            all_reduce_(flags, layout.replicate, unit)
+        return tuple(bool(f) for f in (flags > 0).tolist())
 
     return result

@@ -224,7 +224,6 @@ class TrainStep:
 
         def step_unit(unit: str, grad: torch.Tensor, received: tuple[bool, ...]) -> None:
             nonlocal opt_state
-            received = _reached_on_any_rank(unit, received, layout, grad.device)
             square_norms[unit] = square_norm(grad)
             only = params.replace({u: grad if u == unit else params[u] for u in plan.unit_names})
             only = only.with_received({unit: received})
@@ -344,7 +343,11 @@ class TrainStep:
         merged = _unpack_masks(functools.reduce(torch.bitwise_or, bits.unbind(0)), plan)
         stats = everyone[:, :2].sum(0)
         if layout.replicate is not None:  # replicas hold the same gradient shards: count them once
-            all_reduce_(stats, layout.replicate)
+            # and a parameter only another replica's batch reached is stepped here too
+            reached = torch.tensor([b for u in plan.units for b in merged[u.name]], dtype=stats.dtype)
+            both = all_reduce_(torch.cat([stats, reached.to(stats.device)]), layout.replicate)
+            stats, flags = both[:2], iter((both[2:] > 0).tolist())
+            merged = {u.name: tuple(next(flags) for _ in u.params) for u in plan.units}
             stats[1] /= layout.replicas
         stats[0] /= layout.world * layout.replicas
         return stats, merged, same
@@ -366,19 +369,6 @@ def _unpack_masks(words: torch.Tensor, plan: Plan) -> dict[str, tuple[bool, ...]
         out[u.name] = tuple(bool(values[(at + i) // _BITS] >> ((at + i) % _BITS) & 1) for i in range(len(u.params)))
         at += len(u.params)
     return out
-
-
-def _reached_on_any_rank(
-    unit: str, received: tuple[bool, ...], layout: Layout, device: torch.device
-) -> tuple[bool, ...]:
-    """Which of a unit's parameters some rank's batch reached (torch's rule: the global batch's
-    gradient is not None), for ``update_in_backward``, which steps the unit before the step's
-    metrics merge the ranks' masks: one all-reduce of a number per parameter per unit."""
-    flags = torch.tensor(received, dtype=torch.float32, device=device)
-    all_reduce_(flags, layout.group, unit)
-    if layout.replicate is not None:
-        all_reduce_(flags, layout.replicate, unit)
-    return tuple(bool(f) for f in (flags > 0).tolist())
 
 
 def _skipped_by_chain(opt_state: Any) -> bool:

@@ -1,4 +1,4 @@
-"""Mutants planted by hand (docs/testing.md, the fifth and sixth batches): each a plausible slip in a
+"""Mutants planted by hand (docs/testing.md, the fifth to seventh batches): each a plausible slip in a
 core module, applied to a copy of the tracked tree, its tests run with ``pytest -x``.
 
     python mutation/by_hand.py                    # every mutant
@@ -283,6 +283,37 @@ MUTANTS = [
         "        if u.frozen:\n            frozen = params.layout.frozen",
         "        if False:\n            frozen = params.layout.frozen",
         "tests/test_collectives.py::test_gather_for_gathers_a_units_frozen_parameters_too",
+    ),
+    (
+        "replica_mask_step",
+        "fsdp_fn/_step.py",
+        "            merged = {u.name: tuple(next(flags) for _ in u.params) for u in plan.units}\n",
+        "",
+        "tests/test_correctness.py::test_an_expert_only_some_ranks_route_to_is_stepped_on_every_rank",
+    ),
+    (
+        "replica_mask_grad",
+        "fsdp_fn/_grad.py",
+        (
+            "    if flat.numel() and layout.replicate is not None:  # or on another replica's\n"
+            "        all_reduce_(flat, layout.replicate)\n"
+        ),
+        "",
+        "tests/test_correctness.py::test_an_expert_only_some_ranks_route_to_is_stepped_on_every_rank",
+    ),
+    (
+        "replica_mask_in_backward",
+        "fsdp_fn/_sink.py",
+        "        if layout.replicate is not None:\n            all_reduce_(flags, layout.replicate, unit)\n",
+        "",
+        "tests/test_correctness.py::test_an_expert_only_some_ranks_route_to_is_stepped_on_every_rank",
+    ),
+    (
+        "mask_not_merged_in_backward",
+        "fsdp_fn/_sink.py",
+        "            self.on_unit(unit, self.totals.pop(unit), self.reached.pop(unit)())",
+        "            self.on_unit(unit, self.totals.pop(unit), tuple(self.received[unit]))",
+        "tests/test_correctness.py::test_an_expert_only_some_ranks_route_to_is_stepped_on_every_rank",
     ),
 ]
 

@@ -1187,40 +1187,63 @@ def _routed_loss(model, batch):
     return F.mse_loss(model(batch[0]), batch[1])
 
 
-def _routed(group, update_in_backward):
+def _routed(group, update_in_backward, collectives="pairwise"):
+    from fsdp_fn import _collectives
+
     world, rank = group.size(), group.rank()
     torch.manual_seed(0)
     model = RoutedNet()
-    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1)).abs()
-    x[:3, 0] = -x[:3, 0]  # at W=2 rank 0's rows all go to expert a, rank 1's to b
-    y = torch.randn(6, 1, generator=torch.Generator().manual_seed(2))
+    rows, to_a = (8, 6) if collectives == "hybrid" else (6, 3)
+    x = torch.randn(rows, 4, generator=torch.Generator().manual_seed(1)).abs()
+    # at W=2 rank 0's rows all go to expert a, rank 1's to b; 2x2 hybrid: ranks 0-2 to a, rank 3 to b,
+    # so ranks 0 and 1 (one shard group) learn of b's rows only from their replicas
+    x[:to_a, 0] = -x[:to_a, 0]
+    y = torch.randn(rows, 1, generator=torch.Generator().manual_seed(2))
+    target: Any = group
+    if collectives == "hybrid":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        target = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    x_rank, y_rank = x.chunk(world)[rank], y.chunk(world)[rank]
     fn = ff.functionalize(model)
     schedule = ff.Schedule(update_in_backward=update_in_backward)
-    step = ff.train_step(
-        fn, lambda m, b: F.mse_loss(m(b[0]), b[1]), ff.adamw(lr=0.05, weight_decay=0.1), schedule=schedule
-    )
-    state = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([Routed])), group))
+    step = ff.train_step(fn, _routed_loss, ff.adamw(lr=0.05, weight_decay=0.1), schedule=schedule)
+    state = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([Routed])), target))
     norms = []
-    for _ in range(2):
-        state, metrics = step(state, (x.chunk(world)[rank], y.chunk(world)[rank]))
-        norms.append(metrics["grad_norm"].item())
+    pairwise = _collectives.pairwise
+    if collectives == "native":
+        _collectives.pairwise = lambda group: False
+    try:
+        # every parameter is reached by the global batch, so value_and_grad marks all as received
+        _, grads = ff.value_and_grad(fn, lambda m, b: F.mse_loss(m(b[0]), b[1]))(
+            state.params, fn.buffers, (x_rank, y_rank)
+        )
+        everywhere = all(all(mask) for mask in grads.received.values())
+        for _ in range(2):
+            state, metrics = step(state, (x_rank, y_rank))
+            norms.append(metrics["grad_norm"].item())
+    finally:
+        _collectives.pairwise = pairwise
     full = ff.unshard(state.params)
     ref_norms, ref_params = _reference(model, _routed_loss, [(x, y)] * 2, 0.05)
     return (
         max(rel(a, b) for a, b in zip(norms, ref_norms)),
         max((full[k] - v).abs().max().item() for k, v in ref_params.items()),
-        True,
+        everywhere,
     )
 
 
 @pytest.mark.parametrize("update_in_backward", [False, True], ids=["default", "update_in_backward"])
-@pytest.mark.parametrize("world", [2, 3])
-def test_an_expert_only_some_ranks_route_to_is_stepped_on_every_rank(pool, world, update_in_backward):
+@pytest.mark.parametrize(
+    ("world", "collectives"), [(2, "pairwise"), (3, "pairwise"), (2, "native"), (3, "native"), (4, "hybrid")]
+)
+def test_an_expert_only_some_ranks_route_to_is_stepped_on_every_rank(pool, world, collectives, update_in_backward):
     """A mixture-of-experts unit whose experts get rows on some ranks only: a parameter any
     rank's batch reached is stepped, as torch steps what the global batch reached. With
-    ``update_in_backward`` each unit's mask is merged over the ranks before its update (before:
-    every rank stepped its own, and the step raised a DivergenceError after applying them)."""
-    _check(pool.run(_routed, update_in_backward, world=world))
+    ``update_in_backward`` each unit's mask is merged over the ranks (and the replicas) before
+    its update (before: every rank stepped its own, and the step raised a DivergenceError after
+    applying them); on the pairwise exchanges, by messages issued beside the unit's reduce-scatter."""
+    _check(pool.run(_routed, update_in_backward, collectives, world=world))
 
 
 def _on_native_collectives(group, names, step_kw):
