@@ -92,6 +92,7 @@ def record(op: str, unit: str | None, numel: int, dtype: torch.dtype, group: dis
     world = group.size()
     if world == 1:  # one rank communicates nothing
         return
+    _guard.ensure_usable(group)
     guard = _guard.current()
     if guard is not None:
         guard.before(op, unit, numel, dtype, group)

@@ -39,6 +39,65 @@ __all__ = ["DivergenceError", "Guard", "RankFailure", "current", "guarded", "wai
 
 _local = threading.local()
 _steps: dict[str, int] = {}  # guarded calls run so far, per group name
+# Ranks (global) found dead or silent, and groups whose connections broke: what happened.
+# Their pairs are closed (or out of step), so every later collective there would fail or wait.
+# The rank that finds one also writes it in the store: a rank that only heard of the failure
+# from another (the relayed error) looks there at its next call.
+_lost_ranks: dict[int, str] = {}
+_lost_groups: dict[str, str] = {}
+_heard_of_failure = False  # a RankFailure was raised here: look in the store at the next call
+
+
+def _lost(group: dist.ProcessGroup, missing: Sequence[int], why: str) -> None:
+    """Remember (here and in the store) that ``missing`` (group ranks; none: the whole group) are lost."""
+    store = _store()
+    ranks = [dist.get_global_rank(group, r) for r in missing]
+    keys = [f"fsdp_fn/lost/rank/{r}" for r in ranks]
+    for r in ranks:
+        _lost_ranks.setdefault(r, why)
+    if not missing:
+        _lost_groups.setdefault(group.group_name, why)
+        keys = [f"fsdp_fn/lost/group/{group.group_name}"]
+    if store is not None:
+        for key in keys:
+            with contextlib.suppress(Exception):
+                store.set(key, why[:500])
+
+
+def _look_in_store(group: dist.ProcessGroup) -> None:
+    store = _store()
+    if store is None:
+        return
+    keys = {f"fsdp_fn/lost/rank/{r}": r for r in dist.get_process_group_ranks(group)}
+    keys[f"fsdp_fn/lost/group/{group.group_name}"] = -1
+    with contextlib.suppress(Exception):
+        for key, r in keys.items():
+            if store.check([key]):
+                why = store.get(key).decode()
+                if r < 0:
+                    _lost_groups.setdefault(group.group_name, why)
+                else:
+                    _lost_ranks.setdefault(r, why)
+
+
+def ensure_usable(group: dist.ProcessGroup) -> None:
+    """Raise ``RankFailure`` at once if an earlier call found a rank of ``group`` gone (or the
+    group's connections broken), instead of letting a collective fail inside gloo or wait."""
+    if group.size() == 1:
+        return
+    if _heard_of_failure:
+        _look_in_store(group)
+    if not (_lost_ranks or _lost_groups):
+        return
+    why = _lost_groups.get(group.group_name)
+    if why is None:
+        why = next((_lost_ranks[r] for r in dist.get_process_group_ranks(group) if r in _lost_ranks), None)
+    if why is not None:
+        raise RankFailure(
+            f"process group {group.group_name!r} cannot communicate any more: {why}. Its connections to that "
+            "rank are closed, so no collective on it can complete; restart every rank (torchrun --max-restarts "
+            "restarts them) and resume from the last checkpoint (fsdp_fn.checkpoint)"
+        )
 
 
 def current() -> Guard | None:
@@ -62,6 +121,7 @@ class Guard:
     def __init__(
         self, group: dist.ProcessGroup, step: int, *, timeout: float, check: bool, call: str | None = None
     ) -> None:
+        ensure_usable(group)
         self.group, self.step, self.timeout, self.check = group, step, timeout, check
         self.call = call or f"step {step}"
         self.rank, self.world = group.rank(), group.size()
@@ -130,6 +190,9 @@ class Guard:
         except BaseException as e:
             if not isinstance(e, DivergenceError):  # a divergence is found by every rank itself
                 self.publish(e)
+            if isinstance(e, RankFailure):
+                global _heard_of_failure
+                _heard_of_failure = True
             raise
         finally:
             _local.guard = previous
@@ -180,10 +243,12 @@ class Guard:
             if cause is not None
             else f"went silent: no answer for {waited:.1f} s (timeout {self.timeout:g} s)"
         )
-        return RankFailure(
+        error = RankFailure(
             f"{who} of group {self.group.group_name!r} stopped answering ({self.call}): the connection {how} "
             f"while rank {self.rank} waited for the {what}"
         )
+        _lost(self.group, missing, f"{who} stopped answering in {self.call} (the connection {how})")
+        return error
 
     # --- waiting ------------------------------------------------------------------------------------
 

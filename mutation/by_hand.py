@@ -315,6 +315,13 @@ MUTANTS = [
         "            self.on_unit(unit, self.totals.pop(unit), tuple(self.received[unit]))",
         "tests/test_correctness.py::test_an_expert_only_some_ranks_route_to_is_stepped_on_every_rank",
     ),
+    (
+        "lost_rank_forgotten",
+        "fsdp_fn/_guard.py",
+        "    if group.size() == 1:\n        return\n    if _heard_of_failure:",
+        "    if True:\n        return\n    if _heard_of_failure:",
+        "tests/test_reliability.py::test_after_a_rank_is_lost_every_later_call_says_so_at_once",
+    ),
 ]
 
 

@@ -33,11 +33,21 @@ def _outcome(fn, *args, **kwargs):
 
 
 def _gpt_step(
-    group, skip_block_on=None, step_kw=None, die_in=None, hang_in=None, raise_in=None, seed=0, untouched=False
+    group,
+    skip_block_on=None,
+    step_kw=None,
+    die_in=None,
+    hang_in=None,
+    raise_in=None,
+    seed=0,
+    untouched=False,
+    then=None,
 ):
     """Build the tiny GPT; ``skip_block_on`` / ``die_in`` / ``hang_in`` / ``raise_in`` make one rank misbehave.
 
     ``untouched``: also say whether the state's parameters and optimizer state are as before the step.
+    ``then``: a directory; after the step, try it again, ``unshard`` and a checkpoint save there, and
+    report each one's (outcome, seconds) too.
     """
     rank, world = group.rank(), group.size()
     torch.manual_seed(0)
@@ -75,6 +85,16 @@ def _gpt_step(
         tokens = torch.randint(0, CFG.vocab, (2 * world, CFG.seq + 1), generator=torch.Generator().manual_seed(seed))
         before = [t.clone() for t in ff.tree_leaves((state.params, state.opt_state))]
         outcome = _outcome(step, state, local_part(tokens, rank, world))
+        if then is not None:
+            later = []
+            for call in (
+                lambda: step(state, local_part(tokens, rank, world)),
+                lambda: ff.unshard(state.params),
+                lambda: ff.checkpoint.save(os.path.join(then, "ckpt"), state),
+            ):
+                started = time.monotonic()
+                later.append((*_outcome(call), time.monotonic() - started))
+            return (*outcome, later)
         if not untouched:
             return outcome
         after = ff.tree_leaves((state.params, state.opt_state))
@@ -178,6 +198,25 @@ def test_dead_rank_is_named_by_the_survivors(fragile):
         assert "unit 'blocks.2'" in msg
     for pid in fragile.last_pids:
         assert not _alive(pid)  # no process left behind
+
+
+def test_after_a_rank_is_lost_every_later_call_says_so_at_once(fragile, tmp_path):
+    """A rank that hears of the loss from another (the relayed error) knows it too. Before, a
+    retried step raised gloo's own "Connection reset by peer" on one survivor, and ``unshard``
+    or a checkpoint save waited for the dead rank until the timeout (300 s by default)."""
+    outcomes = _messages(
+        fragile, _gpt_step, die_in=(1, "blocks.1"), step_kw={"timeout": 20.0}, then=str(tmp_path), world=3
+    )
+    assert outcomes[1][0] == "died"
+    for rank in (0, 2):
+        kind, msg, later = outcomes[rank]
+        assert kind == "RankFailure", msg
+        for what, (kind, msg, seconds) in zip(["step", "unshard", "save"], later, strict=True):
+            assert kind == "RankFailure", (what, msg)
+            assert msg.startswith("process group '0' cannot communicate any more: rank 1 stopped answering"), msg
+            assert "resume from the last checkpoint" in msg
+            assert seconds < 2.0, (what, seconds)  # at once, not at the timeout
+    assert not (tmp_path / "ckpt").exists()  # nothing half-written
 
 
 def test_silent_rank_times_out_and_is_named(fragile):
