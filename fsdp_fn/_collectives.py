@@ -3,7 +3,8 @@
 ``all_gather`` transposes into ``reduce_scatter`` and back, as JAX's ``all_gather`` and
 ``psum_scatter`` do: the backward of each is the other. Both are linear, so the tangent
 of each (forward mode) is the same collective of the tangent; under ``vmap`` each runs
-once over the flattened batch. Every rule calls the pair's differentiable ``apply``
+once over the flattened batch, after one small exchange that checks every rank's batch
+is as large. Every rule calls the pair's differentiable ``apply``
 again, so nested transforms (grad of grad, jvp of grad, vmap of grad, jacrev, jacfwd,
 hessian) see every collective they need. Both are ``torch.autograd.Function``s with a
 separate ``setup_context``, as ``torch.func`` requires; the collectives themselves run
@@ -359,6 +360,35 @@ def broadcast_(tensor: torch.Tensor, group: dist.ProcessGroup, src: int = 0) -> 
     return tensor
 
 
+def _same_batch_size(size: int, group: dist.ProcessGroup, unit: str | None, op: str) -> None:
+    """Under ``vmap``, before a batched collective: every rank's batch must be as large, since the
+    collective sends the whole batch (a mismatch would make gloo abort the process). One small
+    exchange; every rank raises alike if they differ."""
+    world, rank = group.size(), group.rank()
+    if world == 1:
+        return
+    record("batch_size", unit, 1, torch.int64, group)
+    with torch._C._DisableFuncTorch(), torch.no_grad():
+        mine = torch.tensor([size], dtype=torch.int64)
+        sizes = torch.empty(world, dtype=torch.int64)
+        what = _guard.describe("batch_size", unit)
+        if pairwise(group):
+            into = list(sizes.chunk(world))
+            sends: list[torch.Tensor | None] = [None if j == rank else mine for j in range(world)]
+            _exchange(group, sends, [None if j == rank else c for j, c in enumerate(into)], what).wait()
+            into[rank].copy_(mine)
+        else:
+            Pending([dist.all_gather_into_tensor(sizes, mine, group=group, async_op=True)], what).wait()
+    if bool((sizes != size).any()):
+        by_rank = ", ".join(f"rank {r}: {int(b)}" for r, b in enumerate(sizes.tolist()))
+        raise ValueError(
+            f"vmap over a batch of different sizes on the ranks of group {group.group_name!r} ({by_rank}) at the "
+            f"{_guard.describe(op, unit)}: a vmapped collective sends the whole batch, so every rank must vmap over as "
+            "many elements (pad the smaller batches with zero-weight examples, as examples/research.py's "
+            "dp_sgd_gradient does)"
+        )
+
+
 # --- the differentiable pair ------------------------------------------------------------
 
 
@@ -404,6 +434,7 @@ class _AllGather(torch.autograd.Function):
         # B shards of n -> one gather of the (B * n) buffer: (W, B, n) in rank order -> (B, W * n).
         batch = shard.movedim(dim, 0)
         size, n = batch.shape
+        _same_batch_size(size, group, unit, "all_gather")
         full = _AllGather.apply(batch.reshape(-1), group, unit, grad_scale)
         return full.view(group.size(), size, n).transpose(0, 1).reshape(size, -1), 0
 
@@ -447,6 +478,7 @@ class _ReduceScatter(torch.autograd.Function):
         world = group.size()
         batch = full.movedim(dim, 0)
         size = batch.shape[0]
+        _same_batch_size(size, group, unit, "reduce_scatter")
         n = batch.shape[1] // world
         ranked = batch.reshape(size, world, n).transpose(0, 1).reshape(-1)
         return _ReduceScatter.apply(ranked, group, unit, scale).view(size, n), 0
@@ -547,6 +579,8 @@ class _AllReduce(torch.autograd.Function):
         unit: str | None,
         scale: float,
     ) -> tuple[torch.Tensor, int | None]:
+        if in_dims[0] is not None:
+            _same_batch_size(x.shape[in_dims[0]], group, unit, "all_reduce")
         return _AllReduce.apply(x, group, unit, scale), in_dims[0]  # elementwise: one all-reduce of the batch
 
 

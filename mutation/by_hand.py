@@ -322,6 +322,13 @@ MUTANTS = [
         "    if True:\n        return\n    if _heard_of_failure:",
         "tests/test_reliability.py::test_after_a_rank_is_lost_every_later_call_says_so_at_once",
     ),
+    (
+        "vmap_batch_unchecked",
+        "fsdp_fn/_collectives.py",
+        '        _same_batch_size(size, group, unit, "reduce_scatter")\n',
+        "",
+        "tests/test_transforms.py::test_vmap_over_batches_of_different_sizes_raises_on_every_rank",
+    ),
 ]
 
 

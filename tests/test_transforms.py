@@ -70,7 +70,8 @@ def _pair(group, examples):
         ys = torch.randn(batch, world * n, generator=g, dtype=torch.float64)
         with ff.comm_log() as log:
             got = torch.vmap(ag, in_dims=dim)(xs.T.contiguous() if dim else xs)
-        assert len(log.records) == (world > 1)
+        # (and before it one exchange of the batch's size: every rank's must be the same)
+        assert [r.op for r in log.records] == (["batch_size", "all_gather"] if world > 1 else [])
         torch.testing.assert_close(got, torch.stack([ag(e) for e in xs]))
         got = torch.vmap(rs, in_dims=dim)(ys.T.contiguous() if dim else ys)
         torch.testing.assert_close(got, torch.stack([rs(e) for e in ys]))
@@ -425,3 +426,41 @@ def _research(group):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_research_examples(pool, world):
     assert all(pool.run(_research, world=world))
+
+
+def _uneven_vmap(group):
+    """Per-example gradients over this rank's own examples, 2 + rank of them, then as many on every rank."""
+    from examples import research
+
+    rank = group.rank()
+    fn, params = research.setup(group)
+    model = research.model_on(fn, params)
+
+    def one(shards, xi, yi):
+        return research.squared_error(model(shards), xi[None], yi[None])
+
+    per_example = torch.vmap(torch.func.grad(one), in_dims=(None, 0, 0))
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(4, 5, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g, dtype=torch.float64)
+    try:
+        per_example(params.shards, x[: 2 + rank], y[: 2 + rank])
+    except ValueError as e:
+        message = str(e)
+    else:
+        message = ""
+    # the group is still usable: equal batches give the per-example gradients, summing to the batch's
+    got = per_example(params.shards, x[:2], y[:2])
+    want = torch.func.grad(lambda s: sum(one(s, x[i], y[i]) for i in range(2)))(params.shards)
+    return message, max((got[u].sum(0) - want[u]).abs().max().item() for u in want)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_vmap_over_batches_of_different_sizes_raises_on_every_rank(pool, world):
+    # Catches: the vmapped reduce-scatter sent batches of different sizes (gloo aborted the process:
+    # "Received data size doesn't match expected size").
+    sizes = ", ".join(f"rank {r}: {2 + r}" for r in range(world))
+    for message, diff in pool.run(_uneven_vmap, world=world):
+        assert message.startswith("vmap over a batch of different sizes on the ranks of group '"), message
+        assert f"' ({sizes}) at the reduce-scatter of unit" in message, message
+        assert "pad the smaller batches" in message
+        assert diff < 1e-12
