@@ -302,19 +302,22 @@ def _checksum(unit: Unit, params: Mapping[str, torch.Tensor]) -> tuple[float, fl
     return s, sq
 
 
-def unshard(sharded: Sharded, *, timeout: float = 300.0) -> dict[str, torch.Tensor]:
-    """All parameters at full size, keyed by name (frozen ones too): one all-gather per unit part.
+def unshard(sharded: Sharded, *, frozen: bool = True, timeout: float = 300.0) -> dict[str, torch.Tensor]:
+    """All parameters at full size, keyed by name: one all-gather per unit part.
 
-    Memory: the whole model on every rank. For checkpoints, evaluation and tests. Every
-    rank of the group must call it (guarded: a rank that calls alone gets an error naming
-    the ranks that did not join, within ``timeout`` seconds).
+    ``frozen``: also the frozen parameters' values, which the tree's layout holds, not its
+    leaves; pass ``False`` for a gradient or an optimizer moment (its frozen entries would
+    be the parameters' values, not gradients). Memory: the whole model on every rank. For
+    checkpoints, evaluation and tests. Every rank of the group must call it (guarded: a
+    rank that calls alone gets an error naming the ranks that did not join, within
+    ``timeout`` seconds).
     """
     ensure_live(sharded, "unshard")
     out: dict[str, torch.Tensor] = {}
     world = sharded.layout.world
     with guarded(sharded.group, "unshard", timeout):
         for unit in sharded.plan.units:
-            for part, shard in shards_of(sharded, unit):
+            for part, shard in shards_of(sharded, unit)[: None if frozen else 1]:
                 flat = all_gather(shard, sharded.group, unit=unit.name, grad_scale=1.0 / world)
                 out.update(unit_views(part, flat))
     return out

@@ -524,7 +524,7 @@ def assert_matches_unsharded(
             want = loss_fn(reference, batch)
             want.backward()
             compare(step, "loss", None, torch.tensor(mean_over_ranks(loss), dtype=torch.float64), want)
-            full = unshard(grads)
+            full = unshard(grads, frozen=False)
             for spec in plan.params:
                 if spec.name in trainable:
                     ref_grad = trainable[spec.name].grad

@@ -768,3 +768,24 @@ def test_hugging_face_models_of_other_families_train_like_one_process(pool, name
     in the recomputation than in the forward), Qwen2's grouped-query attention."""
     for worst in pool.run(_other_family, name, options, world=3):
         assert worst["parameter"] < 1e-6, worst
+
+
+def _unshard_frozen(group):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)  # inside a unit with a trainable bias
+    model[1].requires_grad_(False)  # a whole unit
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([torch.nn.Linear])), group)
+    _, grads = ff.value_and_grad(fn, lambda m, x: m(x).square().mean())(params, fn.buffers, torch.randn(3, 4))
+    full, g = ff.unshard(params), ff.unshard(grads, frozen=False)
+    return sorted(full), sorted(g), all(torch.equal(full[k], v) for k, v in model.state_dict().items())
+
+
+def test_unshard_leaves_out_the_frozen_parameters_of_a_gradient(pool):
+    # Catches: a gradient tree unsharded with the frozen parameters' values under their names
+    # (they live in the layout, which gradients share with the parameters).
+    for full, grads, same in pool.run(_unshard_frozen, world=2):
+        assert full == ["0.bias", "0.weight", "1.bias", "1.weight"]
+        assert grads == ["0.bias"]
+        assert same
