@@ -122,11 +122,13 @@ class GradSink:
                 self._deliver(unit, shard)
 
     def abandon(self) -> None:
-        """After a failed backward: wait for the reduce-scatters in flight and drop their results."""
+        """After a failed backward: wait for the reduce-scatters (and mask merges) in flight and drop their results."""
         while self.pending:
             _, finish, _ = self.pending.popleft()
             with torch._C._DisableFuncTorch(), torch.no_grad():
                 finish()
+        while self.reached:  # and the masks' messages: their buffers stay alive until they land
+            self.reached.popitem()[1]()
 
     def _deliver(self, unit: str, grad: torch.Tensor) -> None:
         total = self.totals.get(unit)

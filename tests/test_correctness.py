@@ -784,11 +784,20 @@ def _raise_in_backward(group, update_in_backward):
         second = f"ok {metrics['loss'].item()}"
     except RuntimeError as e:
         second = f"error: {e}"
-    return first, second
+    if not update_in_backward:
+        return first, second
+    # the way back: a state rebuilt (here from the module, as from a checkpoint) trains, nothing
+    # of the failed step's exchanges (reduce-scatters, mask merges) left in flight to meet it
+    fresh = step.init(ff.shard(fn.params, plan, group))
+    _, metrics = step(fresh, batch)
+    clean = ff.train_step(fn, loss_fn, ff.adamw(lr=0.05), schedule=schedule)
+    _, want = clean(clean.init(ff.shard(fn.params, plan, group)), batch)
+    return first, second, metrics["loss"].item() == want["loss"].item()
 
 
 def test_update_in_backward_failure_is_detected_not_applied_twice(pool):
-    for first, second in pool.run(_raise_in_backward, True, world=2):
+    for first, second, restored in pool.run(_raise_in_backward, True, world=2):
+        assert restored
         assert "backward failed between inp and blocks.0" in first
         assert "already stepped units 'blocks.1':" in first  # blocks.0's reduce-scatter was still in flight
         # the retry does not silently apply the same updates again
