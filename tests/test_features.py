@@ -565,6 +565,13 @@ def test_tied_embedding_and_head_in_different_units(pool, world):
 # --- 7. hybrid sharding --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_update_in_backward_with_hybrid_sharding_and_a_unit_used_twice(pool, tie):
+    # A tied unit is reduced once per use and stepped (its reached mask merged) after the last.
+    kw = {"model_kw": {"tie": True}, "plan_kw": {"split_root": True}} if tie else {}
+    exact(pool.run(_train_with, hsdp=True, step_kw={"update_in_backward": True}, world=4, **kw)[0])
+
+
 def test_hybrid_sharding_2x2(pool):
     results = pool.run(_train_with, hsdp=True, log_comm=True, world=4)
     exact(results[0])
