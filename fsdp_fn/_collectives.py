@@ -213,15 +213,16 @@ def all_gather_into(
     *,
     async_op: bool = False,
     own: Sequence[tuple[int, int]] | None = None,
+    op: str = "all_gather",
 ) -> Any:
     """``out`` (W * n) <- every rank's ``shard`` (n), in rank order. ``async_op``: returns what to ``wait()`` on.
 
     ``own``: the ``[lo, hi)`` pieces of this rank's slot to fill from ``shard`` when the gather is
     pairwise (the rest of that slot is left as it is: the caller reads it from ``shard``); by
-    default all of it."""
+    default all of it. ``op``: its name in the log, the schedule check and errors."""
     world, rank = group.size(), group.rank()
-    record("all_gather", unit, out.numel(), out.dtype, group)
-    what = _guard.describe("all_gather", unit)
+    record(op, unit, out.numel(), out.dtype, group)
+    what = _guard.describe(op, unit)
     # A unit's buffer is gathered again for its backward, into tensors autograd saved in
     # forward: the same values, so the write must not count as an in-place change of them.
     with torch._C._DisableFuncTorch(), torch.no_grad(), torch.autograd.grad_mode._unsafe_preserve_version_counter(out):
@@ -364,21 +365,10 @@ def _same_batch_size(size: int, group: dist.ProcessGroup, unit: str | None, op: 
     """Under ``vmap``, before a batched collective: every rank's batch must be as large, since the
     collective sends the whole batch (a mismatch would make gloo abort the process). One small
     exchange; every rank raises alike if they differ."""
-    world, rank = group.size(), group.rank()
-    if world == 1:
+    if group.size() == 1:
         return
-    record("batch_size", unit, 1, torch.int64, group)
-    with torch._C._DisableFuncTorch(), torch.no_grad():
-        mine = torch.tensor([size], dtype=torch.int64)
-        sizes = torch.empty(world, dtype=torch.int64)
-        what = _guard.describe("batch_size", unit)
-        if pairwise(group):
-            into = list(sizes.chunk(world))
-            sends: list[torch.Tensor | None] = [None if j == rank else mine for j in range(world)]
-            _exchange(group, sends, [None if j == rank else c for j, c in enumerate(into)], what).wait()
-            into[rank].copy_(mine)
-        else:
-            Pending([dist.all_gather_into_tensor(sizes, mine, group=group, async_op=True)], what).wait()
+    sizes = torch.empty(group.size(), dtype=torch.int64)
+    all_gather_into(sizes, torch.tensor([size], dtype=torch.int64), group, unit, op="batch_size")
     if bool((sizes != size).any()):
         by_rank = ", ".join(f"rank {r}: {int(b)}" for r, b in enumerate(sizes.tolist()))
         raise ValueError(

@@ -112,7 +112,7 @@ def lean_pass(
         if not isinstance(e, RankFailure | DivergenceError):  # then the group is unusable: nothing to wait for
             runtime.abandon()
         raise
-    runtime.sink.drain()  # the reduce-scatters still in flight, before anything reads a gradient
+    runtime.sink.settle()  # the reduce-scatters still in flight, before anything reads a gradient
     runtime.release_all()
     lost = [name for name, g in zip(originals, reached, strict=True) if g is not None]
     if lost:

@@ -45,7 +45,7 @@ _steps: dict[str, int] = {}  # guarded calls run so far, per group name
 # from another (the relayed error) looks there at its next call.
 _lost_ranks: dict[int, str] = {}
 _lost_groups: dict[str, str] = {}
-_heard_of_failure = False  # a RankFailure was raised here: look in the store at the next call
+_heard_of_failure = False  # a RankFailure was raised here: look in the store once, at the next call
 
 
 def _lost(group: dist.ProcessGroup, missing: Sequence[int], why: str) -> None:
@@ -68,7 +68,7 @@ def _look_in_store(group: dist.ProcessGroup) -> None:
     store = _store()
     if store is None:
         return
-    keys = {f"fsdp_fn/lost/rank/{r}": r for r in dist.get_process_group_ranks(group)}
+    keys = {f"fsdp_fn/lost/rank/{r}": r for r in range(dist.get_world_size())}  # any group's
     keys[f"fsdp_fn/lost/group/{group.group_name}"] = -1
     with contextlib.suppress(Exception):
         for key, r in keys.items():
@@ -85,7 +85,9 @@ def ensure_usable(group: dist.ProcessGroup) -> None:
     group's connections broken), instead of letting a collective fail inside gloo or wait."""
     if group.size() == 1:
         return
-    if _heard_of_failure:
+    global _heard_of_failure
+    if _heard_of_failure:  # (the rank that found the loss wrote it there before telling anyone)
+        _heard_of_failure = False
         _look_in_store(group)
     if not (_lost_ranks or _lost_groups):
         return

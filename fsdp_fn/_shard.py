@@ -317,7 +317,8 @@ def unshard(sharded: Sharded, *, frozen: bool = True, timeout: float = 300.0) ->
     world = sharded.layout.world
     with guarded(sharded.group, "unshard", timeout):
         for unit in sharded.plan.units:
-            for part, shard in shards_of(sharded, unit)[: None if frozen else 1]:
+            parts = shards_of(sharded, unit)  # the trainable part first
+            for part, shard in parts if frozen else parts[:1]:
                 flat = all_gather(shard, sharded.group, unit=unit.name, grad_scale=1.0 / world)
                 out.update(unit_views(part, flat))
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -54,6 +55,7 @@ class GradSink:
         self.arrived: collections.Counter[str] = collections.Counter()
         self.pushed: collections.Counter[str] = collections.Counter()
         self.reached: dict[str, Callable[[], tuple[bool, ...]]] = {}  # on_unit: the masks being merged
+        self.unsettled: list[Callable[[], Any]] = []  # merges not waited for (their result was known): by settle()
         self.pending: collections.deque[tuple[str, Callable[[], torch.Tensor], torch.Tensor | None]] = (
             collections.deque()
         )
@@ -72,7 +74,7 @@ class GradSink:
             mask[i] = mask[i] or got
         self.pushed[unit.name] += 1
         if self.on_unit is not None and self.pushed[unit.name] == self.expected.get(unit.name, 0):
-            self.reached[unit.name] = _merge_reached(self.params, unit.name, mask, device)
+            self.reached[unit.name] = _merge_reached(self.params, unit.name, tuple(mask), device, self.unsettled)
 
     def push_reduced(self, unit: Unit, finish: Callable[[], torch.Tensor], received: Sequence[bool]) -> None:
         """A reduction already issued (a lookup's rows' gradient on its way): ``finish()`` waits
@@ -129,6 +131,13 @@ class GradSink:
                 finish()
         while self.reached:  # and the masks' messages: their buffers stay alive until they land
             self.reached.popitem()[1]()
+        self.settle()
+
+    def settle(self) -> None:
+        """At the end of backward: wait for what is left in flight, the mask merges included."""
+        self.drain()
+        while self.unsettled:
+            self.unsettled.pop()()
 
     def _deliver(self, unit: str, grad: torch.Tensor) -> None:
         total = self.totals.get(unit)
@@ -170,15 +179,21 @@ def reduce_unit(params: Sharded, unit: Unit, full: torch.Tensor, schedule: Sched
 
 
 def _merge_reached(
-    params: Sharded, unit: str, mask: Sequence[bool], device: torch.device
+    params: Sharded, unit: str, mask: tuple[bool, ...], device: torch.device, unsettled: list[Callable[[], Any]]
 ) -> Callable[[], tuple[bool, ...]]:
     """Issue the merge of a unit's reached-parameter mask over the ranks (and replicas); the
-    result waits and gives which parameters any rank reached. One message of a number per
-    parameter to each peer, issued now (beside the unit's reduce-scatter)."""
+    result gives which parameters any rank reached. One message of a number per parameter to
+    each peer, issued now (beside the unit's reduce-scatter). When this rank reached them all
+    (the usual case) the answer is known: the result waits for nothing (no host sync on a
+    GPU) and leaves the messages to ``unsettled``; with replicas it waits, as the replica
+    group's merge needs this group's."""
     layout = params.layout
     finish = all_reduce_start(torch.tensor(mask, dtype=torch.float32, device=device), layout.group, unit)
 
     def result() -> tuple[bool, ...]:
+        if all(mask) and layout.replicate is None:
+            unsettled.append(finish)
+            return mask
         flags = finish()
         if layout.replicate is not None:
             all_reduce_(flags, layout.replicate, unit)

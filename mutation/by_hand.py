@@ -318,8 +318,8 @@ MUTANTS = [
     (
         "lost_rank_forgotten",
         "fsdp_fn/_guard.py",
-        "    if group.size() == 1:\n        return\n    if _heard_of_failure:",
-        "    if True:\n        return\n    if _heard_of_failure:",
+        "    if group.size() == 1:\n        return\n    global _heard_of_failure",
+        "    if True:\n        return\n    global _heard_of_failure",
         "tests/test_reliability.py::test_after_a_rank_is_lost_every_later_call_says_so_at_once",
     ),
     (
@@ -328,6 +328,13 @@ MUTANTS = [
         '        _same_batch_size(size, group, unit, "reduce_scatter")\n',
         "",
         "tests/test_transforms.py::test_vmap_over_batches_of_different_sizes_raises_on_every_rank",
+    ),
+    (
+        "merge_shortcut_always",
+        "fsdp_fn/_sink.py",
+        "        if all(mask) and layout.replicate is None:",
+        "        if layout.replicate is None:",
+        "tests/test_correctness.py::test_an_expert_only_some_ranks_route_to_is_stepped_on_every_rank",
     ),
 ]
 

@@ -1204,9 +1204,10 @@ def _routed(group, update_in_backward, collectives="pairwise"):
     model = RoutedNet()
     rows, to_a = (8, 6) if collectives == "hybrid" else (6, 3)
     x = torch.randn(rows, 4, generator=torch.Generator().manual_seed(1)).abs()
-    # at W=2 rank 0's rows all go to expert a, rank 1's to b; 2x2 hybrid: ranks 0-2 to a, rank 3 to b,
-    # so ranks 0 and 1 (one shard group) learn of b's rows only from their replicas
-    x[:to_a, 0] = -x[:to_a, 0]
+    # The last rows go to expert a: at W=2 rank 0's all go to b, rank 1's to a, so rank 0, which
+    # holds a's shard, learns only from rank 1 that a was reached. 2x2 hybrid: rank 0 to b, ranks
+    # 1-3 to a, so ranks 2 and 3 (one shard group) learn of b's rows only from the other replica.
+    x[rows - to_a :, 0] = -x[rows - to_a :, 0]
     y = torch.randn(rows, 1, generator=torch.Generator().manual_seed(2))
     target: Any = group
     if collectives == "hybrid":
