@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from fsdp_fn._collectives import all_gather, pairwise
 from fsdp_fn._frozen import InputsWatch, needing_grad
-from fsdp_fn._functional import Functional, parameters_restored, requires_grad_tolerated
+from fsdp_fn._functional import Functional, index_of, parameters_restored, requires_grad_tolerated
 from fsdp_fn._gather import gather_differentiably
-from fsdp_fn._lookup import RowFetch, RowLookup, check_indices, rows_fit
+from fsdp_fn._lookup import RowFetch, check_indices, row_lookup, rows_fit
+from fsdp_fn._phases import phased
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
 from fsdp_fn._policy import BackwardPrefetch, Schedule
 from fsdp_fn._prefetch import ForwardOrder, gathered_bytes, inflight_limit, may_start, refill_next
@@ -39,7 +39,7 @@ from fsdp_fn._remat import Remat, _remat_with_state, handling_regions, route_tor
 from fsdp_fn._shard import Sharded, check_shard, ensure_live, shards_of, unit_views
 from fsdp_fn._sink import GradSink
 from fsdp_fn._standin import StandIn
-from fsdp_fn._unit import FlatPart, ForwardSpans, GatheredUnit, GatherUnit, UnitState, plain
+from fsdp_fn._unit import FlatPart, ForwardSpans, GatheredUnit, UnitState, gather_unit, plain
 
 
 def _lift(buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -69,11 +69,125 @@ def _not_gathered(spec: ParamSpec, unit: str) -> StandIn:
 
 
 _MISSING = object()
+_DEFAULT_SCHEDULE = Schedule()
 
 Swapped = list[tuple[nn.Module, str, Any]]  # (owner, attribute, original parameter) put back after the call
 
 
 _FETCHING = "fetching rows"  # the pre-hook's mark for a lookup whose forward fetches its rows
+
+
+class Wiring:
+    """What running a module over shards needs that is the same at every call: each unit's
+    modules and where a gather puts its parameters, the units to rematerialise, the prefetch
+    limit, the lookups whose rows are fetched. Made once per module, plan, schedule and group
+    (``Wiring.of``), then shared by every call: a step's Runtime does none of this again."""
+
+    def __init__(
+        self,
+        fn: Functional,
+        params: Sharded,
+        schedule: Schedule,
+        remat: Remat | None,
+        composable: bool,
+        deferred: bool,
+    ) -> None:
+        _check_plan_fits(params.plan, fn)
+        module, plan = fn.module, params.plan
+        self.keep = (plan, schedule, remat)  # (the cache's key holds their ids)
+        self.sparse_grads = _sparse_grad_params(module, plan) if composable else frozenset()
+        self.modules: dict[str, nn.Module] = {u.name: module.get_submodule(u.name) for u in plan.units if not u.hooks}
+        # Each unit's modules, one entry per module object (a module shared under several
+        # paths is hooked once), and where a gather puts its parameters in it.
+        self.targets: dict[str, list[nn.Module]] = {}
+        self.slots: dict[tuple[str, int], list[tuple[nn.Module, str, str]]] = {}
+        for unit in plan.units:
+            seen: dict[int, nn.Module] = {}
+            for path in unit.modules:
+                target = module.get_submodule(path)
+                seen.setdefault(id(target), target)
+                slots = self.slots.setdefault((unit.name, id(target)), [])
+                for spec in unit.all_params:
+                    for full_name in (spec.name, *spec.aliases):
+                        owner, _, attr = full_name.rpartition(".")
+                        if not unit.hooks or owner == path:
+                            slot = (module.get_submodule(owner), attr, spec.name)
+                            if not any(s[0] is slot[0] and s[1] == attr for s in slots):
+                                slots.append(slot)
+            self.targets[unit.name] = list(seen.values())
+        # Units that can be rematerialised run through a forward of ours for the call: the
+        # ones ``remat`` selects, and the ones a torch.utils.checkpoint region asks for.
+        self.own_unit: dict[int, Unit] = {
+            id(self.modules[u.name]): u for u in plan.units if u.name != ROOT and not u.hooks
+        }
+        self.remat_units = remat.selects(plan, module) if remat is not None else frozenset()
+        for name in self.remat_units:
+            check_rematerialisable(fn, plan, plan.unit(name), "train_step(remat=...)")
+        # Each non-root unit's gathered bytes; prefetching may hold max_inflight times the largest.
+        self.unit_bytes = gathered_bytes(plan, params.group.size(), schedule)
+        self.inflight_limit = inflight_limit(self.unit_bytes, schedule)
+        self.lookups = frozenset(u.name for u in plan.units if u.lookup)
+        # Outside its forward each non-root unit's parameter is a stand-in that raises if read.
+        self.standins = {p.name: _not_gathered(p, u.name) for u in plan.units if u.name != ROOT for p in u.all_params}
+        # Where each tensor of a call goes, what ``functional_call`` would work out at every call:
+        # (owner, attribute, the tensor's name, a parameter?) for every name of every parameter the
+        # plan knows (tied aliases included) and of every buffer (tied ones by their first name).
+        index = index_of(module)
+        canonical = {name: spec.name for spec in plan.params for name in (spec.name, *spec.aliases)}
+        self.swaps: list[tuple[nn.Module, str, str, bool]] = [
+            (holder, attr, canonical[name], True) for name, holder, attr in index.param_slots if name in canonical
+        ]
+        first: dict[int, str] = {}
+        for name, holder, attr in index.buffer_slots:
+            buffer = holder._buffers[attr]
+            if buffer is not None:
+                self.swaps.append((holder, attr, first.setdefault(id(buffer), name), False))
+        # Lookups whose rows are fetched instead of their table gathered (``_lookup.py``): over
+        # gloo's pairwise sends, on CPU, in the shard's own dtype and place, reduced per
+        # micro-batch, without replicas, not rematerialised, and not renormalising rows or
+        # making sparse gradients (and without a hook of the user's: the call checks that).
+        self.row_lookups = frozenset(
+            name
+            for name in self.lookups
+            if not composable
+            and params.group.size() > 1
+            and pairwise(params.group)
+            and rows_fit(plan.unit(name), schedule, params.layout.replicas)
+            and params[name].device.type == "cpu"  # not yet measured on accelerators
+            and not deferred
+            and name not in self.remat_units
+            and self.modules[name].max_norm is None
+            and not self.modules[name].sparse
+        )
+
+    @staticmethod
+    def of(
+        fn: Functional, params: Sharded, schedule: Schedule, remat: Remat | None, composable: bool, deferred: bool
+    ) -> Wiring:
+        """The wiring for this call, made at the first call like it and kept with ``fn``."""
+        group = params.group
+        shard = next(iter(params.shards.values()), None)
+        key = (
+            id(params.plan),
+            id(schedule),
+            id(remat),
+            composable,
+            deferred,
+            group.group_name,
+            pairwise(group),
+            params.layout.replicas,
+            shard.device.type if shard is not None else "",
+        )
+        known = _wirings.setdefault(fn, {})
+        wiring = known.get(key)
+        if wiring is None:
+            if len(known) >= 8:  # a caller that builds a new schedule at every call: keep the newest only
+                del known[next(iter(known))]
+            wiring = known[key] = Wiring(fn, params, schedule, remat, composable, deferred)
+        return wiring
+
+
+_wirings: weakref.WeakKeyDictionary[Functional, dict[tuple[Any, ...], Wiring]] = weakref.WeakKeyDictionary()
 
 
 class Runtime:
@@ -103,10 +217,10 @@ class Runtime:
         # (a fingerprint of them before and after: one read of the unit more, no communication).
         self.check_unchanged = check_unchanged
         self.fingerprints: dict[tuple[str, int], list[tuple[dict[str, int], dict[str, torch.Tensor]]]] = {}
-        _check_plan_fits(params.plan, fn)
-        self.schedule = schedule or Schedule()
+        self.schedule = schedule or _DEFAULT_SCHEDULE
         self.composable = composable
         self.sink = sink if sink is not None else GradSink(params, self.schedule)
+        self.wiring = wiring = Wiring.of(fn, params, self.schedule, remat, composable, self.sink.deferred is not None)
         offload = self.schedule.cpu_offload
         self.device = offload.compute_device() if offload is not None else None
         self.plan = params.plan
@@ -117,9 +231,7 @@ class Runtime:
         # Uses that started the refill of the use after them (weak: a use gone frees its place).
         self.prefetched_after: weakref.WeakSet[GatheredUnit | RowFetch] = weakref.WeakSet()
         self.inflight = 0  # bytes of non-root unit buffers allocated now
-        # Each non-root unit's gathered bytes; prefetching may hold max_inflight times the largest.
-        self.unit_bytes = gathered_bytes(self.plan, params.group.size(), self.schedule)
-        self.inflight_limit = inflight_limit(self.unit_bytes, self.schedule)
+        self.unit_bytes, self.inflight_limit = wiring.unit_bytes, wiring.inflight_limit
         # Forward prefetch follows the last step's order; its last units stay gathered for backward.
         self.forward_order = ForwardOrder(order_hint, self.unit_bytes, self.schedule)
         self.adds_during_backward = self.sink.deferred is not None  # full gradients summed over micro-batches
@@ -130,81 +242,23 @@ class Runtime:
         self.live: dict[tuple[str, int], list[tuple[GatheredUnit | str | None, int]]] = {}
         self.watches: dict[GatheredUnit, InputsWatch] = {}  # frozen uses whose forward is running
         self.loss_known = False  # finish_forward ran: a backward from now on is the step's own
-        module = fn.module
-        self.sparse_grads = _sparse_grad_params(module, self.plan) if composable else frozenset()
-        # Each unit's modules, one entry per module object (a module shared under several
-        # paths is hooked once), and where a gather puts its parameters in it.
-        self.targets: dict[str, list[nn.Module]] = {}
-        self.slots: dict[tuple[str, int], list[tuple[nn.Module, str, str]]] = {}
-        for unit in self.plan.units:
-            seen: dict[int, nn.Module] = {}
-            for path in unit.modules:
-                target = module.get_submodule(path)
-                seen.setdefault(id(target), target)
-                slots = self.slots.setdefault((unit.name, id(target)), [])
-                for spec in unit.all_params:
-                    for full_name in (spec.name, *spec.aliases):
-                        owner, _, attr = full_name.rpartition(".")
-                        if not unit.hooks or owner == path:
-                            slot = (module.get_submodule(owner), attr, spec.name)
-                            if not any(s[0] is slot[0] and s[1] == attr for s in slots):
-                                slots.append(slot)
-            self.targets[unit.name] = list(seen.values())
-        # Units that can be rematerialised run through a forward of ours for the call: the
-        # ones ``remat`` selects, and the ones a torch.utils.checkpoint region asks for.
-        self.own_unit: dict[int, Unit] = {
-            id(module.get_submodule(u.name)): u for u in self.plan.units if u.name != ROOT and not u.hooks
-        }
+        self.sparse_grads = wiring.sparse_grads
+        self.targets, self.slots, self.own_unit = wiring.targets, wiring.slots, wiring.own_unit
+        self.modules = wiring.modules
         self.remat = remat
-        self.remat_units = remat.selects(self.plan, module) if remat is not None else frozenset()
-        for name in self.remat_units:
-            self._check_rematerialisable(self.plan.unit(name), "train_step(remat=...)")
+        self.remat_units = wiring.remat_units
         self.forced: set[str] = set()  # units a routed torch checkpoint region rematerialises now
         # Lookup units (a plain nn.Embedding) whose module carries no hook of the user's: their
         # backward reads no parameter, so their buffer is not gathered again for it.
         global_hooks = nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
         self.lookups = {
-            u.name
-            for u in self.plan.units
-            if u.lookup
-            and not global_hooks
-            and not (module.get_submodule(u.name)._forward_hooks or module.get_submodule(u.name)._forward_pre_hooks)
-        }
-        # Lookups whose rows are fetched instead of their table gathered (``_lookup.py``): over
-        # gloo's pairwise sends, on CPU, in the shard's own dtype and place, reduced per
-        # micro-batch, without replicas, not rematerialised, and not renormalising rows or
-        # making sparse gradients.
-        self.row_lookups = {
             name
-            for name in self.lookups
-            if not composable
-            and params.group.size() > 1
-            and pairwise(params.group)
-            and rows_fit(self.plan.unit(name), self.schedule, params.layout.replicas)
-            and params[name].device.type == "cpu"  # not yet measured on accelerators
-            and self.sink.deferred is None
-            and name not in self.remat_units
-            and module.get_submodule(name).max_norm is None
-            and not module.get_submodule(name).sparse
+            for name in wiring.lookups
+            if not global_hooks and not (self.modules[name]._forward_hooks or self.modules[name]._forward_pre_hooks)
         }
+        self.row_lookups = wiring.row_lookups & self.lookups
 
     # --- rematerialisation -------------------------------------------------------------------------
-
-    def _check_rematerialisable(self, unit: Unit, asked_by: str) -> None:
-        """A rematerialised unit is recomputed in backward, after this call's hooks are gone:
-        every parameter it reads must be its own (another unit's would not be gathered then)."""
-        module = self.fn.module.get_submodule(unit.name)
-        own = {spec.name for spec in unit.all_params} | {a for spec in unit.all_params for a in spec.aliases}
-        prefix = f"{unit.name}."
-        for name, _ in module.named_parameters(remove_duplicate=False):
-            full = prefix + name
-            if full not in own:
-                other = self.plan.unit_of(full).name
-                raise ValueError(
-                    f"{asked_by}: unit {unit_label(unit.name)} cannot be rematerialised: it reads parameter "
-                    f"{full!r} of unit {unit_label(other)}, which is not gathered when the unit is recomputed in "
-                    "backward; rematerialise the units inside it instead (or put that parameter in this unit)"
-                )
 
     def _forward(self, unit: Unit, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """The unit's forward for this call: rematerialised when asked, a lookup of fetched rows,
@@ -212,12 +266,10 @@ class Runtime:
         if self._fetches_rows(unit):
             return self._lookup(unit, *args, **kwargs)
         if unit.name in self.forced:
-            return _remat_with_state(original, [self.fn.module.get_submodule(unit.name)], save_nothing, unit.name)(
-                *args, **kwargs
-            )
+            return _remat_with_state(original, [self.modules[unit.name]], save_nothing, unit.name)(*args, **kwargs)
         if unit.name in self.remat_units:
             assert self.remat is not None
-            module = self.fn.module.get_submodule(unit.name)
+            module = self.modules[unit.name]
             return _remat_with_state(original, [module], self.remat.policy, unit.name)(*args, **kwargs)
         return original(*args, **kwargs)
 
@@ -230,7 +282,9 @@ class Runtime:
         if not units:
             return NotImplemented
         for unit in units:
-            self._check_rematerialisable(unit, f"torch.utils.checkpoint.checkpoint of unit {unit_label(unit.name)}")
+            check_rematerialisable(
+                self.fn, self.plan, unit, f"torch.utils.checkpoint.checkpoint of unit {unit_label(unit.name)}"
+            )
         added = [u.name for u in units if u.name not in self.forced]
         self.forced.update(added)
         try:
@@ -253,14 +307,14 @@ class Runtime:
         """``nn.Embedding.forward`` on the rows its indices name, fetched from their holders."""
         indices = _indices(args, kwargs)
         check_indices(indices, unit)
-        module = self.fn.module.get_submodule(unit.name)
+        module = self.modules[unit.name]
         assert isinstance(module, nn.Embedding)
         shard = check_shard(self.params, unit)
         fetch = RowFetch(unit, plain(shard), self.params.group, self)
         rows, inverse, distinct = fetch.fetch(indices)
         if torch.is_grad_enabled():
             self.records.append(fetch)
-        table = RowLookup.apply(shard, fetch, rows)
+        table = row_lookup(shard, fetch, rows)
         padding = None
         if module.padding_idx is not None:
             at = int(torch.searchsorted(distinct, module.padding_idx))
@@ -301,7 +355,7 @@ class Runtime:
         if rec is None:
             rec = self._new_record(unit)
             self.records.append(rec)
-        full = GatherUnit.apply(check_shard(self.params, unit), rec)
+        full = gather_unit(check_shard(self.params, unit), rec)
         return rec, rec.views(full)
 
     def _gather_composable(self, unit: Unit) -> dict[str, torch.Tensor]:
@@ -421,6 +475,7 @@ class Runtime:
         if outputs and refill:
             rec.refill_on_backward(outputs)
 
+    @phased("graph_walk")
     def finish_forward(self, loss: torch.Tensor) -> None:
         """The loss is known: find the gathered uses its backward will reach (walking autograd's
         graph), tell the sink how many per unit, and release the others now (a no-grad call,
@@ -435,22 +490,29 @@ class Runtime:
         )
         entries: dict[GatheredUnit, list[Any]] = collections.defaultdict(list)
         seen: set[Any] = set()
+        reached: set[int] = set()  # the nodes' numbers (see GatheredUnit.outputs)
+        innermost = spans.innermost_memo()
+        python_node = torch.autograd.function.BackwardCFunction
         stack = [loss.grad_fn]
         while stack:
             node = stack.pop()
             if node is None or node in seen:
                 continue
             seen.add(node)
-            use = getattr(node, "fsdp_fn_use", None)
-            if use is not None:
-                gathers.add(id(use))
+            if isinstance(node, python_node):
+                use = getattr(node, "fsdp_fn_use", None)
+                if use is not None:
+                    gathers.add(id(use))
             number = node._sequence_nr()
+            reached.add(number)
             for next_node, _ in node.next_functions:
                 if next_node is not None and next_node not in seen:
-                    for entered in spans.entered(next_node._sequence_nr(), number):
-                        entries[entered].append(next_node)
+                    into = next_node._sequence_nr()
+                    # (an edge within one use's forward enters nothing: the common case, one lookup)
+                    if spans.uses and innermost(into) != innermost(number):
+                        for entered in spans.entered(into, number):
+                            entries[entered].append(next_node)
                     stack.append(next_node)
-        reached = {node._sequence_nr() for node in seen}  # (see GatheredUnit.outputs)
         for entered, nodes in entries.items():
             outputs = [n for n in nodes if n._sequence_nr() not in entered.outputs]
             if outputs:
@@ -498,15 +560,12 @@ class Runtime:
         precision = self.schedule.mixed_precision
         args, kwargs = precision.cast_inputs(args, kwargs)
         first_record = len(self.records)
-        tensors: dict[str, torch.Tensor] = {}
+        tensors: dict[str, torch.Tensor] = dict(self.wiring.standins)
         root: tuple[dict[str, int], dict[str, torch.Tensor]] = ({}, {})
-        for unit in self.plan.units:
-            if unit.name == ROOT:
-                views = self._gather(unit)[1]
-                root = (_fingerprints(views) if self.check_unchanged else {}, views)
-                tensors.update(views)
-            else:
-                tensors.update({p.name: _not_gathered(p, unit.name) for p in unit.all_params})
+        if ROOT in self.modules:
+            views = self._gather(self.plan.unit(ROOT))[1]
+            root = (_fingerprints(views) if self.check_unchanged else {}, views)
+            tensors.update(views)
         tensors.update(_lift(buffers))
         if self.schedule.forward_prefetch:
             self._prefetch([self.forward_order.first] if self.forward_order.first else [])
@@ -523,7 +582,7 @@ class Runtime:
                 handles.append(target.register_forward_hook(self._post_hook(unit, target, swapped)))
         forwards: list[tuple[nn.Module, Any]] = []  # (module, its own instance-level forward or _MISSING)
         for unit in self.own_unit.values():
-            target = module.get_submodule(unit.name)
+            target = self.modules[unit.name]
             forwards.append((target, target.__dict__.get("forward", _MISSING)))
             target.forward = functools.partial(self._forward, unit, target.forward)
         try:
@@ -533,7 +592,11 @@ class Runtime:
                 handling_regions(self._region),
                 requires_grad_tolerated(),
             ):
-                out = functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
+                for owner, attr, name, is_param in self.wiring.swaps:  # what functional_call does, wired once
+                    value = tensors.get(name)
+                    if value is not None:
+                        (owner._parameters if is_param else owner._buffers)[attr] = value  # type: ignore[index,assignment]
+                out = module(*args, **kwargs)
             _check_unchanged(ROOT, *root)
         except Exception as e:
             where = f"unit {unit_label(self.running[-1])}" if self.running else "the root unit"
@@ -572,6 +635,7 @@ class Runtime:
     ) -> Callable[..., None]:
         key = (unit.name, id(target))
 
+        @phased("pre_forward")
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             self.running.append(unit.name)
             if self._fetches_rows(unit):  # nothing to gather: its forward fetches the rows it reads
@@ -606,6 +670,7 @@ class Runtime:
     ) -> Callable[..., Any]:
         key = (unit.name, id(target))
 
+        @phased("post_forward")
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             rec, nodes_before = self.live[key].pop()
             if isinstance(rec, str):  # _FETCHING: nothing was gathered or swapped
@@ -633,6 +698,23 @@ class Runtime:
             return output
 
         return hook
+
+
+def check_rematerialisable(fn: Functional, plan: Plan, unit: Unit, asked_by: str) -> None:
+    """A rematerialised unit is recomputed in backward, after this call's hooks are gone:
+    every parameter it reads must be its own (another unit's would not be gathered then)."""
+    module = fn.module.get_submodule(unit.name)
+    own = {spec.name for spec in unit.all_params} | {a for spec in unit.all_params for a in spec.aliases}
+    prefix = f"{unit.name}."
+    for name, _ in module.named_parameters(remove_duplicate=False):
+        full = prefix + name
+        if full not in own:
+            other = plan.unit_of(full).name
+            raise ValueError(
+                f"{asked_by}: unit {unit_label(unit.name)} cannot be rematerialised: it reads parameter "
+                f"{full!r} of unit {unit_label(other)}, which is not gathered when the unit is recomputed in "
+                "backward; rematerialise the units inside it instead (or put that parameter in this unit)"
+            )
 
 
 def _indices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -18,6 +18,7 @@ from fsdp_fn._guard import Guard, guarded
 from fsdp_fn._labels import label
 from fsdp_fn._norms import square_norm
 from fsdp_fn._optim import Optimizer
+from fsdp_fn._phases import phase, phased
 from fsdp_fn._plan import Plan, Policy, unit_label
 from fsdp_fn._policy import Schedule
 from fsdp_fn._predict import metrics_words
@@ -195,14 +196,16 @@ class TrainStep:
         self.calls += 1
         check = self._check_next
         self._check_next = self.check_schedule == "always"
-        guard = Guard(state.params.group, self.calls, timeout=self.timeout, check=check)
+        with phase("setup"):
+            guard = Guard(state.params.group, self.calls, timeout=self.timeout, check=check)
         with guard.active():
-            # This rank's own input first: a rank that rejects it reports before any rank waits on it.
-            state.params.plan.check_trainable(self.fn.module)
-            micro = self._micro_batches(batch)
-            for mb in micro:
-                _check_not_empty(mb, guard.rank)
-            guard.enter(rendezvous=check)
+            with phase("setup"):
+                # This rank's own input first: a rank that rejects it reports before any rank waits on it.
+                state.params.plan.check_trainable(self.fn.module)
+                micro = self._micro_batches(batch)
+                for mb in micro:
+                    _check_not_empty(mb, guard.rank)
+                guard.enter(rendezvous=check)
             new, metrics = self._step(state, micro, guard)
         if self.donate:
             _consume(
@@ -228,7 +231,8 @@ class TrainStep:
             only = params.replace({u: grad if u == unit else params[u] for u in plan.unit_names})
             only = only.with_received({unit: received})
             only.step = state.step
-            _, opt_state = self.optimizer.update(only, opt_state, params)
+            with phase("optimizer"):
+                _, opt_state = self.optimizer.update(only, opt_state, params)
             stepped.append(unit)
 
         schedule = self.schedule
@@ -239,15 +243,16 @@ class TrainStep:
         losses, auxes = [], []
         try:
             for mb in micro:
-                runtime = Runtime(
-                    self.fn,
-                    params,
-                    schedule=self.schedule,
-                    order_hint=self.unit_order,
-                    sink=sink,
-                    remat=self.remat,
-                    check_unchanged=guard.check,
-                )
+                with phase("setup"):
+                    runtime = Runtime(
+                        self.fn,
+                        params,
+                        schedule=self.schedule,
+                        order_hint=self.unit_order,
+                        sink=sink,
+                        remat=self.remat,
+                        check_unchanged=guard.check,
+                    )
                 loss, aux = lean_pass(runtime, params, buffers, mb, self.loss_fn, self.has_aux)
                 losses.append(loss)
                 auxes.append(aux)
@@ -271,7 +276,8 @@ class TrainStep:
                 ).with_received(merged)
                 grads.norm = stats[1].sqrt()  # what clip_by_global_norm and apply_if_finite read
                 grads.step = state.step  # what a learning-rate schedule reads
-                params, opt_state = self.optimizer.update(grads, opt_state, params)
+                with phase("optimizer"):
+                    params, opt_state = self.optimizer.update(grads, opt_state, params)
                 if saved_buffers is not None and _skipped_by_chain(opt_state):
                     skipped = torch.ones((), dtype=torch.bool)
                     for k, b in buffers.items():
@@ -315,6 +321,7 @@ class TrainStep:
         return batch
 
     @staticmethod
+    @phased("metrics")
     def _global(
         loss: torch.Tensor,
         square_norms: Any,

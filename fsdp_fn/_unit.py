@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -29,7 +29,9 @@ from torch.autograd.function import FunctionCtx
 from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
 
 from fsdp_fn._collectives import all_gather_into
+from fsdp_fn._function import plain_apply
 from fsdp_fn._labels import label, retag
+from fsdp_fn._phases import phased
 from fsdp_fn._plan import ROOT, Unit
 from fsdp_fn._shard import unit_views
 
@@ -208,6 +210,7 @@ class GatheredUnit:
         for node in nodes:
             node.register_prehook(lambda _grads: self.refill_now())
 
+    @phased("pre_backward")
     def refill_now(self) -> None:
         """The unit's backward is about to run: its buffer gathered (started here if it was not
         prefetched), then the owner told. Once its backward is done (released), nothing."""
@@ -323,7 +326,7 @@ class GatheredUnit:
         if torch.is_grad_enabled():
             out = {}
             for i, spec in enumerate(self.unit.params):
-                view = out[spec.name] = _ParamView.apply(trainable, self, i)
+                view = out[spec.name] = _param_view(trainable, self, i)
                 if view.grad_fn is not None:
                     # Run as soon as the gradient is ready, as autograd runs AccumulateGrad: created
                     # before the unit's ops, the node would otherwise wait for the unit's whole
@@ -352,6 +355,21 @@ class ForwardSpans:
                 open_.pop()
             self.parent.append(open_[-1] if open_ else -1)
             open_.append(i)
+
+    def innermost_memo(self) -> Callable[[int], int]:
+        """Node number -> the index of the innermost span that holds it (-1: none), remembered."""
+        known: dict[int, int] = {}
+
+        def innermost(node: int) -> int:
+            i = known.get(node)
+            if i is None:
+                i = bisect.bisect_right(self.starts, node) - 1
+                while i >= 0 and node not in self.uses[i].made:
+                    i = self.parent[i]
+                known[node] = i
+            return i
+
+        return innermost
 
     def entered(self, node: int, source: int) -> Iterator[GatheredUnit]:
         """The uses whose span holds node number ``node`` but not ``source``, the node whose
@@ -386,6 +404,7 @@ class GatherUnit(torch.autograd.Function):
         ctx.set_materialize_grads(False)
 
     @staticmethod
+    @phased("post_backward")
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor, None]:
         rec: GatheredUnit = ctx.fsdp_fn_use
         if torch.is_grad_enabled():
@@ -402,6 +421,8 @@ class GatherUnit(torch.autograd.Function):
         # The gradient travels through the sink; autograd gets a zero that owns no memory.
         return torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.shape), None
 
+
+gather_unit = plain_apply(GatherUnit)
 
 _AS_SOON_AS_READY = 2**64 - 1  # the sequence number autograd gives AccumulateGrad nodes
 
@@ -422,7 +443,11 @@ class _ParamView(torch.autograd.Function):
         ctx.set_materialize_grads(False)
 
     @staticmethod
+    @phased("post_backward")
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, None, None]:
         if grad is not None:
             ctx.rec.add_grad(ctx.index, plain(grad))
         return None, None, None
+
+
+_param_view = plain_apply(_ParamView)
