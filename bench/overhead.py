@@ -162,13 +162,18 @@ def run_system(group: Any, system: str, cfg: Config, layers: int) -> dict[str, A
         now = _dynamo_counts()
         out["dynamo"] = {**now, "recompiles_after_warmup": now["recompiles"] - after_warmup["recompiles"]}
     if system == "fsdp_fn":  # the split by phase, over as many more steps
+        cpu = 0.0
         with phase_clock() as clock:
             for _ in range(cfg.steps):
                 batch = _batch(cfg, k, rank)
                 k += 1
                 dist.barrier(group=group)
+                c0 = time.thread_time()
                 step(batch)
+                cpu += time.thread_time() - c0
         out["phases"] = {name: 1e3 * clock.seconds[name] / cfg.steps for name in PHASES}
+        out["phases_cpu"] = {name: 1e3 * clock.cpu_seconds[name] / cfg.steps for name in PHASES}
+        out["phases_cpu"]["(outside phases)"] = 1e3 * (cpu - sum(clock.cpu_seconds.values())) / cfg.steps
         out["phase_calls"] = {name: clock.calls[name] / cfg.steps for name in PHASES}
         if cfg.check:
             out["check"] = _check_against_profiler(step, cfg, k, rank, group)
@@ -254,6 +259,10 @@ def summarise(
                 name: statistics.median(max(r["phases"][name] for r in ranks) for ranks in reps) for name in PHASES
             }
             row["phase_calls"] = reps[-1][0]["phase_calls"]
+            row["phases_cpu_ms"] = {
+                name: statistics.median(max(r["phases_cpu"][name] for r in ranks) for ranks in reps)
+                for name in reps[-1][0]["phases_cpu"]
+            }
         if "dynamo" in reps[-1][0]:
             row["dynamo"] = reps[-1][0]["dynamo"]
         if "check" in reps[-1][0]:
@@ -303,6 +312,8 @@ def print_report(report: dict[str, Any], cfg: Config, args: Any) -> None:
         if "phases_ms" in row:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items() if v >= 0.005)
             print(f"fsdp_fn @{row['layers']} blocks, host ms per step by phase (exclusive): {parts}")
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in row["phases_cpu_ms"].items() if v >= 0.005)
+            print(f"fsdp_fn @{row['layers']} blocks, the step thread's CPU ms per step by phase: {parts}")
         if "dynamo" in row:
             print(f"{row['system']} @{row['layers']} blocks, Dynamo: {row['dynamo']}")
         if "check" in row:

@@ -64,6 +64,7 @@ class RowFetch:
         self.distinct = torch.empty(0, dtype=torch.long)
         self.theirs: list[torch.Tensor | None] = []  # per rank: its distinct indices (None: this rank, or none)
         self.runs: list[tuple[int, int]] = []  # per rank: the [start, end) of my rows' flat elements it holds
+        self.node = -1  # the sequence number of its lookup's autograd node
 
     def release(self) -> None:
         """Nothing gathered, nothing to drop (the rows go with autograd's graph)."""
@@ -161,6 +162,8 @@ class RowLookup(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
         ctx.fsdp_fn_use = inputs[1]  # type: ignore[attr-defined]
+        if not torch._C._are_functorch_transforms_active():  # (a transform's node is not in the loss's graph)
+            inputs[1].node = ctx._sequence_nr()  # type: ignore[attr-defined]  # how the graph walk knows it reaches this call
         ctx.set_materialize_grads(False)
 
     @staticmethod

@@ -41,14 +41,16 @@ _profiling = torch._C._autograd._profiler_enabled
 
 class PhaseClock:
     """Host time per phase while open: ``seconds`` exclusive (a phase nested in another counts
-    once, in the inner one), ``inclusive`` with the phases nested in it."""
+    once, in the inner one), ``inclusive`` with the phases nested in it, and ``cpu_seconds``
+    the thread's CPU time in it, exclusive (what the phase computes, not what it waits for)."""
 
     def __init__(self) -> None:
         self.seconds: collections.Counter[str] = collections.Counter()
         self.inclusive: collections.Counter[str] = collections.Counter()
+        self.cpu_seconds: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
         # Per thread (autograd runs a GPU's backward on a thread of its own): [name, counting
-        # since, started] of the phases open now, innermost last.
+        # since, started, its CPU clock counting since] of the phases open now, innermost last.
         self._stacks: dict[int, list[list[Any]]] = collections.defaultdict(list)
 
     def __enter__(self) -> PhaseClock:
@@ -59,22 +61,25 @@ class PhaseClock:
         _clocks.remove(self)
 
     def _enter(self, name: str) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         stack = self._stacks[threading.get_ident()]
         if stack:
             outer = stack[-1]
             self.seconds[outer[0]] += now - outer[1]
-        stack.append([name, now, now])
+            self.cpu_seconds[outer[0]] += cpu - outer[3]
+        stack.append([name, now, now, cpu])
         self.calls[name] += 1
 
     def _exit(self) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         stack = self._stacks[threading.get_ident()]
-        name, counting, started = stack.pop()
+        name, counting, started, cpu_counting = stack.pop()
         self.seconds[name] += now - counting
+        self.cpu_seconds[name] += cpu - cpu_counting
         self.inclusive[name] += now - started
         if stack:
             stack[-1][1] = now
+            stack[-1][3] = cpu
 
 
 class _Phase:

@@ -481,45 +481,47 @@ class Runtime:
         graph), tell the sink how many per unit, and release the others now (a no-grad call,
         an output thrown away): they will never get a backward, so backward must not refill them."""
         self.loss_known = True
-        gathers: set[int] = set()  # uses whose gradient the backward computes
         # A freed use's refill hooks its outputs; a path into its forward that bypasses them (a
         # tensor it kept on its module, read by the loss) would reach a node reading the freed
         # buffer first: the nodes where such paths enter refill it too.
         spans = ForwardSpans(
             [r for r in self.records if isinstance(r, GatheredUnit) and r.state is UnitState.FREED and r.refill]
         )
-        entries: dict[GatheredUnit, list[Any]] = collections.defaultdict(list)
-        seen: set[Any] = set()
-        reached: set[int] = set()  # the nodes' numbers (see GatheredUnit.outputs)
-        innermost = spans.innermost_memo()
+        numbers: dict[Any, int] = {}  # each node the loss's backward reaches -> its sequence number
+        into: list[Any] = []  # edges to a node not seen yet (a way into it): its node and the source's number
+        out_of: list[int] = []
+        track = bool(spans.uses)
+        # Uses whose gather's node the walk meets: known by number (``use.node``) or, for a gather
+        # applied under a torch.func transform inside the loss, by the node's own reference.
+        gathers: set[int] = set()
         python_node = torch.autograd.function.BackwardCFunction
         stack = [loss.grad_fn]
         while stack:
             node = stack.pop()
-            if node is None or node in seen:
+            if node is None or node in numbers:
                 continue
-            seen.add(node)
             if isinstance(node, python_node):
                 use = getattr(node, "fsdp_fn_use", None)
                 if use is not None:
                     gathers.add(id(use))
-            number = node._sequence_nr()
-            reached.add(number)
+            number = numbers[node] = node._sequence_nr()
             for next_node, _ in node.next_functions:
-                if next_node is not None and next_node not in seen:
-                    into = next_node._sequence_nr()
-                    # (an edge within one use's forward enters nothing: the common case, one lookup)
-                    if spans.uses and innermost(into) != innermost(number):
-                        for entered in spans.entered(into, number):
-                            entries[entered].append(next_node)
+                if next_node is not None and next_node not in numbers:
                     stack.append(next_node)
+                    if track:
+                        into.append(next_node)
+                        out_of.append(number)
+        reached = set(numbers.values())  # (see GatheredUnit.outputs)
+        entries: dict[GatheredUnit, list[Any]] = collections.defaultdict(list)
+        for k, entered in spans.entries([numbers[n] for n in into], out_of):
+            entries[entered].append(into[k])
         for entered, nodes in entries.items():
             outputs = [n for n in nodes if n._sequence_nr() not in entered.outputs]
             if outputs:
                 entered.refill_on_entry(outputs)
         uses: collections.Counter[str] = collections.Counter()
         for rec in list(self.records):
-            if id(rec) in gathers:
+            if rec.node in reached or id(rec) in gathers:
                 uses[rec.unit.name] += 1
                 continue
             # Refilled by outputs the backward reaches: the backward reads its parameters.

@@ -83,7 +83,9 @@ def _message(args: Any, kwargs: Any, op: str) -> str:
     return me.fsdp_fn_message.replace("{op}", op)
 
 
-_hidden: weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[torch.Tensor, StandIn]]] = weakref.WeakKeyDictionary()
+# module -> id(parameter) -> (the parameter, its stand-in, its requires_grad when the stand-in was made)
+_hidden: weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[torch.Tensor, StandIn, bool]]]
+_hidden = weakref.WeakKeyDictionary()
 
 
 def _standin_for(p: torch.Tensor, name: str) -> StandIn:
@@ -117,8 +119,8 @@ def module_parameters_hidden(module: nn.Module) -> Iterator[None]:
         if p is None or isinstance(p, StandIn):
             continue
         known = standins.get(id(p))
-        if known is None or known[0] is not p or known[1].requires_grad != p.requires_grad:  # (made once)
-            known = standins[id(p)] = (p, _standin_for(p, name))
+        if known is None or known[0] is not p or known[2] != p.requires_grad:  # (made once)
+            known = standins[id(p)] = (p, _standin_for(p, name), p.requires_grad)
         owner._parameters[attr] = known[1]  # type: ignore[assignment]
     try:
         yield

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import enum
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -34,6 +34,8 @@ from fsdp_fn._labels import label, retag
 from fsdp_fn._phases import phased
 from fsdp_fn._plan import ROOT, Unit
 from fsdp_fn._shard import unit_views
+
+_transforms_active = torch._C._are_functorch_transforms_active
 
 
 class UnitState(enum.Enum):
@@ -169,6 +171,7 @@ class GatheredUnit:
         self.refill = True  # freed after forward, gathered again for backward (not a lookup's)
         self.outputs: frozenset[int] = frozenset()  # sequence numbers of the nodes of the outputs that refill it
         self.made = range(0)  # sequence numbers of the autograd nodes its forward made
+        self.node = -1  # the sequence number of its gather's autograd node
         # Only non-root units whose gather allocates take a buffer that counts against the limit.
         counted = unit.name != ROOT and not all(p.in_place for p in self.parts)
         self.nbytes = sum(p.shard.numel() * int(p.group.size()) * p.dtype.itemsize for p in parts) if counted else 0
@@ -253,7 +256,11 @@ class GatheredUnit:
         self.received[index] = True
 
     def _write(self, index: int, grad: torch.Tensor) -> None:
-        spec = self.unit.params[index]
+        # (Backward runs without grad mode and, in the step's own pass, outside any transform: then
+        # the guards that keep the copy out of autograd and functorch would only cost time.)
+        if self.grad is not None and not (torch.is_grad_enabled() or _transforms_active()):
+            self._copy(index, grad)
+            return
         with torch._C._DisableFuncTorch(), torch.no_grad():
             if self.grad is None:
                 self.owner.before_grad(self)
@@ -265,12 +272,17 @@ class GatheredUnit:
                     retag(self.grad, "grads")
                     return
                 self.grad, self.taken = self._new_grad(), False
-            at = self.offsets[index]
-            into = self.grad[at : at + spec.numel].view(spec.shape)
-            if grad.layout == torch.strided:
-                into.copy_(grad)
-            else:  # nn.Embedding(sparse=True): its rows added in place, never a dense copy of its own
-                into.zero_().add_(grad)
+            self._copy(index, grad)
+
+    def _copy(self, index: int, grad: torch.Tensor) -> None:
+        assert self.grad is not None
+        spec = self.unit.params[index]
+        at = self.offsets[index]
+        into = self.grad[at : at + spec.numel].view(spec.shape)
+        if grad.layout == torch.strided:
+            into.copy_(grad)
+        else:  # nn.Embedding(sparse=True): its rows added in place, never a dense copy of its own
+            into.zero_().add_(grad)
 
     def _may_take(self, grad: torch.Tensor) -> bool:
         """Whether ``grad`` can be the flat gradient itself: the unit's only parameter, no padding,
@@ -356,20 +368,28 @@ class ForwardSpans:
             self.parent.append(open_[-1] if open_ else -1)
             open_.append(i)
 
-    def innermost_memo(self) -> Callable[[int], int]:
-        """Node number -> the index of the innermost span that holds it (-1: none), remembered."""
-        known: dict[int, int] = {}
+    def innermost(self, nodes: Sequence[int]) -> torch.Tensor:
+        """The index of the innermost span that holds each node number (-1: none), for many at once."""
+        at = torch.tensor(nodes, dtype=torch.float64)  # (autograd's last number, 2**64 - 1, is exact enough)
+        starts = torch.tensor(self.starts, dtype=torch.float64)
+        stops = torch.tensor([u.made.stop for u in self.uses], dtype=torch.float64)
+        parent = torch.tensor(self.parent, dtype=torch.int64)
+        i = torch.searchsorted(starts, at, right=True) - 1
+        while True:  # out of the last span that starts before it: maybe inside one around it
+            outside = (i >= 0) & (at >= stops[i.clamp(min=0)])
+            if not bool(outside.any()):
+                return i
+            i = torch.where(outside, parent[i.clamp(min=0)], i)
 
-        def innermost(node: int) -> int:
-            i = known.get(node)
-            if i is None:
-                i = bisect.bisect_right(self.starts, node) - 1
-                while i >= 0 and node not in self.uses[i].made:
-                    i = self.parent[i]
-                known[node] = i
-            return i
-
-        return innermost
+    def entries(self, into: Sequence[int], out_of: Sequence[int]) -> list[tuple[int, GatheredUnit]]:
+        """For edges ``out_of[k] -> into[k]`` (node numbers, the gradient flowing from the first to
+        the second): ``(k, use)`` for each use whose span an edge enters from outside."""
+        if not self.uses or not into:
+            return []
+        inner = self.innermost([*into, *out_of])
+        to, since = inner[: len(into)], inner[len(into) :]
+        crossing = ((to >= 0) & (to != since)).nonzero().flatten().tolist()  # (within one span: no entry)
+        return [(k, use) for k in crossing for use in self.entered(into[k], out_of[k])]
 
     def entered(self, node: int, source: int) -> Iterator[GatheredUnit]:
         """The uses whose span holds node number ``node`` but not ``source``, the node whose
@@ -399,6 +419,8 @@ class GatherUnit(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
         ctx.fsdp_fn_use = inputs[1]  # type: ignore[attr-defined]
+        if not torch._C._are_functorch_transforms_active():  # (a transform's node is not in the loss's graph)
+            inputs[1].node = ctx._sequence_nr()  # type: ignore[attr-defined]  # how the graph walk knows it reaches this use
         # The parameters' views send their gradients into the use's flat gradient and give
         # autograd none: backward gets None here, not a zero-filled full-size buffer.
         ctx.set_materialize_grads(False)
