@@ -19,11 +19,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from fsdp_fn._collectives import all_gather, pairwise
@@ -35,7 +37,16 @@ from fsdp_fn._phases import phased
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
 from fsdp_fn._policy import BackwardPrefetch, Schedule
 from fsdp_fn._prefetch import ForwardOrder, gathered_bytes, inflight_limit, may_start, refill_next
-from fsdp_fn._remat import Remat, _remat_with_state, handling_regions, route_torch_checkpoint, save_nothing
+from fsdp_fn._remat import (
+    Remat,
+    SavePolicy,
+    _installed,
+    _remat_with_state,
+    _state_slots,
+    handling_regions,
+    route_torch_checkpoint,
+    save_nothing,
+)
 from fsdp_fn._shard import Sharded, check_shard, ensure_live, shards_of, unit_views
 from fsdp_fn._sink import GradSink
 from fsdp_fn._standin import StandIn
@@ -91,6 +102,7 @@ class Wiring:
         remat: Remat | None,
         composable: bool,
         deferred: bool,
+        compile: Mapping[str, Any] | None = None,
     ) -> None:
         _check_plan_fits(params.plan, fn)
         module, plan = fn.module, params.plan
@@ -115,10 +127,23 @@ class Wiring:
                             if not any(s[0] is slot[0] and s[1] == attr for s in slots):
                                 slots.append(slot)
             self.targets[unit.name] = list(seen.values())
+        # Units whose module is compiled (``module.compile()``, or ``compile=`` here): their call goes
+        # through a wrapper of ours around the compiled code, so nothing of the gathering is traced.
+        self.compiled: dict[int, Callable[..., Any]] = {}
+        for unit in plan.units:
+            for target in self.targets[unit.name] if unit.name != ROOT else ():
+                own = target.__dict__.get("_compiled_call_impl")
+                if own is not None:
+                    self.compiled[id(target)] = own
+                elif compile is not None:
+                    self.compiled[id(target)] = torch.compile(target._call_impl, **compile)
         # Units that can be rematerialised run through a forward of ours for the call: the
-        # ones ``remat`` selects, and the ones a torch.utils.checkpoint region asks for.
+        # ones ``remat`` selects, and the ones a torch.utils.checkpoint region asks for
+        # (compiled ones are rematerialised around their compiled call instead).
         self.own_unit: dict[int, Unit] = {
-            id(self.modules[u.name]): u for u in plan.units if u.name != ROOT and not u.hooks
+            id(self.modules[u.name]): u
+            for u in plan.units
+            if u.name != ROOT and not u.hooks and id(self.modules[u.name]) not in self.compiled
         }
         self.remat_units = remat.selects(plan, module) if remat is not None else frozenset()
         for name in self.remat_units:
@@ -158,11 +183,18 @@ class Wiring:
             and name not in self.remat_units
             and self.modules[name].max_norm is None
             and not self.modules[name].sparse
+            and id(self.modules[name]) not in self.compiled
         )
 
     @staticmethod
     def of(
-        fn: Functional, params: Sharded, schedule: Schedule, remat: Remat | None, composable: bool, deferred: bool
+        fn: Functional,
+        params: Sharded,
+        schedule: Schedule,
+        remat: Remat | None,
+        composable: bool,
+        deferred: bool,
+        compile: Mapping[str, Any] | None = None,
     ) -> Wiring:
         """The wiring for this call, made at the first call like it and kept with ``fn``."""
         group = params.group
@@ -177,13 +209,14 @@ class Wiring:
             pairwise(group),
             params.layout.replicas,
             shard.device.type if shard is not None else "",
+            None if compile is None else tuple(sorted(compile.items())),
         )
         known = _wirings.setdefault(fn, {})
         wiring = known.get(key)
         if wiring is None:
             if len(known) >= 8:  # a caller that builds a new schedule at every call: keep the newest only
                 del known[next(iter(known))]
-            wiring = known[key] = Wiring(fn, params, schedule, remat, composable, deferred)
+            wiring = known[key] = Wiring(fn, params, schedule, remat, composable, deferred, compile)
         return wiring
 
 
@@ -210,6 +243,7 @@ class Runtime:
         composable: bool = False,
         remat: Remat | None = None,
         check_unchanged: bool = False,
+        compile: Mapping[str, Any] | None = None,
     ) -> None:
         ensure_live(params, "apply_sharded")
         self.fn, self.params = fn, params
@@ -220,7 +254,8 @@ class Runtime:
         self.schedule = schedule or _DEFAULT_SCHEDULE
         self.composable = composable
         self.sink = sink if sink is not None else GradSink(params, self.schedule)
-        self.wiring = wiring = Wiring.of(fn, params, self.schedule, remat, composable, self.sink.deferred is not None)
+        deferred = self.sink.deferred is not None
+        self.wiring = wiring = Wiring.of(fn, params, self.schedule, remat, composable, deferred, compile)
         offload = self.schedule.cpu_offload
         self.device = offload.compute_device() if offload is not None else None
         self.plan = params.plan
@@ -573,15 +608,21 @@ class Runtime:
             self._prefetch([self.forward_order.first] if self.forward_order.first else [])
 
         handles = []
+        calls: list[tuple[nn.Module, Any]] = []  # (compiled module, its own compiled call), put back after
         swapped: list[tuple[nn.Module, str, Any]] = []
         for unit in self.plan.units:
             if unit.name == ROOT:
                 continue
             for target in self.targets[unit.name]:
                 # First among the module's pre-hooks: a user's (spectral_norm's) may read the parameters.
-                pre = self._pre_hook(unit, target, swapped)
+                pre, post = self._pre_hook(unit, target, swapped), self._post_hook(unit, target, swapped)
+                compiled = self.wiring.compiled.get(id(target))
+                if compiled is not None:  # around the compiled call, where Dynamo does not look
+                    calls.append((target, target.__dict__.get("_compiled_call_impl")))
+                    target.__dict__["_compiled_call_impl"] = self._around(unit, target, compiled, pre, post)
+                    continue
                 handles.append(target.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-                handles.append(target.register_forward_hook(self._post_hook(unit, target, swapped)))
+                handles.append(target.register_forward_hook(post))
         forwards: list[tuple[nn.Module, Any]] = []  # (module, its own instance-level forward or _MISSING)
         for unit in self.own_unit.values():
             target = self.modules[unit.name]
@@ -611,6 +652,8 @@ class Runtime:
         finally:
             for h in handles:
                 h.remove()
+            for target, call in calls:
+                target.__dict__["_compiled_call_impl"] = call
             for target, forward in forwards:
                 if forward is _MISSING:
                     del target.forward
@@ -631,6 +674,60 @@ class Runtime:
                 use.release()
             del self.records[first_record:]
         return precision.cast_output(out)
+
+    def _around(
+        self,
+        unit: Unit,
+        target: nn.Module,
+        compiled: Callable[..., Any],
+        pre: Callable[..., None],
+        post: Callable[..., Any],
+    ) -> Callable[..., Any]:
+        """A compiled unit's call for this run: the pre- and post-forward hooks' work around the
+        compiled code (which holds the module's own hooks and forward), rematerialised when asked."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            pre(target, args, kwargs)
+            with warnings.catch_warnings():
+                # Dynamo reads ``.grad`` of the unit's parameters, which are views (non-leaf) here.
+                warnings.filterwarnings("ignore", message=_NOT_A_LEAF)
+                out = self._run_compiled(unit, target, compiled, args, kwargs)
+            return post(target, args, out)
+
+        return call
+
+    def _run_compiled(
+        self, unit: Unit, target: nn.Module, compiled: Callable[..., Any], args: Any, kwargs: dict[str, Any]
+    ) -> Any:
+        if unit.name not in self.remat_units:
+            return compiled(*args, **kwargs)
+        assert self.remat is not None
+        if self._checkpoints(target):
+            # torch's own checkpoint around the compiled code: the compiled forward's saved
+            # tensors are dropped and recomputed by running it again in backward (fsdp_fn's
+            # remat traces operators in a dispatch mode, which Dynamo would not compile). The
+            # recomputation runs with the parameters the forward ran with (by then the module
+            # holds its own again), so it recomputes exactly what the forward saved.
+            state, slots = _state_slots([target])
+
+            def region(*args: Any, **kwargs: Any) -> Any:
+                with _installed(slots, state), warnings.catch_warnings():  # (recomputed in backward too)
+                    warnings.filterwarnings("ignore", message=_NOT_A_LEAF)
+                    return compiled(*args, **kwargs)
+
+            return _checkpointed(region, _saving(self.remat.policy), *args, **kwargs)
+        # (torch.func transforms refuse the saved-tensor hooks torch's checkpoint runs on)
+        return _remat_with_state(compiled, [target], self.remat.policy, unit.name)(*args, **kwargs)
+
+    def _checkpoints(self, target: nn.Module) -> bool:
+        """Whether a compiled unit is rematerialised by torch's checkpoint: under plain autograd
+        (torch.func refuses its saved-tensor hooks) and without buffers (its recomputation would
+        update a BatchNorm's statistics a second time)."""
+        return (
+            torch.is_grad_enabled()
+            and not torch._C._are_functorch_transforms_active()
+            and not any(True for _ in target.buffers())
+        )
 
     def _pre_hook(
         self, unit: Unit, target: nn.Module, swapped: list[tuple[nn.Module, str, Any]]
@@ -717,6 +814,36 @@ def check_rematerialisable(fn: Functional, plan: Plan, unit: Unit, asked_by: str
                 f"{full!r} of unit {unit_label(other)}, which is not gathered when the unit is recomputed in "
                 "backward; rematerialise the units inside it instead (or put that parameter in this unit)"
             )
+
+
+_NOT_A_LEAF = "The .grad attribute of a Tensor that is not a leaf"  # (torch's warning, which Dynamo triggers)
+
+# torch's own non-reentrant checkpoint, taken before a call routes torch.utils.checkpoint to fsdp_fn's remat.
+_checkpoint_generator = torch.utils.checkpoint._checkpoint_without_reentrant_generator
+
+
+def _checkpointed(fn: Callable[..., Any], context_fn: Callable[[], Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)``,
+    also while a call routes ``checkpoint`` to fsdp_fn's remat (which would refuse ``context_fn``)."""
+    steps = _checkpoint_generator(fn, True, context_fn, "default", False, True, *args, **kwargs)
+    next(steps)  # before the forward: the saved-tensor hooks that drop what the forward keeps
+    out = fn(*args, **kwargs)
+    with contextlib.suppress(StopIteration):
+        next(steps)
+    return out
+
+
+def _saving(policy: SavePolicy) -> Callable[[], Any]:
+    """torch's selective checkpoint contexts saving what ``policy`` saves (none: recompute everything)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
+
+    if not policy.ops:
+        return noop_context_fn
+
+    def choose(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if policy.saves(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, choose)
 
 
 def _indices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

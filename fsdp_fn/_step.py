@@ -70,6 +70,12 @@ class TrainStep:
     and their backward recomputes them inside the unit's one gather, so no collective is
     added. ``torch.utils.checkpoint.checkpoint`` calls in the model are routed the same way.
 
+    Compilation: a unit whose module was compiled (``block.compile()``, as torchtitan does)
+    runs its compiled code with the gathering around it, outside what Dynamo traces: one
+    graph per unit, no graph break, no recompilation from step to step. ``compile=True`` (or
+    ``torch.compile``'s options as a dict) compiles every non-root unit's module that way for
+    the step's calls, leaving the module itself as it was.
+
     Reliability: no step hangs silently. Waits on collectives notice a rank that raised
     (its error is raised here too, naming it), died, or stayed silent past ``timeout``
     seconds (named). Every step checks, inside its metrics all-gather, that all ranks
@@ -93,6 +99,7 @@ class TrainStep:
         check_schedule: CheckSchedule = "first",
         buffer_sync: BufferSync = "broadcast",
         has_aux: bool = False,
+        compile: bool | Mapping[str, Any] = False,
     ) -> None:
         if not isinstance(fn, Functional):
             raise TypeError(f"train_step wants the Functional from functionalize(module), got {type(fn).__name__}")
@@ -120,6 +127,12 @@ class TrainStep:
                     "Schedule(update_in_backward=True) steps each unit during backward, before the whole gradient "
                     f"exists; it cannot be combined with {', '.join(whole)}"
                 )
+        if not isinstance(compile, bool | Mapping):
+            raise TypeError(f"compile must be True, False or torch.compile's options as a dict, got {compile!r}")
+        # Each non-root unit's module compiled (torch.compile's options), its gathering left out of the graph.
+        self.compile: dict[str, Any] | None = (
+            dict(compile) if isinstance(compile, Mapping) else ({} if compile else None)
+        )
         self.fn, self.loss_fn, self.optimizer, self.donate = fn, loss_fn, optimizer, donate
         self.has_aux = has_aux
         self.schedule = schedule
@@ -252,6 +265,7 @@ class TrainStep:
                         sink=sink,
                         remat=self.remat,
                         check_unchanged=guard.check,
+                        compile=self.compile,
                     )
                 loss, aux = lean_pass(runtime, params, buffers, mb, self.loss_fn, self.has_aux)
                 losses.append(loss)
