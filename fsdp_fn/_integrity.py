@@ -331,8 +331,10 @@ def _check_metadata(root: Path, md: Any, digests: dict[ChunkKey, Record] | None)
         props = entry.properties
         if not (isinstance(props, TensorProperties) and isinstance(props.dtype, torch.dtype)):
             raise bad(f"the entry {fqn!r} has the properties {props!r}")
-        if not _ints(entry.size) or not isinstance(entry.chunks, list):
+        if not _ints(entry.size):
             raise bad(f"the entry {fqn!r} has the shape {entry.size!r}")
+        if not isinstance(entry.chunks, list):
+            raise bad(f"the entry {fqn!r} has the chunks {entry.chunks!r}")
         shape = tuple(entry.size)
         boxes: list[Box] = []
         for chunk in entry.chunks:
@@ -556,8 +558,10 @@ class Writer(FileSystemWriter):
 
 
 def verify_chunks(opened: Opened) -> tuple[int, int]:
-    """Read every chunk of every file and check it against its digest: (chunks, bytes) checked.
-    Also that no file is shorter than its chunks need. Memory: one chunk at a time."""
+    """Read every chunk of every file and check it against its digest, and each tensor chunk to be
+    the tensor the metadata describes (``torch.load(weights_only=True)``; torch's pickled
+    values, such as its param groups, are hashed, not read): (chunks, bytes) checked.
+    Memory: one chunk at a time."""
     storage = opened.metadata.storage_data
     by_file: dict[str, list[MetadataIndex]] = {}
     for index, info in storage.items():
@@ -566,6 +570,9 @@ def verify_chunks(opened: Opened) -> tuple[int, int]:
     for name, indices in sorted(by_file.items()):
         with open(opened.files[name], "rb") as stream:
             for index in sorted(indices, key=lambda i: storage[i].offset):
-                total += len(read_chunk(opened, stream, index, True))
+                data = read_chunk(opened, stream, index, True)
+                if index.offset is not None and not storage[index].transform_descriptors:
+                    chunk_tensor(opened, index, io.BytesIO(data))
+                total += len(data)
                 chunks += 1
     return chunks, total

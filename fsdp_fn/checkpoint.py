@@ -411,7 +411,9 @@ def save(
     group = _group(layout)
     coordinator = group.rank() == 0
     meta = {"step": state.step, "world": group.size(), "extra": extra, "optimizer": _opt_values(state.opt_state)}
-    own_entries = _document(_META, meta, "extra", copy=not blocking)  # checked on every rank, before any message
+    encode(extra, "extra")  # checked on every rank, before any message, naming what is not JSON
+    encode(meta["optimizer"], "the optimizer state")
+    own_entries = _document(_META, meta, "the checkpoint", copy=not blocking)
     join(group, "checkpoint.save", timeout)  # a rank that saves alone is named, not left waiting in DCP
     write_shards = layout.replicate is None or layout.replicate.rank() == 0
     if not blocking:
@@ -814,14 +816,14 @@ def verify(directory: str | os.PathLike[str]) -> Verified:
         )
     chunks, size = verify_chunks(opened)
     md = opened.metadata
-    own = {}
-    for key in _document_keys(md, _META):
+    own = _document_targets(path, md, _META)
+    for key, target in own.items():
         indices = [i for i in md.storage_data if i.fqn == key]
         if len(indices) != 1:
             raise CheckpointError(f"{path}: its entry {key!r} is not what fsdp_fn writes (one whole tensor)")
         with open(opened.files[md.storage_data[indices[0]].relative_path], "rb") as stream:
             data = read_chunk(opened, stream, indices[0], True)
-        own[key] = chunk_tensor(opened, indices[0], io.BytesIO(data))
+        target.copy_(chunk_tensor(opened, indices[0], io.BytesIO(data)))
     return Verified(path, _meta(path, own)["step"], chunks, size)
 
 
