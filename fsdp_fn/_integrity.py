@@ -37,6 +37,7 @@ import math
 import os
 import pickle
 import time
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import IO, Any, NamedTuple
 
@@ -53,6 +54,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
 COMMIT_MARKER = "COMMITTED"  # written last, inside the directory, before it is renamed into place
@@ -401,25 +403,57 @@ def _covers_exactly(root: Path, fqn: str, shape: tuple[int, ...], boxes: list[Bo
 # --- reading and writing chunks ----------------------------------------------------------------
 
 
-def read_chunk(opened: Opened, stream: IO[bytes], index: MetadataIndex, check_digest: bool) -> bytes:
-    """The bytes of one chunk from its (open) file, checked against their recorded digest."""
+_BLOCK = 8 << 20  # bytes hashed at a time
+
+
+def _hash(stream: IO[bytes], offset: int, length: int) -> tuple[str, int]:
+    """The SHA-256 of ``length`` bytes at ``offset`` and how many there were, read a block at a time."""
+    stream.seek(offset)
+    h, left = hashlib.sha256(), length
+    while left:
+        block = stream.read(min(_BLOCK, left))
+        if not block:
+            break
+        h.update(block)
+        left -= len(block)
+    return h.hexdigest(), length - left
+
+
+def check_chunk(opened: Opened, stream: IO[bytes], index: MetadataIndex) -> int:
+    """Raise ``CheckpointError`` unless a chunk's bytes in its (open) file are all there and match
+    their recorded digest; its length. Memory: one block (8 MiB)."""
     info = opened.metadata.storage_data[index]
-    stream.seek(info.offset)
-    data = stream.read(info.length)
+    digest, found = _hash(stream, info.offset, info.length)
     where = f"{opened.root}: the data of {_chunk_name(_key(index))} in {info.relative_path}"
-    if len(data) != info.length:
-        raise CheckpointError(f"{where} is cut short ({len(data)} of {info.length} bytes): the file is truncated")
-    if check_digest and opened.digests is not None and sha256(data) != opened.digests[_key(index)][3]:
+    if found != info.length:
+        raise CheckpointError(f"{where} is cut short ({found} of {info.length} bytes): the file is truncated")
+    if opened.digests is not None and digest != opened.digests[_key(index)][3]:
         raise CheckpointError(f"{where} does not match its digest (sha256): the file is damaged")
-    return data
+    return found
 
 
-def chunk_tensor(opened: Opened, index: MetadataIndex, stream: IO[bytes]) -> torch.Tensor:
-    """The tensor a chunk's bytes hold (``stream``: the bytes, after DCP's transforms), checked to be
-    the dtype and shape the metadata gives it."""
-    where = f"{opened.root}: the data of {_chunk_name(_key(index))}"
+def read_tensor(
+    opened: Opened,
+    stream: IO[bytes],
+    index: MetadataIndex,
+    *,
+    check_digest: bool,
+    transform: Callable[[IO[bytes]], IO[bytes]] | None = None,
+) -> torch.Tensor:
+    """The tensor of one chunk from its (open) file: checked against its digest first
+    (``check_digest``), then ``torch.load(weights_only=True)`` from the file (``transform``: DCP's
+    stream transforms), and checked to be the dtype and shape the metadata gives it."""
+    info = opened.metadata.storage_data[index]
+    if check_digest:
+        check_chunk(opened, stream, index)
+    view: IO[bytes] = _create_file_view(stream, info.offset, info.length)  # type: ignore[arg-type, assignment]
+    if transform is not None:
+        view = transform(view)
+        if not view.seekable():  # torch.load seeks
+            view = io.BytesIO(view.read())
+    where = f"{opened.root}: the data of {_chunk_name(_key(index))} in {info.relative_path}"
     try:
-        tensor = torch.load(stream, map_location="cpu", weights_only=True)
+        tensor = torch.load(view, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{where} is not a tensor ({type(e).__name__}: {e})") from None
     entry = opened.metadata.state_dict_metadata[index.fqn]
@@ -439,7 +473,8 @@ class Reader(FileSystemReader):
     read, the files it confined, each chunk checked against its digest (``check_digests``)
     before ``torch.load(weights_only=True)``. A pickled entry is refused, never loaded.
 
-    Memory: one chunk's bytes at a time beyond DCP's own (it reads a chunk whole, as DCP does).
+    Memory: as DCP's own reader (a chunk's tensor at a time); the digest is computed a block
+    (8 MiB) at a time, before the chunk is read again, from the page cache, as a tensor.
     """
 
     def __init__(self, opened: Opened, *, check_digests: bool = True) -> None:
@@ -467,11 +502,16 @@ class Reader(FileSystemReader):
                             f"{self.opened.root}: {req.storage_index.fqn!r} is a pickled object; fsdp_fn never "
                             "unpickles checkpoint data"
                         )
-                    data = read_chunk(self.opened, stream, req.storage_index, self.check_digests)
-                    info = storage[req.storage_index]
-                    raw = self.transforms.transform_load_stream(req, info.transform_descriptors or (), io.BytesIO(data))
-                    seekable = raw if raw.seekable() else io.BytesIO(raw.read())
-                    tensor = chunk_tensor(self.opened, req.storage_index, seekable)
+                    descriptors = storage[req.storage_index].transform_descriptors
+                    transform = None
+                    if descriptors:
+
+                        def transform(raw: IO[bytes], req: Any = req, d: Any = descriptors) -> IO[bytes]:
+                            return self.transforms.transform_load_stream(req, d, raw)
+
+                    tensor = read_tensor(
+                        self.opened, stream, req.storage_index, check_digest=self.check_digests, transform=transform
+                    )
                     for dim, (at, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
                         tensor = tensor.narrow(dim, at, length)
                     target = planner.resolve_tensor(req).detach()
@@ -496,7 +536,7 @@ class Digested(NamedTuple):
 
 class Writer(FileSystemWriter):
     """DCP's file-system writer that hashes every chunk it wrote (reading it back from the page
-    cache: memory one chunk) and refuses to write as a single process when the save's group
+    cache, a block of 8 MiB at a time) and refuses to write as a single process when the save's group
     is gone (DCP falls back to that when the default group has been destroyed, and the
     ranks would overwrite each other's files).
 
@@ -538,8 +578,7 @@ class Writer(FileSystemWriter):
         for name, written in by_file.items():
             with open(Path(self.path) / name, "rb") as f:
                 for r in sorted(written, key=lambda r: r.storage_data.offset):
-                    f.seek(r.storage_data.offset)
-                    digest = sha256(f.read(r.storage_data.length))
+                    digest, _ = _hash(f, r.storage_data.offset, r.storage_data.length)
                     out.append(dataclasses.replace(r, storage_data=Digested(r.storage_data, digest)))
         self.hashing_seconds += time.perf_counter() - start
         done: Future[list[WriteResult]] = Future()
@@ -561,7 +600,7 @@ def verify_chunks(opened: Opened) -> tuple[int, int]:
     """Read every chunk of every file and check it against its digest, and each tensor chunk to be
     the tensor the metadata describes (``torch.load(weights_only=True)``; torch's pickled
     values, such as its param groups, are hashed, not read): (chunks, bytes) checked.
-    Memory: one chunk at a time."""
+    Memory: one chunk's tensor at a time."""
     storage = opened.metadata.storage_data
     by_file: dict[str, list[MetadataIndex]] = {}
     for index, info in storage.items():
@@ -570,9 +609,8 @@ def verify_chunks(opened: Opened) -> tuple[int, int]:
     for name, indices in sorted(by_file.items()):
         with open(opened.files[name], "rb") as stream:
             for index in sorted(indices, key=lambda i: storage[i].offset):
-                data = read_chunk(opened, stream, index, True)
+                total += check_chunk(opened, stream, index)
                 if index.offset is not None and not storage[index].transform_descriptors:
-                    chunk_tensor(opened, index, io.BytesIO(data))
-                total += len(data)
+                    read_tensor(opened, stream, index, check_digest=False)
                 chunks += 1
     return chunks, total

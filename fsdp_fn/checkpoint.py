@@ -33,7 +33,6 @@ same with a plain state dict (on rank 0 / from full tensors).
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import os
 import random
@@ -64,11 +63,10 @@ from fsdp_fn._integrity import (
     Opened,
     Reader,
     Writer,
-    chunk_tensor,
     commit,
     marker_step,
     open_checkpoint,
-    read_chunk,
+    read_tensor,
     verify_chunks,
 )
 from fsdp_fn._plan import ParamSpec, Unit, unit_label
@@ -461,8 +459,9 @@ def _converted(e: BaseException, what: str) -> CheckpointError:
         rank = min(e.failures)
         cause = e.failures[rank][0]
         more = f" (and {len(e.failures) - 1} more ranks)" if len(e.failures) > 1 else ""
-        text = str(cause) if isinstance(cause, CheckpointError) else f"{type(cause).__name__}: {cause}"
-        return CheckpointError(f"{what}: rank {rank}{more}: {text}")
+        if isinstance(cause, CheckpointError):  # it names the checkpoint already
+            return CheckpointError(f"rank {rank}{more}: {cause}")
+        return CheckpointError(f"{what}: rank {rank}{more}: {type(cause).__name__}: {cause}")
     return CheckpointError(f"{what}: {type(e).__name__}: {e}")
 
 
@@ -822,8 +821,7 @@ def verify(directory: str | os.PathLike[str]) -> Verified:
         if len(indices) != 1:
             raise CheckpointError(f"{path}: its entry {key!r} is not what fsdp_fn writes (one whole tensor)")
         with open(opened.files[md.storage_data[indices[0]].relative_path], "rb") as stream:
-            data = read_chunk(opened, stream, indices[0], True)
-        target.copy_(chunk_tensor(opened, indices[0], io.BytesIO(data)))
+            target.copy_(read_tensor(opened, stream, indices[0], check_digest=True))
     return Verified(path, _meta(path, own)["step"], chunks, size)
 
 
