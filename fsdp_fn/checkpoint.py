@@ -86,6 +86,7 @@ __all__ = [
     "is_committed",
     "latest",
     "load",
+    "read_metadata",
     "save",
     "verify",
     "wait",
@@ -823,6 +824,14 @@ def verify(directory: str | os.PathLike[str]) -> Verified:
         with open(opened.files[md.storage_data[indices[0]].relative_path], "rb") as stream:
             target.copy_(read_tensor(opened, stream, indices[0], check_digest=True))
     return Verified(path, _meta(path, own)["step"], chunks, size)
+
+
+def read_metadata(directory: str | os.PathLike[str]) -> Metadata:
+    """DCP's metadata of the checkpoint at ``directory`` (its entries: ``.state_dict_metadata``),
+    read as ``load`` reads it: after the commit marker and against its digest, by an unpickler
+    that admits only DCP's metadata types, then checked (chunks, paths). Runs no code from
+    the directory, reads no data; ``CheckpointError`` naming the fault."""
+    return _open(Path(directory)).metadata
 
 
 class Verified(NamedTuple):

@@ -708,8 +708,8 @@ def test_loading_runs_no_code_from_the_directory(pool, pristine, tmp_path):
         "stale-digest": r"\.metadata does not match its digest in COMMITTED: the file is damaged",
         "no-marker": r"metadata file cannot be read \(UnpicklingError: it names posix\.system",
         "own-entry": r"its entry 'fsdp_fn' is not what fsdp_fn writes",
-        "chunk": r"rank 1: \S+: the data of 'model\.wpe\.weight' \(chunk at \(5, 6\)\) in __1_0\.distcp is not a tensor "
-        r"\(UnpicklingError",
+        "chunk": r"rank 1: \S+: the data of 'model\.wpe\.weight' \(chunk at \(5, 6\)\) in __1_0\.distcp "
+        r"is not a tensor \(UnpicklingError",
     }
     got = pool.run(_load_each, [str(d) for d in cases.values()], world=2)
     for rank in got:
