@@ -544,9 +544,9 @@ class Writer(FileSystemWriter):
     write results) and ``metadata_digest``; ``hashing_seconds`` is this rank's hashing time.
     """
 
-    def __init__(self, path: Path, *, rank: int, world: int) -> None:
+    def __init__(self, path: Path, *, world: int) -> None:
         super().__init__(path)
-        self.expected_rank, self.expected_world = rank, world
+        self.expected_world = world
         self.records: dict[ChunkKey, Record] = {}
         self.metadata_digest: str | None = None
         self.hashing_seconds = 0.0
@@ -557,13 +557,8 @@ class Writer(FileSystemWriter):
             f"ranks would overwrite each other's files; nothing was committed at {self.path}"
         )
 
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        rank = kwargs.get("rank")
-        if rank is not None and rank != self.expected_rank:
-            raise self._gone(f"DCP sees rank {rank} where the group had rank {self.expected_rank}")
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # DCP's single-process fallback makes every rank a coordinator planning for one rank.
         if len(plans) != self.expected_world:
             raise self._gone(f"DCP plans for {len(plans)} ranks where the group had {self.expected_world}")
         return super().prepare_global_plan(plans)

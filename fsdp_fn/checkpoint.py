@@ -488,7 +488,7 @@ def _write(final: Path, entries: dict[str, Any], group: dist.ProcessGroup, step:
             except OSError as e:
                 error = f"cannot create {tmp}: {e}"
     _agree_on_error(group, error)
-    writer = Writer(tmp, rank=group.rank(), world=group.size())
+    writer = Writer(tmp, world=group.size())
     try:
         dcp_save(entries, storage_writer=writer, planner=SavePlanner(), process_group=group)
     except (CheckpointException, Exception) as e:

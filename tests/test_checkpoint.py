@@ -948,7 +948,7 @@ def _abandoned_save(group, root):
             tmp.mkdir(exist_ok=True)
             dcp_save(
                 {"x": torch.ones(2)},
-                storage_writer=Writer(tmp, rank=rank, world=2),
+                storage_writer=Writer(tmp, world=2),
                 planner=SavePlanner(),
                 process_group=side,
             )
