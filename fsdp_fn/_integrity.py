@@ -87,7 +87,10 @@ def confined(root: Path, name: object, what: str) -> Path:
             f"{root}: {what} names {name!r}, a path that leaves the checkpoint directory; "
             "a checkpoint reads only its own files"
         )
-    real = (root / name).resolve()
+    try:
+        real = (root / name).resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise CheckpointError(f"{root}: {what} names {name!r}, which cannot be resolved ({e})") from None
     if real == root or not real.is_relative_to(root):
         raise CheckpointError(
             f"{root}: {what} names {name!r}, which leads outside the checkpoint directory (to {real}, "
@@ -97,8 +100,11 @@ def confined(root: Path, name: object, what: str) -> Path:
 
 
 def _read(path: Path, limit: int | None = None) -> bytes:
-    with open(path, "rb") as f:
-        data = f.read(-1 if limit is None else limit + 1)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(-1 if limit is None else limit + 1)
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read: {e}") from None
     if limit is not None and len(data) > limit:
         raise CheckpointError(f"{path} is larger than {limit} bytes: not a file fsdp_fn wrote")
     return data
@@ -134,8 +140,11 @@ def read_marker(root: Path) -> Marker | None:
     file = root / COMMIT_MARKER
     if not file.exists() and not file.is_symlink():
         return None
+    real = confined(root, COMMIT_MARKER, "the commit marker")
     try:
-        found = json.loads(_read(confined(root, COMMIT_MARKER, "the commit marker"), _MARKER_LIMIT))
+        found = json.loads(_read(real, _MARKER_LIMIT))
+    except CheckpointError:
+        raise
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{root}: its {COMMIT_MARKER} marker cannot be read ({type(e).__name__}: {e})") from None
     if not isinstance(found, dict):
@@ -282,7 +291,10 @@ def open_checkpoint(directory: str | os.PathLike[str]) -> Opened:
         raise CheckpointError(
             f"{root}: its metadata file cannot be read ({type(e).__name__}: {e}); nothing in it was run"
         ) from None
-    files = _check_metadata(root, md, digests)
+    try:
+        files = _check_metadata(root, md, digests)
+    except (AttributeError, TypeError) as e:  # a field missing, or of a type nothing here expects
+        raise CheckpointError(f"{root}: its metadata is damaged: {type(e).__name__}: {e}") from None
     return Opened(root, marker, md, files, digests)
 
 

@@ -345,8 +345,9 @@ class PendingSave:
     def _run(self, run: Callable[[], None]) -> None:
         try:
             run()
-        except BaseException as e:  # surfaced by wait()
+        except BaseException as e:  # surfaced by wait(); logged too, for a job that ends without waiting
             self._error = e
+            logger.warning("the background save of %s failed on rank %d: %s", self.directory, self.rank, e)
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -716,8 +717,8 @@ def load(
         if opened.marker is not None:
             for key in (_META, rng_key, buffers_key):
                 own.update(_document_targets(path, opened.metadata, key))
-    except CheckpointError as e:
-        raised = e
+    except Exception as e:  # a file the system refuses too: every rank must reach the all-gather below
+        raised = e if isinstance(e, CheckpointError) else CheckpointError(f"{path}: {type(e).__name__}: {e}")
     # Every rank raises, or none: a rank that went on alone would wait in DCP's collectives.
     errors: list[str | None] = [None] * group.size()
     dist.all_gather_object(errors, None if raised is None else str(raised), group=group)
