@@ -858,6 +858,8 @@ def test_damage_is_refused_naming_the_file_and_the_parameter(pool, pristine, tmp
     blob = (d / "__0_0.distcp").read_bytes()
     assert blob.count(b'"next": 2') == 1
     (d / "__0_0.distcp").write_bytes(blob.replace(b'"next": 2', b'"next": 3'))
+    d = cases["format-1"] = _copy(pristine, tmp_path / "format-1")  # as an earlier fsdp_fn wrote its marker
+    (d / ckpt.COMMIT_MARKER).write_text(json.dumps({"step": 2, "world": 2, "time": 0.0}))
     d = cases["type"] = _copy(pristine, tmp_path / "type")
     _metadata_edit(d, lambda md: setattr(md.state_dict_metadata["model.wte.weight"], "chunks", "many"))
     expected = {
@@ -867,6 +869,7 @@ def test_damage_is_refused_naming_the_file_and_the_parameter(pool, pristine, tmp
         r"\d+\.\.\d+ of '__\d_0\.distcp', which digests\.json does not record",
         "removed": r"the chunks of 'model\.blocks\.0\.fc\.weight' cover 570 of its 576 elements \(a chunk is missing\)",
         "extra": r"the data of 'fsdp_fn' \(chunk at \(0,\)\) in __0_0\.distcp does not match its digest",
+        "format-1": r"was written by an earlier fsdp_fn \(checkpoint format 1\), which pickled its own entries",
         "type": r"its metadata is damaged: the entry 'model\.wte\.weight' has the chunks 'many'",
     }
     got = pool.run(_load_each, [str(d) for d in cases.values()], world=2)
