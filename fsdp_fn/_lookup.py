@@ -34,12 +34,18 @@ from fsdp_fn._plan import Unit, unit_label
 from fsdp_fn._policy import Schedule
 from fsdp_fn._unit import UnitState
 
+ROWS_MIN_BYTES = 1 << 20
+"""A table smaller than this is gathered: fetching rows costs three round trips in forward, on the
+step's critical path (the indices are data), where a gather of a small table is prefetched and
+costs next to nothing (``python bench/overhead.py``: the tiny GPT's 128 KiB table)."""
 
-def rows_fit(unit: Unit, schedule: Schedule, replicas: int = 1) -> bool:
-    """Whether the schedule lets a lookup unit fetch its rows: its shard used as it is (no
-    cast, no offload), reduced per micro-batch (not summed first), without replicas. The
-    train step adds what only a call knows: gloo's pairwise collectives, CPU shards, no
-    transform, no remat, no hook, no ``max_norm`` or ``sparse``."""
+
+def rows_fit(unit: Unit, schedule: Schedule, replicas: int = 1, world: int = 2) -> bool:
+    """Whether the schedule lets a lookup unit fetch its rows: a table of at least
+    ``ROWS_MIN_BYTES`` gathered, its shard used as it is (no cast, no offload), reduced per
+    micro-batch (not summed first), without replicas. The train step adds what only a call
+    knows: gloo's pairwise collectives, CPU shards, no transform, no remat, no hook, no
+    ``max_norm`` or ``sparse``."""
     summed = schedule.micro_batches > 1 and not schedule.reduce_each_micro_batch
     return (
         unit.lookup
@@ -47,6 +53,7 @@ def rows_fit(unit: Unit, schedule: Schedule, replicas: int = 1) -> bool:
         and not summed
         and schedule.cpu_offload is None
         and schedule.gather_dtype(unit.dtype) == unit.dtype == schedule.reduce_dtype(unit.dtype)
+        and unit.gather_bytes(world) >= ROWS_MIN_BYTES
     )
 
 
@@ -98,11 +105,8 @@ class RowFetch:
         world, rank, n = self.world, self.rank, self.shard.numel()
         what = functools.partial(_guard.describe, "row_fetch", self.unit.name)
         distinct, inverse = torch.unique(indices.reshape(-1).long(), sorted=True, return_inverse=True)
-        if distinct.numel() and not (int(distinct[0]) >= 0 and int(distinct[-1]) < self.rows_in_table):
-            bad = int(distinct[0]) if int(distinct[0]) < 0 else int(distinct[-1])
-            raise IndexError(
-                f"unit {unit_label(self.unit.name)} (nn.Embedding of {self.rows_in_table} rows) was given index {bad}"
-            )
+        if distinct.numel():
+            _check_range(int(distinct[0]), int(distinct[-1]), self.unit)
         record("row_fetch", self.unit.name, 0, self.shard.dtype, self.group)
         self.distinct = distinct
         counts = [None if j == rank else torch.empty(1, dtype=torch.long) for j in range(world)]
@@ -179,8 +183,20 @@ class RowLookup(torch.autograd.Function):
 row_lookup = plain_apply(RowLookup)
 
 
-def check_indices(indices: Any, unit: Unit) -> None:
-    """The lookup's input: an integer tensor (what ``F.embedding`` accepts)."""
+def check_indices(indices: Any, unit: Unit, *, in_range: bool = False) -> None:
+    """The lookup's input: an integer tensor (what ``F.embedding`` accepts); with ``in_range``,
+    also its values (on the CPU only: elsewhere it would wait for the device)."""
     if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
         got = indices.dtype if isinstance(indices, torch.Tensor) else type(indices).__name__
         raise TypeError(f"unit {unit_label(unit.name)} (nn.Embedding) takes int32 or int64 indices, got {got}")
+    if in_range and indices.numel() and indices.device.type == "cpu":
+        low, high = torch.aminmax(indices)
+        _check_range(int(low), int(high), unit)
+
+
+def _check_range(low: int, high: int, unit: Unit) -> None:
+    rows = unit.params[0].shape[0] if unit.params else unit.frozen[0].shape[0]
+    if not (low >= 0 and high < rows):
+        raise IndexError(
+            f"unit {unit_label(unit.name)} (nn.Embedding of {rows} rows) was given index {low if low < 0 else high}"
+        )

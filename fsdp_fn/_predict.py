@@ -45,8 +45,8 @@ def predict_collectives(
     ``lookup_rows`` (the train step on gloo's pairwise collectives; pass ``False`` for other
     backends or ``FSDP_FN_COLLECTIVES=native``): a lookup unit's rows are fetched instead,
     one ``row_fetch`` in forward and one ``row_reduce`` in backward (``numel`` 0: their size
-    follows the indices), unless the schedule casts or moves its shard, micro-batches are
-    summed before reducing, or there are replicas.
+    follows the indices), unless the table is small (``ROWS_MIN_BYTES``), the schedule casts
+    or moves its shard, micro-batches are summed before reducing, or there are replicas.
     """
     schedule = schedule or Schedule()
     nbytes = gathered_bytes(plan, world, schedule)
@@ -57,7 +57,7 @@ def predict_collectives(
         # update_in_backward: which of the unit's parameters any rank reached, before its update
         merged = [Collective("all_reduce", u.name, len(u.params), torch.float32, n) for n in (world, replicas)]
         merged = merged if u.params and schedule.update_in_backward else []
-        if lookup_rows and rows_fit(u, schedule, replicas):
+        if lookup_rows and rows_fit(u, schedule, replicas, world):
             out += [
                 Collective("row_fetch", u.name, 0, u.dtype, world),
                 Collective("row_reduce", u.name, 0, u.dtype, world),

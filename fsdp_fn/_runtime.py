@@ -177,7 +177,7 @@ class Wiring:
             if not composable
             and params.group.size() > 1
             and pairwise(params.group)
-            and rows_fit(plan.unit(name), schedule, params.layout.replicas)
+            and rows_fit(plan.unit(name), schedule, params.layout.replicas, params.group.size())
             and params[name].device.type == "cpu"  # not yet measured on accelerators
             and not deferred
             and name not in self.remat_units
@@ -746,6 +746,8 @@ class Runtime:
                 self.order.append(unit.name)
                 self.live.setdefault(key, []).append((_FETCHING, 0))
                 return
+            if unit.name in self.lookups and not self.composable:  # (a bad index names the unit, as a fetch does)
+                check_indices(_indices(args, kwargs), unit, in_range=True)
             rec, views = self._gather(unit)
             upcoming = self.forward_order.advance(unit.name)
             if self.schedule.forward_prefetch:

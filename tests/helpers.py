@@ -46,6 +46,19 @@ def make(kind: str, seed: int = 0, **kw: Any) -> tuple[nn.Module, ff.Policy, Cal
     raise ValueError(kind)
 
 
+@contextlib.contextmanager
+def rows_fetched() -> Iterator[None]:
+    """Lookups fetch their rows whatever their table's size (the tests' tables are small; a train
+    step gathers a table under ``fsdp_fn._lookup.ROWS_MIN_BYTES``)."""
+    from fsdp_fn import _lookup
+
+    before, _lookup.ROWS_MIN_BYTES = _lookup.ROWS_MIN_BYTES, 0
+    try:
+        yield
+    finally:
+        _lookup.ROWS_MIN_BYTES = before
+
+
 def gpt_state(group, cfg: GPTConfig, *, split_root: bool = False, **schedule: Any):
     """(plan, step, state) for a GPT with one unit per block, trained with AdamW on ``group``
     on the ``Schedule`` with these fields."""

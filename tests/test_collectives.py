@@ -200,7 +200,9 @@ def _large_sends_leave_from_the_sender_thread(group):
         C.all_gather_into(out, torch.full((big,), float(rank)), group, "u")
     finally:
         dist.isend = isend
-    return names == ["fsdp_fn-send"] * (world - 1) and torch.equal(out, torch.arange(world).repeat_interleave(big).float())
+    return names == ["fsdp_fn-send"] * (world - 1) and torch.equal(
+        out, torch.arange(world).repeat_interleave(big).float()
+    )
 
 
 def test_sends_leave_from_the_sender_thread(pool):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import fsdp_fn as ff
-from tests.helpers import local_part, reference_run
+from tests.helpers import local_part, reference_run, rows_fetched
 
 # Rows of 6 elements in a 37-row table: at W=2, 3, 4 the slots (111, 74, 56 elements) end
 # inside a row, so rows come in two pieces from two ranks.
@@ -56,6 +56,11 @@ def _batches(world: int, steps: int = 3) -> list[tuple[torch.Tensor, ...]]:
 def _train(group, rows: bool, scale: bool = True):
     """Three AdamW steps; ``rows=False`` keeps the lookups gathering their tables (a forward hook
     on a module makes its unit no lookup)."""
+    with rows_fetched():  # (small tables: a step would gather them)
+        return _train_fetching(group, rows, scale)
+
+
+def _train_fetching(group, rows: bool, scale: bool):
     world, rank = group.size(), group.rank()
     torch.manual_seed(0)
     model = Tagger(scale)
