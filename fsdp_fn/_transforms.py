@@ -155,7 +155,7 @@ def _check_number(value: Any, where: str) -> float:
 
 
 def check_rate(lr: ScalarOrSchedule, where: str) -> None:
-    """Refuse, by its type, a learning rate that is neither a number >= 0 nor a callable schedule."""
+    """Refuse, by its type, a learning rate that is neither a number nor a callable schedule."""
     if callable(lr):
         return
     if isinstance(lr, bool) or not isinstance(lr, int | float):
@@ -163,8 +163,6 @@ def check_rate(lr: ScalarOrSchedule, where: str) -> None:
             f"{where}: lr must be a number or a schedule (a callable count -> number, e.g. "
             f"optax.linear_schedule(...)), got {type(lr).__name__} {lr!r}"
         )
-    if not (math.isfinite(lr) and lr >= 0):
-        raise ValueError(f"{where}: lr must be a finite number >= 0, got {lr!r}")
 
 
 def rate_at(lr: ScalarOrSchedule, count: int, where: str) -> float:
@@ -299,6 +297,8 @@ def scale_by_learning_rate(lr: ScalarOrSchedule, *, flip_sign: bool = True) -> G
     ScaleByScheduleState(count=0)
     """
     check_rate(lr, "scale_by_learning_rate")
+    if not callable(lr) and not (math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"scale_by_learning_rate: lr must be a finite number >= 0, got {lr!r}")
     sign = -1.0 if flip_sign else 1.0
     if not callable(lr):
         return scale(sign * float(lr))._replace(name=f"scale_by_learning_rate({lr:g})")
