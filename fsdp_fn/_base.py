@@ -267,6 +267,19 @@ def per_element(unit: Unit, values: torch.Tensor, layout: Layout, fill: float = 
     return out
 
 
+def drop_frozen(
+    unit: Unit, grad: torch.Tensor | None, mask: Sequence[bool], frozen: frozenset[str], layout: Layout
+) -> tuple[bool, ...]:
+    """``mask`` without the parameters frozen since the plan (``Plan.check_trainable``); their
+    elements of ``grad`` (a step's own gradient shard) are zeroed in place, so no norm counts
+    them, as torch counts no ``None`` gradient."""
+    keep = tuple(got and spec.name not in frozen for spec, got in zip(unit.params, mask, strict=True))
+    if grad is not None and keep != tuple(mask):
+        gone = [got and not k for got, k in zip(mask, keep, strict=True)]
+        grad.masked_fill_(element_mask(unit, gone, layout, grad.device), 0)
+    return keep
+
+
 def received_units(grads: Updates) -> list[Unit]:
     """The units at least one parameter of which got a gradient."""
     return [u for u in grads.plan.units if any(grads.mask(u))]

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
 
-from fsdp_fn._base import GradientTransformation, Outcome, update_in_place, whole_gradient_links
+from fsdp_fn._base import GradientTransformation, Outcome, drop_frozen, update_in_place, whole_gradient_links
 from fsdp_fn._collectives import all_gather_into, all_reduce_, broadcast_
 from fsdp_fn._functional import Functional
 from fsdp_fn._grad import LossFn, lean_pass
@@ -200,12 +200,12 @@ class TrainStep:
         guard = Guard(state.params.group, self.calls, timeout=self.timeout, check=check)
         with guard.active():
             # This rank's own input first: a rank that rejects it reports before any rank waits on it.
-            state.params.plan.check_trainable(self.fn.module)
+            frozen = state.params.plan.check_trainable(self.fn.module)
             micro = self._micro_batches(batch)
             for mb in micro:
                 _check_not_empty(mb, guard.rank)
             guard.enter(rendezvous=check)
-            new, metrics = self._step(state, micro, guard)
+            new, metrics = self._step(state, micro, guard, frozen)
         if self.donate:
             _consume(
                 (state.params, state.opt_state),
@@ -214,7 +214,9 @@ class TrainStep:
             )
         return new, metrics
 
-    def _step(self, state: TrainState, micro: Sequence[Any], guard: Guard) -> tuple[TrainState, dict[str, Any]]:
+    def _step(
+        self, state: TrainState, micro: Sequence[Any], guard: Guard, frozen: frozenset[str] = frozenset()
+    ) -> tuple[TrainState, dict[str, Any]]:
         params, opt_state, buffers = state.params, state.opt_state, state.buffers
         layout, plan = params.layout, params.plan
         # A skipped step must leave everything as it was, buffers the forward moves included.
@@ -229,6 +231,8 @@ class TrainStep:
 
         def step_unit(unit: str, grad: torch.Tensor, received: tuple[bool, ...]) -> None:
             nonlocal opt_state
+            if frozen:  # frozen since the plan: as if no gradient reached them
+                received = drop_frozen(plan.unit(unit), grad, received, frozen, layout)
             square_norms[unit] = square_norm(grad)
             only = params.replace({u: grad if u == unit else params[u] for u in plan.unit_names})
             opt_state = update_in_place(self.optimizer, only.with_received({unit: received}), before, params)
@@ -259,6 +263,8 @@ class TrainStep:
                 sink.reduce_deferred()
             loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
             masks = sink.received_masks()
+            if frozen and not schedule.update_in_backward:  # frozen since the plan: as if no gradient reached them
+                masks = {u: drop_frozen(plan.unit(u), sink.totals.get(u), m, frozen, layout) for u, m in masks.items()}
             outcome = Outcome.APPLIED
             if schedule.update_in_backward:  # (each unit was stepped with what any rank reached)
                 stats, merged, _ = self._global(loss, square_norms.values(), masks, layout, guard, "")

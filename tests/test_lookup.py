@@ -74,7 +74,7 @@ def _train(group, rows: bool, scale: bool = True):
     ops = {(c.op, c.unit) for c in log.records if c.unit in ("tokens", "tags")}
     return {
         "params": ff.unshard(state.params),
-        "moments": [ff.unshard(s) for s in state.opt_state[1:]],
+        "moments": [ff.unshard(s) for s in state.opt_state[0][1:]],
         "metrics": metrics,
         "ops": ops,
         "gathered": meter.category_peaks()["gathered"],
