@@ -27,6 +27,14 @@ OPTIMIZERS = {
         lambda params: ff.sgd(lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.01),
         partial(torch.optim.SGD, lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.01),
     ),
+    "adam_l2": (
+        lambda params: ff.adam(lr=1e-2, weight_decay=0.05),
+        partial(torch.optim.Adam, lr=1e-2, weight_decay=0.05),
+    ),
+    "sgd_nesterov": (
+        lambda params: ff.sgd(lr=0.05, momentum=0.9, nesterov=True),
+        partial(torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True),
+    ),
     "torch_adam": (
         lambda params: ff.from_torch(torch.optim.Adam(list(params.values()), lr=1e-2)),
         partial(torch.optim.Adam, lr=1e-2),
@@ -162,6 +170,13 @@ def test_parity_adamw(pool, kind, world):
 @pytest.mark.parametrize("opt_name", ["sgd", "sgd_dampened", "torch_adam"])
 def test_parity_other_optimizers(pool, opt_name):
     _check(pool.run(_train, "mlp", opt_name, world=3)[0], "mlp")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("opt_name", ["adam_l2", "sgd_nesterov"])
+def test_parity_adam_and_nesterov_equal_torch(pool, opt_name, world):
+    # Catches: ff.adam's L2 decay applied after the moments (AdamW's place), Nesterov's look-ahead lost.
+    _check(pool.run(_train, "mlp", opt_name, world=world)[0], "mlp")
 
 
 OPTIONS = {
