@@ -571,3 +571,49 @@ def test_donate_false_keeps_a_wrapped_state_with_counts(pool):
     # Catches: donate=False cloning a state with plain counts (an int has no clone), or changing it.
     for intact, applied, rounds in pool.run(_kept_input, world=2):
         assert intact and applied == 2 and rounds == 2
+
+
+def _partial_unit_by_hand(group, optimizer):
+    """One unit holding head ``b``, which no loss reaches: ``update`` + ``apply_updates`` and the
+    step's in-place form, each from its own start."""
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model), group)  # one unit: b's parameters share it
+    opt = {
+        "adamw": ff.adamw(lr=1e-2, weight_decay=0.1),
+        "sgd": ff.sgd(lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.01),
+    }[optimizer]
+    in_place = ff.tree_map(torch.clone, params)
+    state, state_ip = opt.init(params), opt.init(in_place)
+    grad_fn = ff.value_and_grad(fn, mse_loss)
+    for k in range(3):
+        batch = local_part(batch_for("mlp", MLP(), k), rank, world)
+        _, grads = grad_fn(params, fn.buffers, batch)
+        assert not all(grads.received[""])
+        updates, state = opt.update(grads, state, params)
+        params = ff.apply_updates(params, updates)
+        _, grads = grad_fn(in_place, fn.buffers, batch)
+        state_ip = ff.update_in_place(opt, grads, state_ip, in_place)
+    return ff.unshard(params), ff.unshard(in_place)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_update_by_hand_skips_unreached_parameters_of_a_unit_as_torch(pool, optimizer):
+    # Catches: the functional form stepping (or decaying) the parameters of a unit no loss reached,
+    # a per-parameter count or momentum's first step lost in an element mask.
+    torch.manual_seed(0)
+    ref = _TwoHeads()
+    opt = {
+        "adamw": torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1),
+        "sgd": torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.01),
+    }[optimizer]
+    for k in range(3):
+        mse_loss(ref, batch_for("mlp", MLP(), k)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for functional, fused in pool.run(_partial_unit_by_hand, optimizer, world=2):
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(functional[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(fused[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)

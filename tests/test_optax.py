@@ -169,7 +169,7 @@ def _against_optax(group, names):
         state, state_ip = ours.init(params), ours.init(in_place)
         jparams = {k: jnp.asarray(v.detach().numpy()) for k, v in fn.params.items()}
         jstate = theirs.init(jparams)
-        counters = []
+        counters, untouched = [], True
         for k in range(STEPS):
             if k == change_at:  # a hyper-parameter changed through the state, as optax allows
                 state = state._replace(hyperparams={**state.hyperparams, "lr": 3e-3})
@@ -177,7 +177,10 @@ def _against_optax(group, names):
                 jstate.hyperparams["learning_rate"] = jnp.asarray(3e-3)
             full = _gradients(fn, k, nan=k in nans)
             grads = ff.reduce_grads(full, start)  # the same on every rank: the mean is itself
+            given = [t for t in ff.tree_leaves((grads, state, params)) if isinstance(t, torch.Tensor)]
+            before = [t.clone() for t in given]
             updates, state = ours.update(grads, state, params)
+            untouched &= all(torch.equal(a, b) for a, b in zip(before, given, strict=True))  # functional
             params = ff.apply_updates(params, updates)
             state_ip = ff.update_in_place(ours, grads, state_ip, in_place)
             jupdates, jstate = theirs.update({n: jnp.asarray(v.numpy()) for n, v in full.items()}, jstate, jparams)
@@ -191,7 +194,7 @@ def _against_optax(group, names):
             for n, w in want.items():
                 if not torch.allclose(tree[n], w, **TOL):
                     errors.append(f"{label} {n}: max diff {(tree[n] - w).abs().max().item():.3g}")
-        results[name] = (errors, counters, moved)
+        results[name] = (errors, counters, moved, untouched)
     return results
 
 
@@ -225,8 +228,9 @@ def test_every_building_block_equals_optax(pool, world):
     # norms a stale gradient, a wrapper's counters), in the functional form or the step's in-place one.
     for results in pool.run(_against_optax, NAMES, world=world):
         assert set(results) == set(NAMES)
-        for name, (errors, counters, moved) in results.items():
+        for name, (errors, counters, moved, untouched) in results.items():
             assert not errors, (name, errors[:4])
+            assert untouched, name  # update changed nothing it was given
             assert moved > 1e-4, name  # the parameters really moved
             for ours, in_place, theirs in counters:
                 assert ours == in_place == theirs, (name, counters)
