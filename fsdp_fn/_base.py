@@ -78,6 +78,9 @@ class GradientTransformation(NamedTuple):
     ``update``, then the updates added in place). ``inner``: the transformations it wraps
     or chains. ``global_norms``: global norms its own update computes (one all-reduce of one
     number each, two with replicas; ``predict_collectives(..., optimizer=)`` counts them).
+    ``update_donated``: ``update`` that may write its result into the gradients it is given
+    (the step's own, donated): what a chain runs before its last link in a train step, so a
+    clip adds no gradient-sized buffer (``None``: ``update``).
 
     >>> t = GradientTransformation(lambda params: (), lambda grads, state, params=None: (grads, state))
     >>> t.needs_whole_gradient, t.outcome is None
@@ -92,6 +95,7 @@ class GradientTransformation(NamedTuple):
     fused: FusedFn | None = None
     inner: tuple[GradientTransformation, ...] = ()
     global_norms: int = 0
+    update_donated: UpdateFn | None = None
 
 
 class EmptyState(NamedTuple):
@@ -103,16 +107,16 @@ def _empty(params: Params) -> EmptyState:
 
 
 def identity() -> GradientTransformation:
-    """Pass the gradients through unchanged (optax's ``identity``)."""
+    """Pass the gradients through unchanged (optax's ``identity``).
+
+    >>> identity().init(None)
+    EmptyState()
+    """
 
     def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
         return grads, state
 
-    return GradientTransformation(_empty, update, "identity", needs_whole_gradient=False, fused=_nothing_to_apply)
-
-
-def _nothing_to_apply(grads: Updates, state: State, params: Params) -> State:
-    return state
+    return GradientTransformation(_empty, update, "identity", needs_whole_gradient=False)
 
 
 def whole_gradient_links(t: GradientTransformation) -> list[str]:
@@ -224,7 +228,7 @@ def chain(*links: GradientTransformation) -> GradientTransformation:
             return state
         new = []
         for t, old in zip(links[:-1], state[:-1], strict=True):
-            grads, s = t.update(grads, old, params)
+            grads, s = (t.update_donated or t.update)(grads, old, params)
             new.append(copy_into(old, s))
         new.append(update_in_place(links[-1], grads, state[-1], params))
         return tuple(new)

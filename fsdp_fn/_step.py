@@ -39,7 +39,7 @@ class TrainState(NamedTuple):
     params: Sharded
     opt_state: Any
     buffers: dict[str, torch.Tensor]  # replicated: the same on every rank
-    step: int
+    step: int  # updates applied: a step apply_if_finite rejected, a call accumulate deferred do not count
 
 
 class TrainStep:

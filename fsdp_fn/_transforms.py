@@ -60,14 +60,22 @@ def _empty(params: Params) -> EmptyState:
     return EmptyState()
 
 
-def _stateless(name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> GradientTransformation:
-    """A transformation that maps each received unit's gradient by ``fn`` and keeps no state."""
+def _stateless(
+    name: str, fn: Callable[[torch.Tensor], torch.Tensor], fn_: Callable[[torch.Tensor], torch.Tensor]
+) -> GradientTransformation:
+    """A transformation that maps each received unit's gradient by ``fn`` and keeps no state;
+    ``fn_`` does it in place (zero stays zero), for donated gradients."""
 
     def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
         updates, _ = map_units(lambda unit, mask, g: (fn(g),), grads, [])
         return updates, state
 
-    return GradientTransformation(_empty, update, name, needs_whole_gradient=False)
+    def update_donated(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+        for unit in received_units(grads):
+            fn_(grads[unit.name])
+        return grads, state
+
+    return GradientTransformation(_empty, update, name, needs_whole_gradient=False, update_donated=update_donated)
 
 
 def scale(step_size: float) -> GradientTransformation:
@@ -77,7 +85,7 @@ def scale(step_size: float) -> GradientTransformation:
     False
     """
     _check_number(step_size, "scale(step_size)")
-    return _stateless(f"scale({step_size:g})", lambda g: g * step_size)
+    return _stateless(f"scale({step_size:g})", lambda g: g * step_size, lambda g: g.mul_(step_size))
 
 
 def clip(max_delta: float) -> GradientTransformation:
@@ -88,7 +96,9 @@ def clip(max_delta: float) -> GradientTransformation:
     """
     if not (_check_number(max_delta, "clip(max_delta)") >= 0):
         raise ValueError(f"clip: max_delta must be >= 0, got {max_delta!r}")
-    return _stateless(f"clip({max_delta:g})", lambda g: g.clamp(-max_delta, max_delta))
+    return _stateless(
+        f"clip({max_delta:g})", lambda g: g.clamp(-max_delta, max_delta), lambda g: g.clamp_(-max_delta, max_delta)
+    )
 
 
 def zero_nans() -> GradientTransformation:
@@ -99,7 +109,11 @@ def zero_nans() -> GradientTransformation:
     >>> zero_nans().name
     'zero_nans'
     """
-    return _stateless("zero_nans", lambda g: torch.nan_to_num(g, nan=0.0, posinf=math.inf, neginf=-math.inf))
+    return _stateless(
+        "zero_nans",
+        lambda g: torch.nan_to_num(g, nan=0.0, posinf=math.inf, neginf=-math.inf),
+        lambda g: g.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf),
+    )
 
 
 # --- the global norm --------------------------------------------------------------------
@@ -137,12 +151,23 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     if not (_check_number(max_norm, "clip_by_global_norm(max_norm)") > 0 and math.isfinite(max_norm)):
         raise ValueError(f"clip_by_global_norm: max_norm must be a positive finite number, got {max_norm!r}")
 
+    def coefficient(grads: Updates) -> torch.Tensor:
+        return torch.clamp(max_norm / (global_norm(grads).float() + 1e-6), max=1.0)
+
     def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
-        coef = torch.clamp(max_norm / (global_norm(grads).float() + 1e-6), max=1.0)
+        coef = coefficient(grads)
         updates, _ = map_units(lambda unit, mask, g: (g * coef.to(g.device),), grads, [])
         return updates, state
 
-    return GradientTransformation(_empty, update, f"clip_by_global_norm({max_norm:g})", global_norms=1)
+    def update_donated(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+        coef = coefficient(grads)
+        for unit in received_units(grads):
+            grads[unit.name].mul_(coef.to(grads[unit.name].device))
+        return grads, state
+
+    return GradientTransformation(
+        _empty, update, f"clip_by_global_norm({max_norm:g})", global_norms=1, update_donated=update_donated
+    )
 
 
 # --- weight decay and learning rates ----------------------------------------------------
