@@ -161,8 +161,8 @@ def apply_updates_(params: Params, updates: Updates) -> Params:
 
 
 def update_in_place(t: GradientTransformation, grads: Updates, state: State, params: Params) -> State:
-    """One step of ``t`` in place: ``params`` and ``state``'s tensors are donated, changed and
-    reused; returns the new state. What the train step runs.
+    """One step of ``t`` in place: ``params``, ``state``'s tensors and ``grads`` are donated
+    (changed and reused); returns the new state. What the train step runs.
 
     ``t.fused`` when it has one (torch's kernels: no memory beyond theirs); otherwise
     ``t.update`` (new updates and state tensors, freed here), the updates added in place and

@@ -343,12 +343,15 @@ def multi_transform(
         return grads.replace(out), MultiTransformState({label: r[1] for label, r in results.items()})
 
     def fused(grads: Updates, state: MultiTransformState, params: Params) -> MultiTransformState:
-        return MultiTransformState(
-            {
-                label: update_in_place(t, _restricted(grads, only(label)), state.inner_states[label], params)
-                for label, t in links.items()
-            }
-        )
+        out, last = {}, list(links)[-1]
+        for label, t in links.items():
+            mine = _restricted(grads, only(label))
+            if label != last:  # a link may write into the gradients it is given: not into another label's
+                mine = mine.replace(
+                    {u.name: mine[u.name].clone() if any(mine.mask(u)) else mine[u.name] for u in mine.plan.units}
+                )
+            out[label] = update_in_place(t, mine, state.inner_states[label], params)
+        return MultiTransformState(out)
 
     def outcome(state: MultiTransformState) -> Outcome:
         found = [_inner_outcome(t, state.inner_states[label]) for label, t in links.items()]
