@@ -2,8 +2,11 @@
 
 Same GPT (33.7M parameters by default), same world size, AdamW state populated by one
 step. Per system: save time, load time (median over repetitions of the slowest rank) and
-the bytes each rank wrote. For fsdp_fn also the async save: how long ``save(...,
-blocking=False)`` blocks, and the step time while the write runs in the background.
+the bytes each rank wrote. For fsdp_fn also what its integrity checks cost: the load
+without checking each chunk's digest (``check_digests=False``), the time each save spent
+hashing what it wrote, and ``verify(dir)`` of a whole checkpoint on one process; and the
+async save: how long ``save(..., blocking=False)`` blocks, and the step time while the
+write runs in the background.
 
     python bench/checkpoint.py --world 2
     python bench/checkpoint.py --world 4 --json out/ckpt_w4.json
@@ -70,8 +73,8 @@ class _Ours:
         """The target to load into, as a run that restarts builds it (not timed: FSDP2's is its model)."""
         self.like = self.step.init(*ff.init_shards(self.model, self.plan, self.group, device="meta"))
 
-    def load(self, d: pathlib.Path) -> None:
-        self.state, _ = ckpt.load(d, self.like)
+    def load(self, d: pathlib.Path, check_digests: bool = True) -> None:
+        self.state, _ = ckpt.load(d, self.like, check_digests=check_digests)
 
     def async_cost(self, d: pathlib.Path) -> dict[str, float]:
         """How long ``save(blocking=False)`` blocks, and a step alone and while the write runs."""
@@ -122,20 +125,50 @@ class _Theirs:
 
 
 def _run(group: Any, cfg: GPTConfig, root: str, reps: int) -> dict[str, Any]:
+    from fsdp_fn import _integrity
+
+    writers: list[Any] = []  # every Writer a save makes, for the seconds it spent hashing
+    make = _integrity.Writer.__init__
+
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> None:
+        make(self, *args, **kwargs)
+        writers.append(self)
+
+    _integrity.Writer.__init__ = recorded  # type: ignore[method-assign]
     rank = group.rank()
     tokens = torch.randint(0, cfg.vocab, (1, cfg.seq + 1), generator=torch.Generator().manual_seed(rank))
     systems = {"fsdp_fn": _Ours(group, cfg, tokens), "fsdp2": _Theirs(group, cfg, tokens)}
     out: dict[str, Any] = {name: {"save": [], "load": []} for name in systems}
+    out["fsdp_fn"].update(hashing=[], verify=[])
+    for kind in ("load_checked", "load_unchecked", "load_checked_cpu", "load_unchecked_cpu"):
+        out["fsdp_fn"][kind] = []
+    ours = systems["fsdp_fn"]
     for r in range(reps):  # interleaved, so a noisy machine slows both alike
         for name, system in systems.items():
             d = pathlib.Path(root) / f"{name}_{r}"
             out[name]["save"].append(_timed(lambda s=system, d=d: s.save(d), group)[0])
             out[name]["bytes"] = _bytes_written(d, rank)
+        out["fsdp_fn"]["hashing"].append(_slowest(writers[-1].hashing_seconds, group))
         for name, system in systems.items():
             d = pathlib.Path(root) / f"{name}_{r}"
             system.template()
             out[name]["load"].append(_timed(lambda s=system, d=d: s.load(d), group)[0])
-    out["async"] = systems["fsdp_fn"].async_cost(pathlib.Path(root) / "fsdp_fn_async")  # type: ignore[attr-defined]
+        d = pathlib.Path(root) / f"fsdp_fn_{r}"
+        for check in (True, False):  # CPU seconds too: on a shared machine they vary less than wall time
+            ours.template()
+            cpu = time.process_time()
+            seconds = _timed(lambda d=d, c=check: ours.load(d, check_digests=c), group)[0]
+            cpu_seconds = _slowest(time.process_time() - cpu, group)
+            kind = "load_checked" if check else "load_unchecked"
+            out["fsdp_fn"][kind].append(seconds)
+            out["fsdp_fn"][f"{kind}_cpu"].append(cpu_seconds)
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        if rank == 0:
+            ckpt.verify(d)
+        out["fsdp_fn"]["verify"].append(time.perf_counter() - start)
+        dist.barrier(group=group)
+    out["async"] = ours.async_cost(pathlib.Path(root) / "fsdp_fn_async")  # type: ignore[attr-defined]
     return out
 
 
@@ -203,6 +236,16 @@ def main() -> None:
         r0 = ranks[0][system]
         per_rank = ", ".join(f"{r[system]['bytes'] / 2**20:.1f}" for r in ranks)
         print(f"| {system} | {statistics.median(r0['save']):.3f} | {statistics.median(r0['load']):.3f} | {per_rank} |")
+    ours = ranks[0]["fsdp_fn"]
+    gib = sum(r["fsdp_fn"]["bytes"] for r in ranks) / 2**30
+    print(
+        f"fsdp_fn integrity ({gib:.2f} GiB written): load {statistics.median(ours['load_checked']):.3f} s with each chunk's "
+        f"digest checked, {statistics.median(ours['load_unchecked']):.3f} s without (check_digests=False); CPU "
+        f"seconds of the busiest rank {statistics.median(ours['load_checked_cpu']):.3f} with, "
+        f"{statistics.median(ours['load_unchecked_cpu']):.3f} without; "
+        f"hashing at save {statistics.median(ours['hashing']):.3f} s (slowest rank); verify(dir) on one process "
+        f"{statistics.median(ours['verify']):.3f} s"
+    )
     a = ranks[0]["async"]
     print(
         f"fsdp_fn async save: blocks {a['blocks']:.3f} s; step {a['step']:.3f} s alone, "

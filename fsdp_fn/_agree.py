@@ -28,13 +28,13 @@ def gather_objects(obj: Any, group: dist.ProcessGroup, what: str) -> list[Any]:
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     sizes = torch.empty(world, dtype=torch.int64)
     work = dist.all_gather_single(sizes, torch.tensor([data.numel()]), group=group, async_op=True)
-    _guard.wait([work], what)
+    _guard.wait([work], lambda: what)
     longest = int(sizes.max())
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: data.numel()] = data
     everyone = torch.empty(world * longest, dtype=torch.uint8)
     work = dist.all_gather_single(everyone, padded, group=group, async_op=True)
-    _guard.wait([work], what)
+    _guard.wait([work], lambda: what)
     rows = everyone.view(world, longest)
     return [pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(world)]
 

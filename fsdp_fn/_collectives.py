@@ -15,6 +15,7 @@ would refuse).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import threading
@@ -28,6 +29,7 @@ from torch.autograd.function import FunctionCtx
 
 from fsdp_fn import _guard
 from fsdp_fn._labels import label, retag
+from fsdp_fn._phases import phased
 
 
 @dataclass(frozen=True)
@@ -114,55 +116,105 @@ def pairwise(group: dist.ProcessGroup) -> bool:
     other backends use their own all-gather and reduce-scatter; so does gloo with the
     environment variable ``FSDP_FN_COLLECTIVES=native`` (``bench/compare.py --collectives native``).
     """
-    native = os.environ.get("FSDP_FN_COLLECTIVES") == "native"
-    return group.size() > 1 and dist.get_backend(group) == "gloo" and not native
+    return _backend(group) == "gloo" and group.size() > 1 and os.environ.get("FSDP_FN_COLLECTIVES") != "native"
+
+
+_backends: dict[str, str] = {}  # group name -> its backend (asked once: dist.get_backend looks through maps)
+
+
+def _backend(group: dist.ProcessGroup) -> str:
+    name = group.group_name
+    backend = _backends.get(name)
+    if backend is None:
+        backend = _backends[name] = str(dist.get_backend(group))
+    return backend
+
+
+Describe = Callable[[], str]
 
 
 class Pending:
-    """Work handles issued together; ``wait()`` waits for all of them (through the step's guard)."""
+    """Work handles issued together; ``wait()`` waits for all of them (through the active guard).
 
-    def __init__(self, works: list[Any], what: str, keep: tuple[torch.Tensor, ...] = ()) -> None:
+    Point-to-point works (``watch=True``) are handed to a waiter thread the moment they are
+    issued (gloo cannot say whether they are done, nor stop a blocked wait); gloo's own
+    collectives are polled; NCCL's are waited on directly (the wait orders streams only).
+    ``what`` names the collective, built only when a message needs it."""
+
+    def __init__(
+        self,
+        works: list[Any],
+        what: Describe,
+        keep: tuple[torch.Tensor, ...] = (),
+        *,
+        watch: bool = False,
+        polled: bool = True,
+    ) -> None:
         self.works, self.what = works, what
         self.keep = keep  # buffers the collective reads or writes: alive until it is done
+        self.watched = _guard.watch(works) if watch and works else None
+        self.polled = polled
 
+    @phased("wait")
     def wait(self) -> None:
         if self.works:
-            _guard.wait(self.works, self.what)
-        self.works, self.keep = [], ()
+            _guard.wait(self.works, self.what, self.watched, self.polled)
+        self.works, self.keep, self.watched = [], (), None
+
+
+def _native(group: dist.ProcessGroup, works: list[Any], what: Describe, keep: tuple[torch.Tensor, ...]) -> Pending:
+    """The backend's own collective: polled on gloo, waited on directly elsewhere."""
+    return Pending(works, what, keep, polled=_backend(group) == "gloo")
 
 
 TAG = 0xF5D  # fsdp_fn's point-to-point messages: a user's own sends on the group (tag 0) never match them
 
 
 def _exchange(
-    group: dist.ProcessGroup, sends: list[torch.Tensor | None], recvs: list[torch.Tensor | None], what: str
+    group: dist.ProcessGroup, sends: list[torch.Tensor | None], recvs: list[torch.Tensor | None], what: Describe
 ) -> Pending:
     """Send ``sends[j]`` to group rank ``j`` and receive ``recvs[j]`` from it, for every other rank.
 
-    The receives are posted here; the sends leave from this process's sender thread, in
-    the order they were asked for. Why: gloo writes a send's payload into the socket on
-    the thread that issues it when the peer's receive is already posted, so the rank that
-    arrived second would copy every payload on its step's thread while the first one
-    waits; on the sender thread the copy runs beside the step, on a core that is
-    otherwise idle (``test_collectives.py::test_sends_leave_from_the_sender_thread``)."""
+    The receives are posted here, and so are small sends; a large one leaves from this
+    process's sender thread (``_send``). A waiter thread blocks on them all from now on."""
     works: list[Any] = []
     for j, into in enumerate(recvs):
         if into is not None:
             works.append(dist.irecv(into, group=group, group_src=j, tag=TAG))
-    works += [_QueuedSend(out, group, j) for j, out in enumerate(sends) if out is not None]
+    works += [_send(out, group, j) for j, out in enumerate(sends) if out is not None]
     kept = tuple(t for t in (*sends, *recvs) if t is not None)
-    return Pending(works, what, kept)
+    return Pending(works, what, kept, watch=True)
+
+
+SENDER_BYTES = 1 << 18  # a send at least this large leaves from the sender thread
+
+
+def _send(tensor: torch.Tensor, group: dist.ProcessGroup, peer: int) -> Any:
+    """Issue a send of ``tensor`` to group rank ``peer``, after every send issued before it.
+
+    Why a sender thread for large sends: gloo writes a send's payload into the socket on the
+    thread that issues it when the peer's receive is already posted, so the rank that arrived
+    second would copy every payload on its step's thread while the first one waits; on the
+    sender thread the copy runs beside the step, on a core that is otherwise idle (~2% of the
+    bench GPT's step at W=2: ``python bench/alternate.py sender``). A small send costs less
+    to copy than to hand over (``python bench/overhead.py``), so it is issued here, unless
+    a queued send has not left yet (it would be overtaken: gloo matches messages in order)."""
+    if tensor.numel() * tensor.element_size() < SENDER_BYTES and (_last is None or _last.issued.is_set()):
+        return dist.isend(tensor, group=group, group_dst=peer, tag=TAG)
+    return _QueuedSend(tensor, group, peer)
 
 
 class _QueuedSend:
     """A send handed to the sender thread; ``wait()`` waits until it is issued, then until it is done."""
 
     def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup, peer: int) -> None:
+        global _last
         self.tensor, self.group, self.peer = tensor, group, peer
         self.issued = threading.Event()
         self.work: Any = None
         self.error: BaseException | None = None
         _sender().put(self)
+        _last = self
 
     def issue(self) -> None:
         try:
@@ -179,6 +231,7 @@ class _QueuedSend:
 
 
 _sends: queue.SimpleQueue[_QueuedSend] | None = None
+_last: _QueuedSend | None = None  # the send queued last: later sends go on the queue until it has left
 _starting = threading.Lock()  # one sender thread per process, or sends could overtake each other
 
 
@@ -198,13 +251,14 @@ def _send_all(sends: queue.SimpleQueue[_QueuedSend]) -> None:
 
 
 def _forget_sender() -> None:
-    global _sends, _starting
-    _sends, _starting = None, threading.Lock()  # a forked child has no sender thread: it starts its own
+    global _sends, _starting, _last
+    _sends, _starting, _last = None, threading.Lock(), None  # a forked child has no sender thread: it starts its own
 
 
 os.register_at_fork(after_in_child=_forget_sender)
 
 
+@phased("all_gather")
 def all_gather_into(
     out: torch.Tensor,
     shard: torch.Tensor,
@@ -222,7 +276,7 @@ def all_gather_into(
     default all of it. ``op``: its name in the log, the schedule check and errors."""
     world, rank = group.size(), group.rank()
     record(op, unit, out.numel(), out.dtype, group)
-    what = _guard.describe(op, unit)
+    what = functools.partial(_guard.describe, op, unit)
     # A unit's buffer is gathered again for its backward, into tensors autograd saved in
     # forward: the same values, so the write must not count as an in-place change of them.
     with torch._C._DisableFuncTorch(), torch.no_grad(), torch.autograd.grad_mode._unsafe_preserve_version_counter(out):
@@ -249,13 +303,16 @@ def all_gather_into(
             into = torch.empty(0, dtype=out.dtype, device=out.device).set_(
                 out.untyped_storage(), out.storage_offset(), out.shape, out.stride()
             )
-            pending = Pending([dist.all_gather_single(into, shard, group=group, async_op=True)], what, (into, shard))
+            pending = _native(
+                group, [dist.all_gather_single(into, shard, group=group, async_op=True)], what, (into, shard)
+            )
         if not async_op:
             pending.wait()
             return None
         return pending
 
 
+@phased("reduce_scatter")
 def reduce_scatter_start(
     full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float = 1.0
 ) -> Callable[[], torch.Tensor]:
@@ -267,7 +324,7 @@ def reduce_scatter_start(
     """
     world, rank = group.size(), group.rank()
     record("reduce_scatter", unit, full.numel(), full.dtype, group)
-    what = _guard.describe("reduce_scatter", unit)
+    what = functools.partial(_guard.describe, "reduce_scatter", unit)
     with torch._C._DisableFuncTorch(), torch.no_grad():
         full = full.contiguous()
         if world == 1:  # nothing to reduce: no copy either
@@ -276,7 +333,9 @@ def reduce_scatter_start(
         n = full.numel() // world
         if not pairwise(group):
             out = full.new_empty(n)
-            work = Pending([dist.reduce_scatter_single(out, full, group=group, async_op=True)], what, (full, out))
+            work = _native(
+                group, [dist.reduce_scatter_single(out, full, group=group, async_op=True)], what, (full, out)
+            )
 
             def finish_native() -> torch.Tensor:
                 work.wait()
@@ -288,6 +347,7 @@ def reduce_scatter_start(
             into: list[torch.Tensor | None] = [None if j == rank else full.new_empty(n) for j in range(world)]
         pending = _exchange(group, [None if j == rank else c for j, c in enumerate(chunks)], into, what)
 
+        @phased("reduce_scatter")
         def finish() -> torch.Tensor:
             pending.wait()
             with torch._C._DisableFuncTorch(), torch.no_grad():
@@ -316,7 +376,8 @@ def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup, unit: str | None
     record("all_reduce", unit, tensor.numel(), tensor.dtype, group)
     with torch._C._DisableFuncTorch():
         if group.size() > 1:
-            Pending([dist.all_reduce(tensor, group=group, async_op=True)], _guard.describe("all_reduce", unit)).wait()
+            work = dist.all_reduce(tensor, group=group, async_op=True)
+            _native(group, [work], functools.partial(_guard.describe, "all_reduce", unit), ()).wait()
     return tensor
 
 
@@ -329,13 +390,13 @@ def all_reduce_start(
     collectives queued before it (a synchronous all-reduce here waited for the peer's next unit)."""
     record("all_reduce", unit, tensor.numel(), tensor.dtype, group)
     world, rank = group.size(), group.rank()
-    what = _guard.describe("all_reduce", unit)
+    what = functools.partial(_guard.describe, "all_reduce", unit)
     with torch._C._DisableFuncTorch(), torch.no_grad():
         mine = tensor.clone()
         if world == 1:
             return lambda: mine
         if not pairwise(group):
-            work = Pending([dist.all_reduce(mine, group=group, async_op=True)], what, (mine,))
+            work = _native(group, [dist.all_reduce(mine, group=group, async_op=True)], what, (mine,))
 
             def finish_native() -> torch.Tensor:
                 work.wait()
@@ -357,7 +418,8 @@ def broadcast_(tensor: torch.Tensor, group: dist.ProcessGroup, src: int = 0) -> 
     """``tensor`` <- group rank ``src``'s ``tensor``, in place."""
     record("broadcast", None, tensor.numel(), tensor.dtype, group)
     if group.size() > 1:
-        Pending([dist.broadcast(tensor, group=group, group_src=src, async_op=True)], "broadcast").wait()
+        work = dist.broadcast(tensor, group=group, group_src=src, async_op=True)
+        _native(group, [work], lambda: "broadcast", (tensor,)).wait()
     return tensor
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from fsdp_fn._agree import failures
 from fsdp_fn._dcp import boxes, ranges
 from fsdp_fn._errors import RankFailure
+from fsdp_fn._integrity import CheckpointError, confined
 from fsdp_fn._plan import ParamSpec, Unit, unit_label
 from fsdp_fn._shard import Layout, Sharded
 
@@ -265,19 +266,43 @@ def import_state_dict(state_dict: Mapping[str, torch.Tensor], like: Sharded, *, 
 
 
 def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
-    """A safetensors file, or a directory's ``model.safetensors`` or the files its index names."""
+    """A safetensors file, or a directory's ``model.safetensors`` or the files its index names.
+
+    A directory is untrusted: every file read from it (the index's ``weight_map`` entries
+    too) must be a relative path, free of ``..``, inside it once symlinks are resolved
+    (``CheckpointError`` naming the entry otherwise). safetensors itself runs no code.
+    """
     p = Path(path)
     if p.is_file():
         return [p]
+    if not p.is_dir():
+        raise FileNotFoundError(f"no safetensors files at {p}")
+    root = p.resolve()
     if (p / INDEX).is_file():
-        weight_map = json.loads((p / INDEX).read_text())["weight_map"]
-        return [p / n for n in dict.fromkeys(weight_map.values())]
+        index = confined(root, INDEX, "the index")
+        try:
+            weight_map = json.loads(index.read_bytes())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError(f"its weight_map is a {type(weight_map).__name__}")
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise CheckpointError(f"{p / INDEX} is not a safetensors index ({type(e).__name__}: {e})") from None
+        return [confined(root, n, f"the index's weight_map entry {k!r}") for k, n in _first_of_each(weight_map)]
     if (p / SINGLE).is_file():
-        return [p / SINGLE]
+        return [confined(root, SINGLE, "the model file")]
     found = sorted(p.glob("*.safetensors"))
     if not found:
         raise FileNotFoundError(f"no safetensors files at {p}")
-    return found
+    return [confined(root, f.name, "a safetensors file") for f in found]
+
+
+def _first_of_each(weight_map: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """(a parameter, its file) for each distinct file of a ``weight_map``, in order."""
+    firsts: dict[Any, str] = {}
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise CheckpointError(f"the safetensors index's weight_map entry {name!r} is {file!r}, not a file name")
+        firsts.setdefault(file, name)
+    return [(name, file) for file, name in firsts.items()]
 
 
 def import_safetensors(path: str | os.PathLike[str], like: Sharded, *, strict: bool = True) -> Sharded:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,46 @@ class Functional:
     apply = __call__
 
 
+class ModuleIndex:
+    """Every submodule of a module and every slot a parameter or buffer sits in, found once
+    (``index_of``): a step reads them each call, and walking the module tree each time was a
+    good part of a small model's step. The module's structure is taken as fixed once it is
+    functionalised (the plan describes it); the tensors in the slots are read live."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.modules = list(module.modules())
+        owners = dict(module.named_modules(remove_duplicate=False))
+        # (full name, owner, attribute) for each name of each parameter, tied aliases included.
+        self.param_slots: list[tuple[str, nn.Module, str]] = []
+        for name, _ in module.named_parameters(remove_duplicate=False):
+            prefix, _, attr = name.rpartition(".")
+            self.param_slots.append((name, owners[prefix], attr))
+        self.buffer_slots: list[tuple[str, nn.Module, str]] = []
+        for name, _ in module.named_buffers(remove_duplicate=False):
+            prefix, _, attr = name.rpartition(".")
+            self.buffer_slots.append((name, owners[prefix], attr))
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``module.named_parameters()``: each parameter once, under its first name."""
+        seen: set[int] = set()
+        for name, owner, attr in self.param_slots:
+            p = owner._parameters.get(attr)
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+
+_indexes: weakref.WeakKeyDictionary[nn.Module, ModuleIndex] = weakref.WeakKeyDictionary()
+
+
+def index_of(module: nn.Module) -> ModuleIndex:
+    """``module``'s ``ModuleIndex``, made at the first call."""
+    index = _indexes.get(module)
+    if index is None:
+        index = _indexes[module] = ModuleIndex(module)
+    return index
+
+
 @contextlib.contextmanager
 def parameters_restored(module: nn.Module) -> Iterator[None]:
     """Put every parameter and buffer of ``module`` back as it was when the block ends.
@@ -43,7 +84,7 @@ def parameters_restored(module: nn.Module) -> Iterator[None]:
     paths (a module shared by two blocks): it swaps the same attribute twice and restores
     the second swap's value, leaving the module changed.
     """
-    saved = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+    saved = [(m, dict(m._parameters), dict(m._buffers)) for m in index_of(module).modules]
     try:
         yield
     finally:

@@ -23,7 +23,7 @@ from torch.func import grad_and_value
 from fsdp_fn._base import drop_frozen
 from fsdp_fn._collectives import all_reduce_
 from fsdp_fn._errors import DivergenceError, RankFailure
-from fsdp_fn._functional import Functional
+from fsdp_fn._functional import Functional, index_of
 from fsdp_fn._guard import guarded
 from fsdp_fn._plan import Policy
 from fsdp_fn._policy import Schedule
@@ -128,7 +128,7 @@ def lean_pass(
 
 
 def _named_trainable(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    return [(name, p) for name, p in index_of(module).named_parameters() if p.requires_grad]
 
 
 def _differentiated_outside(params: Sharded) -> bool:

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from fsdp_fn._plan import unit_label
 __all__ = ["DivergenceError", "Guard", "RankFailure", "current", "guarded", "wait"]
 
 _local = threading.local()
+_POLL = 0.005  # seconds a wait on works that can say they are done polls them before a waiter thread takes over
 _steps: dict[str, int] = {}  # guarded calls run so far, per group name
 # Ranks (global) found dead or silent, and groups whose connections broke: what happened.
 # Their pairs are closed (or out of step), so every later collective there would fail or wait.
@@ -134,7 +136,7 @@ class Guard:
         # an earlier failure is ever read as a new one.
         _steps[group.group_name] = serial = _steps.get(group.group_name, 0) + 1
         self.prefix = f"fsdp_fn/{group.group_name}/guarded{serial}"
-        self.issued: list[tuple[str, str | None, int, str]] = []  # (op, unit, numel, dtype) this call, in order
+        self.issued: list[tuple[str, str | None, int, torch.dtype]] = []  # (op, unit, numel, dtype) this call, in order
         self._agreed: set[int] = set()  # ranks seen to have entered the same call
 
     def enter(self, *, rendezvous: bool) -> None:
@@ -254,45 +256,68 @@ class Guard:
 
     # --- waiting ------------------------------------------------------------------------------------
 
-    def wait(self, works: Sequence[Any], what: str) -> None:
-        """Wait for ``works`` without hanging: fail on a remote error, a broken connection or the timeout.
-
-        The blocking wait runs on a helper thread (gloo's point-to-point work cannot be
-        polled); this thread watches it, the store and the clock. A wait abandoned on a
-        failure stays blocked on its helper, which is a daemon: the group is unusable then.
-        """
+    def wait_watched(self, watched: Watched, what: Callable[[], str]) -> None:
+        """Wait for works a waiter thread blocks on (``watch``): return at once if they are done,
+        else watch them, the store and the clock until they are, raising on a remote error, a
+        broken connection or the timeout. Abandoned on a failure, the waiter stays blocked (a
+        daemon; another takes its place): the group is unusable then."""
+        if watched.finished.is_set():
+            self._result(watched, what)
+            return
         started = time.monotonic()
         deadline = started + self.timeout
-        done = _Waiting(works)
+        # Wakes the moment the works finish; every 50 ms looks for other ranks' errors.
+        while not watched.finished.wait(timeout=max(0.0, min(0.05, deadline - time.monotonic()))):
+            remote = self._remote_error()
+            # A rank that failed just after its part of this collective: let it complete,
+            # so this rank goes on to meet the failure itself (the same error on every rank).
+            if remote is not None and not watched.finished.wait(timeout=0.25):
+                _abandoned()
+                raise RankFailure(f"{remote}; rank {self.rank} stopped waiting for the {what()}")
+            self._check_calls()
+            if time.monotonic() >= deadline:
+                _abandoned()
+                raise self._fail(what(), None, started)
+        self._result(watched, what, started)
+
+    def _result(self, watched: Watched, what: Callable[[], str], started: float | None = None) -> None:
         try:
-            # Wakes the moment the works finish; every 50 ms looks for other ranks' errors.
-            while not done.finished.wait(timeout=max(0.0, min(0.05, deadline - time.monotonic()))):
-                remote = self._remote_error()
-                # A rank that failed just after its part of this collective: let it complete,
-                # so this rank goes on to meet the failure itself (the same error on every rank).
-                if remote is not None and not done.finished.wait(timeout=0.25):
-                    raise RankFailure(f"{remote}; rank {self.rank} stopped waiting for the {what}")
-                self._check_calls()
-                if time.monotonic() >= deadline:
-                    raise self._fail(what, None, started)
-            done.result()
-        except (RankFailure, DivergenceError):
-            raise
+            watched.result()
         except RuntimeError as e:  # gloo: a peer's connection closed (the rank died)
-            raise self._fail(what, e, started) from e
+            raise self._fail(what(), e, time.monotonic() if started is None else started) from e
+
+    def wait_polled(self, works: Sequence[Any], what: Callable[[], str]) -> None:
+        """Wait for works the backend may say are done (gloo's own collectives) on this thread:
+        polled for up to ``_POLL`` seconds, no hand-off; works not done by then (or whose backend
+        never says, as gloo's reduce-scatter) are watched by a waiter thread (``wait_watched``)."""
+        deadline = time.monotonic() + _POLL
+        nap = 0.00005
+        try:
+            while not all(w.is_completed() for w in works):
+                if time.monotonic() >= deadline:
+                    self.wait_watched(watch(works), what)
+                    return
+                time.sleep(nap)  # a collective of a few numbers takes ~0.1-0.3 ms
+                nap = min(2 * nap, 0.0005)
+            for w in works:
+                w.wait()  # done: raises its error, if it failed
+        except RuntimeError as e:  # gloo: a peer's connection closed (the rank died)
+            if isinstance(e, RankFailure | DivergenceError):
+                raise
+            raise self._fail(what(), e, time.monotonic()) from e
 
     # --- check mode ----------------------------------------------------------------------------------
 
     def before(self, op: str, unit: str | None, numel: int, dtype: torch.dtype, group: dist.ProcessGroup) -> None:
         """Check mode: all ranks of ``group`` agree on the collective they are about to issue."""
-        self.issued.append((op, unit, numel, str(dtype)))
+        self.issued.append((op, unit, numel, dtype))
         if not self.check or group.size() == 1:
             return
         mine = (len(self.issued), op, unit, numel, str(dtype))
         digest = int.from_bytes(hashlib.sha256(repr(mine).encode()).digest()[:7], "little")
         out = torch.empty(group.size(), dtype=torch.int64)
         work = dist.all_gather_single(out, torch.tensor([digest]), group=group, async_op=True)
-        self.wait([work], f"schedule check before the {describe(op, unit)}")
+        self.wait_polled([work], lambda: f"schedule check before the {describe(op, unit)}")
         if bool((out == digest).all()):
             return
         everyone: list[Any] = [None] * group.size()
@@ -335,14 +360,16 @@ class Guard:
         )
 
 
-class _Waiting:
-    """A blocking wait running on a daemon helper thread (a process can exit even if it never returns)."""
+class Watched:
+    """Works a waiter thread blocks on from the moment they are issued (gloo's point-to-point
+    works cannot be polled, and a blocked wait cannot be interrupted): when the step's thread
+    comes to wait for them they are often done already, and it only reads a flag."""
 
     def __init__(self, works: Sequence[Any]) -> None:
         self.works = works
         self.error: BaseException | None = None
         self.finished = threading.Event()
-        _queue().put(self)
+        _waiters().put(self)
 
     def run(self) -> None:
         try:
@@ -350,6 +377,7 @@ class _Waiting:
                 w.wait()
         except BaseException as e:
             self.error = e
+        self.works = ()
         self.finished.set()
 
     def result(self) -> None:
@@ -357,21 +385,44 @@ class _Waiting:
             raise self.error
 
 
-_jobs: queue.SimpleQueue[_Waiting] | None = None
+_jobs: queue.SimpleQueue[Watched] | None = None
 
 
-def _queue() -> queue.SimpleQueue[_Waiting]:
+def _waiters() -> queue.SimpleQueue[Watched]:
     global _jobs
     if _jobs is None:
         _jobs = queue.SimpleQueue()
-        for i in range(4):  # a wait abandoned on a failure keeps its thread; the others carry on
-            threading.Thread(target=_serve, args=(_jobs,), daemon=True, name=f"fsdp_fn-wait-{i}").start()
+        _start_waiter(_jobs)
     return _jobs
 
 
-def _serve(jobs: queue.SimpleQueue[_Waiting]) -> None:
+def _start_waiter(jobs: queue.SimpleQueue[Watched]) -> None:
+    threading.Thread(target=_serve, args=(jobs,), daemon=True, name="fsdp_fn-wait").start()
+
+
+def _abandoned() -> None:
+    """A wait was given up on a failure: its waiter may stay blocked on it forever, so one more
+    serves the works issued after it (those of other groups, say)."""
+    if _jobs is not None:
+        _start_waiter(_jobs)
+
+
+def _serve(jobs: queue.SimpleQueue[Watched]) -> None:
     while True:
         jobs.get().run()
+
+
+def _forget_waiters() -> None:
+    global _jobs
+    _jobs = None  # a forked child has no waiter thread: it starts its own
+
+
+os.register_at_fork(after_in_child=_forget_waiters)
+
+
+def watch(works: Sequence[Any]) -> Watched:
+    """Have a waiter thread block on ``works`` from now on (see ``Watched``)."""
+    return Watched(works)
 
 
 @contextlib.contextmanager
@@ -396,11 +447,21 @@ def join(group: dist.ProcessGroup, call: str, timeout: float) -> None:
         pass
 
 
-def wait(works: Sequence[Any], what: str) -> None:
-    """Wait for works: through the active guard when a step runs, plainly otherwise."""
+def wait(works: Sequence[Any], what: Callable[[], str], watched: Watched | None = None, polled: bool = True) -> None:
+    """Wait for works: through the active guard when a call is guarded, plainly otherwise.
+
+    ``watched``: the works' waiter (gloo's point-to-point works); ``polled``: the backend can
+    say when they are done (gloo's own collectives). Others (NCCL's, whose wait only orders
+    the device's streams) are waited on directly."""
     guard = current()
-    if guard is not None:
-        guard.wait(works, what)
+    if watched is not None:
+        if guard is not None:
+            guard.wait_watched(watched, what)
+        else:
+            watched.finished.wait()
+            watched.result()
+    elif guard is not None and polled:
+        guard.wait_polled(works, what)
     else:
         for w in works:
             w.wait()

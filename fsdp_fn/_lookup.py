@@ -18,6 +18,7 @@ twice (W=2, bench GPT: 16 MiB gathered and 16 MiB reduce-scattered per step, aga
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch.autograd.function import FunctionCtx
 
 from fsdp_fn import _guard
 from fsdp_fn._collectives import _exchange, record
+from fsdp_fn._function import plain_apply
 from fsdp_fn._labels import label
 from fsdp_fn._plan import Unit, unit_label
 from fsdp_fn._policy import Schedule
@@ -62,6 +64,7 @@ class RowFetch:
         self.distinct = torch.empty(0, dtype=torch.long)
         self.theirs: list[torch.Tensor | None] = []  # per rank: its distinct indices (None: this rank, or none)
         self.runs: list[tuple[int, int]] = []  # per rank: the [start, end) of my rows' flat elements it holds
+        self.node = -1  # the sequence number of its lookup's autograd node
 
     def release(self) -> None:
         """Nothing gathered, nothing to drop (the rows go with autograd's graph)."""
@@ -93,7 +96,7 @@ class RowFetch:
 
     def _fetch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         world, rank, n = self.world, self.rank, self.shard.numel()
-        what = _guard.describe("row_fetch", self.unit.name)
+        what = functools.partial(_guard.describe, "row_fetch", self.unit.name)
         distinct, inverse = torch.unique(indices.reshape(-1).long(), sorted=True, return_inverse=True)
         if distinct.numel() and not (int(distinct[0]) >= 0 and int(distinct[-1]) < self.rows_in_table):
             bad = int(distinct[0]) if int(distinct[0]) < 0 else int(distinct[-1])
@@ -124,7 +127,7 @@ class RowFetch:
         """Send each element of the rows' gradient (distinct x D) to its holder without waiting;
         call the result to wait and get this rank's gradient shard (summed in rank order, / W)."""
         world, rank = self.world, self.rank
-        what = _guard.describe("row_reduce", self.unit.name)
+        what = functools.partial(_guard.describe, "row_reduce", self.unit.name)
         record("row_reduce", self.unit.name, 0, self.shard.dtype, self.group)
         flat = grad.detach().reshape(-1)
         sends = [None if j == rank or a == b else flat[a:b] for j, (a, b) in enumerate(self.runs)]
@@ -159,6 +162,8 @@ class RowLookup(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
         ctx.fsdp_fn_use = inputs[1]  # type: ignore[attr-defined]
+        if not torch._C._are_functorch_transforms_active():  # (a transform's node is not in the loss's graph)
+            inputs[1].node = ctx._sequence_nr()  # type: ignore[attr-defined]  # how the graph walk knows it reaches this call
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -169,6 +174,9 @@ class RowLookup(torch.autograd.Function):
         fetch.owner.after_row_backward(fetch, fetch.reduce(grad))
         shard = fetch.shard
         return torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.shape), None, None
+
+
+row_lookup = plain_apply(RowLookup)
 
 
 def check_indices(indices: Any, unit: Unit) -> None:

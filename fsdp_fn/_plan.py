@@ -8,6 +8,7 @@ Units are chosen by an auto-wrap policy with the seed's signature
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Iterable
@@ -16,6 +17,8 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+
+from fsdp_fn._functional import index_of
 
 Policy = Callable[..., bool]
 
@@ -48,7 +51,7 @@ class ParamSpec:
     requires_grad: bool = True
     aliases: tuple[str, ...] = ()  # other names of the same tensor (tied weights)
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         n = 1
         for d in self.shape:
@@ -81,24 +84,24 @@ class Unit:
         """The modules whose forward gathers this unit."""
         return self.hooks or (self.name,)
 
-    @property
+    @functools.cached_property
     def frozen_part(self) -> Unit:
         """The frozen parameters as a unit of their own (the layout of the second buffer)."""
         return Unit(self.name, self.frozen)
 
-    @property
+    @functools.cached_property
     def all_params(self) -> tuple[ParamSpec, ...]:
         return self.params + self.frozen
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
 
-    @property
+    @functools.cached_property
     def dtype(self) -> torch.dtype:
         return (self.params or self.frozen)[0].dtype
 
-    @property
+    @functools.cached_property
     def offsets(self) -> tuple[int, ...]:
         out, at = [], 0
         for p in self.params:
@@ -116,6 +119,13 @@ class Unit:
     def local_ranges(self, world: int, rank: int) -> tuple[tuple[int, int, int], ...]:
         """``(i, lo, hi)`` for every parameter ``i`` of ``params``: the elements ``[lo, hi)`` of
         rank ``rank``'s shard that hold part of it (``lo == hi`` when the rank holds none)."""
+        memo: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = self.__dict__.setdefault("_ranges", {})
+        key = (world, rank)
+        if key not in memo:
+            memo[key] = self._local_ranges(world, rank)
+        return memo[key]
+
+    def _local_ranges(self, world: int, rank: int) -> tuple[tuple[int, int, int], ...]:
         n = self.shard_numel(world)
         start, out = rank * n, []
         for i, (spec, at) in enumerate(zip(self.params, self.offsets, strict=True)):
@@ -155,23 +165,31 @@ class Plan:
                     seen[n] = u.name
 
     def unit(self, name: str) -> Unit:
-        for u in self.units:
-            if u.name == name:
-                return u
+        found = self._by_name.get(name)
+        if found is not None:
+            return found
         raise KeyError(f"no unit {unit_label(name)} in the plan; units: {self.unit_names}")
 
-    @property
+    @functools.cached_property
+    def _by_name(self) -> dict[str, Unit]:
+        return {u.name: u for u in self.units}
+
+    @functools.cached_property
     def unit_names(self) -> tuple[str, ...]:
         return tuple(u.name for u in self.units)
 
-    @property
+    @functools.cached_property
     def params(self) -> tuple[ParamSpec, ...]:
         """Every parameter, trainable and frozen."""
         return tuple(p for u in self.units for p in u.all_params)
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
+
+    @functools.cached_property
+    def _planned(self) -> dict[str, ParamSpec]:
+        return {name: spec for spec in self.params for name in (spec.name, *spec.aliases)}
 
     def check_trainable(self, module: nn.Module) -> frozenset[str]:
         """The trainable parameters of the plan that ``module`` has frozen since
@@ -179,9 +197,9 @@ class Plan:
         their values and optimizer state, as torch.optim skips them; unfreezing one again
         trains it again. Raise for a parameter the plan holds frozen that is trainable now:
         it has no gradient buffer or optimizer state to train with."""
-        planned = {name: spec for spec in self.params for name in (spec.name, *spec.aliases)}
+        planned = self._planned
         frozen = set()
-        for name, p in module.named_parameters():
+        for name, p in index_of(module).named_parameters():
             spec = planned.get(name)
             if spec is None or p.requires_grad == spec.requires_grad:
                 continue

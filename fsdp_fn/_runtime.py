@@ -19,27 +19,38 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
-from torch.func import functional_call
 
 from fsdp_fn._collectives import all_gather, pairwise
 from fsdp_fn._frozen import InputsWatch, needing_grad
-from fsdp_fn._functional import Functional, parameters_restored, requires_grad_tolerated
+from fsdp_fn._functional import Functional, index_of, parameters_restored, requires_grad_tolerated
 from fsdp_fn._gather import gather_differentiably
-from fsdp_fn._lookup import RowFetch, RowLookup, check_indices, rows_fit
+from fsdp_fn._lookup import RowFetch, check_indices, row_lookup, rows_fit
+from fsdp_fn._phases import phased
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
 from fsdp_fn._policy import BackwardPrefetch, Schedule
 from fsdp_fn._prefetch import ForwardOrder, gathered_bytes, inflight_limit, may_start, refill_next
-from fsdp_fn._remat import Remat, _remat_with_state, handling_regions, route_torch_checkpoint, save_nothing
+from fsdp_fn._remat import (
+    Remat,
+    SavePolicy,
+    _installed,
+    _remat_with_state,
+    _state_slots,
+    handling_regions,
+    route_torch_checkpoint,
+    save_nothing,
+)
 from fsdp_fn._shard import Sharded, check_shard, ensure_live, shards_of, unit_views
 from fsdp_fn._sink import GradSink
 from fsdp_fn._standin import StandIn
-from fsdp_fn._unit import FlatPart, ForwardSpans, GatheredUnit, GatherUnit, UnitState, plain
+from fsdp_fn._unit import FlatPart, ForwardSpans, GatheredUnit, UnitState, gather_unit, plain
 
 
 def _lift(buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -69,11 +80,147 @@ def _not_gathered(spec: ParamSpec, unit: str) -> StandIn:
 
 
 _MISSING = object()
+_DEFAULT_SCHEDULE = Schedule()
 
 Swapped = list[tuple[nn.Module, str, Any]]  # (owner, attribute, original parameter) put back after the call
 
 
 _FETCHING = "fetching rows"  # the pre-hook's mark for a lookup whose forward fetches its rows
+
+
+class Wiring:
+    """What running a module over shards needs that is the same at every call: each unit's
+    modules and where a gather puts its parameters, the units to rematerialise, the prefetch
+    limit, the lookups whose rows are fetched. Made once per module, plan, schedule and group
+    (``Wiring.of``), then shared by every call: a step's Runtime does none of this again."""
+
+    def __init__(
+        self,
+        fn: Functional,
+        params: Sharded,
+        schedule: Schedule,
+        remat: Remat | None,
+        composable: bool,
+        deferred: bool,
+        compile: Mapping[str, Any] | None = None,
+    ) -> None:
+        _check_plan_fits(params.plan, fn)
+        module, plan = fn.module, params.plan
+        self.keep = (plan, schedule, remat)  # (the cache's key holds their ids)
+        self.sparse_grads = _sparse_grad_params(module, plan) if composable else frozenset()
+        self.modules: dict[str, nn.Module] = {u.name: module.get_submodule(u.name) for u in plan.units if not u.hooks}
+        # Each unit's modules, one entry per module object (a module shared under several
+        # paths is hooked once), and where a gather puts its parameters in it.
+        self.targets: dict[str, list[nn.Module]] = {}
+        self.slots: dict[tuple[str, int], list[tuple[nn.Module, str, str]]] = {}
+        for unit in plan.units:
+            seen: dict[int, nn.Module] = {}
+            for path in unit.modules:
+                target = module.get_submodule(path)
+                seen.setdefault(id(target), target)
+                slots = self.slots.setdefault((unit.name, id(target)), [])
+                for spec in unit.all_params:
+                    for full_name in (spec.name, *spec.aliases):
+                        owner, _, attr = full_name.rpartition(".")
+                        if not unit.hooks or owner == path:
+                            slot = (module.get_submodule(owner), attr, spec.name)
+                            if not any(s[0] is slot[0] and s[1] == attr for s in slots):
+                                slots.append(slot)
+            self.targets[unit.name] = list(seen.values())
+        # Units whose module is compiled (``module.compile()``, or ``compile=`` here): their call goes
+        # through a wrapper of ours around the compiled code, so nothing of the gathering is traced.
+        self.compiled: dict[int, Callable[..., Any]] = {}
+        for unit in plan.units:
+            for target in self.targets[unit.name] if unit.name != ROOT else ():
+                own = target.__dict__.get("_compiled_call_impl")
+                if own is not None:
+                    self.compiled[id(target)] = own
+                elif compile is not None:
+                    self.compiled[id(target)] = torch.compile(target._call_impl, **compile)
+        # Units that can be rematerialised run through a forward of ours for the call: the
+        # ones ``remat`` selects, and the ones a torch.utils.checkpoint region asks for
+        # (compiled ones are rematerialised around their compiled call instead).
+        self.own_unit: dict[int, Unit] = {
+            id(self.modules[u.name]): u
+            for u in plan.units
+            if u.name != ROOT and not u.hooks and id(self.modules[u.name]) not in self.compiled
+        }
+        self.remat_units = remat.selects(plan, module) if remat is not None else frozenset()
+        for name in self.remat_units:
+            check_rematerialisable(fn, plan, plan.unit(name), "train_step(remat=...)")
+        # Each non-root unit's gathered bytes; prefetching may hold max_inflight times the largest.
+        self.unit_bytes = gathered_bytes(plan, params.group.size(), schedule)
+        self.inflight_limit = inflight_limit(self.unit_bytes, schedule)
+        self.lookups = frozenset(u.name for u in plan.units if u.lookup)
+        # Outside its forward each non-root unit's parameter is a stand-in that raises if read.
+        self.standins = {p.name: _not_gathered(p, u.name) for u in plan.units if u.name != ROOT for p in u.all_params}
+        # Where each tensor of a call goes, what ``functional_call`` would work out at every call:
+        # (owner, attribute, the tensor's name, a parameter?) for every name of every parameter the
+        # plan knows (tied aliases included) and of every buffer (tied ones by their first name).
+        index = index_of(module)
+        canonical = {name: spec.name for spec in plan.params for name in (spec.name, *spec.aliases)}
+        self.swaps: list[tuple[nn.Module, str, str, bool]] = [
+            (holder, attr, canonical[name], True) for name, holder, attr in index.param_slots if name in canonical
+        ]
+        first: dict[int, str] = {}
+        for name, holder, attr in index.buffer_slots:
+            buffer = holder._buffers[attr]
+            if buffer is not None:
+                self.swaps.append((holder, attr, first.setdefault(id(buffer), name), False))
+        # Lookups whose rows are fetched instead of their table gathered (``_lookup.py``): over
+        # gloo's pairwise sends, on CPU, in the shard's own dtype and place, reduced per
+        # micro-batch, without replicas, not rematerialised, and not renormalising rows or
+        # making sparse gradients (and without a hook of the user's: the call checks that).
+        self.row_lookups = frozenset(
+            name
+            for name in self.lookups
+            if not composable
+            and params.group.size() > 1
+            and pairwise(params.group)
+            and rows_fit(plan.unit(name), schedule, params.layout.replicas)
+            and params[name].device.type == "cpu"  # not yet measured on accelerators
+            and not deferred
+            and name not in self.remat_units
+            and self.modules[name].max_norm is None
+            and not self.modules[name].sparse
+            and id(self.modules[name]) not in self.compiled
+        )
+
+    @staticmethod
+    def of(
+        fn: Functional,
+        params: Sharded,
+        schedule: Schedule,
+        remat: Remat | None,
+        composable: bool,
+        deferred: bool,
+        compile: Mapping[str, Any] | None = None,
+    ) -> Wiring:
+        """The wiring for this call, made at the first call like it and kept with ``fn``."""
+        group = params.group
+        shard = next(iter(params.shards.values()), None)
+        key = (
+            id(params.plan),
+            id(schedule),
+            id(remat),
+            composable,
+            deferred,
+            group.group_name,
+            pairwise(group),
+            params.layout.replicas,
+            shard.device.type if shard is not None else "",
+            None if compile is None else tuple(sorted(compile.items())),
+        )
+        known = _wirings.setdefault(fn, {})
+        wiring = known.get(key)
+        if wiring is None:
+            if len(known) >= 8:  # a caller that builds a new schedule at every call: keep the newest only
+                del known[next(iter(known))]
+            wiring = known[key] = Wiring(fn, params, schedule, remat, composable, deferred, compile)
+        return wiring
+
+
+_wirings: weakref.WeakKeyDictionary[Functional, dict[tuple[Any, ...], Wiring]] = weakref.WeakKeyDictionary()
 
 
 class Runtime:
@@ -96,6 +243,7 @@ class Runtime:
         composable: bool = False,
         remat: Remat | None = None,
         check_unchanged: bool = False,
+        compile: Mapping[str, Any] | None = None,
     ) -> None:
         ensure_live(params, "apply_sharded")
         self.fn, self.params = fn, params
@@ -103,10 +251,11 @@ class Runtime:
         # (a fingerprint of them before and after: one read of the unit more, no communication).
         self.check_unchanged = check_unchanged
         self.fingerprints: dict[tuple[str, int], list[tuple[dict[str, int], dict[str, torch.Tensor]]]] = {}
-        _check_plan_fits(params.plan, fn)
-        self.schedule = schedule or Schedule()
+        self.schedule = schedule or _DEFAULT_SCHEDULE
         self.composable = composable
         self.sink = sink if sink is not None else GradSink(params, self.schedule)
+        deferred = self.sink.deferred is not None
+        self.wiring = wiring = Wiring.of(fn, params, self.schedule, remat, composable, deferred, compile)
         offload = self.schedule.cpu_offload
         self.device = offload.compute_device() if offload is not None else None
         self.plan = params.plan
@@ -117,9 +266,7 @@ class Runtime:
         # Uses that started the refill of the use after them (weak: a use gone frees its place).
         self.prefetched_after: weakref.WeakSet[GatheredUnit | RowFetch] = weakref.WeakSet()
         self.inflight = 0  # bytes of non-root unit buffers allocated now
-        # Each non-root unit's gathered bytes; prefetching may hold max_inflight times the largest.
-        self.unit_bytes = gathered_bytes(self.plan, params.group.size(), self.schedule)
-        self.inflight_limit = inflight_limit(self.unit_bytes, self.schedule)
+        self.unit_bytes, self.inflight_limit = wiring.unit_bytes, wiring.inflight_limit
         # Forward prefetch follows the last step's order; its last units stay gathered for backward.
         self.forward_order = ForwardOrder(order_hint, self.unit_bytes, self.schedule)
         self.adds_during_backward = self.sink.deferred is not None  # full gradients summed over micro-batches
@@ -130,81 +277,23 @@ class Runtime:
         self.live: dict[tuple[str, int], list[tuple[GatheredUnit | str | None, int]]] = {}
         self.watches: dict[GatheredUnit, InputsWatch] = {}  # frozen uses whose forward is running
         self.loss_known = False  # finish_forward ran: a backward from now on is the step's own
-        module = fn.module
-        self.sparse_grads = _sparse_grad_params(module, self.plan) if composable else frozenset()
-        # Each unit's modules, one entry per module object (a module shared under several
-        # paths is hooked once), and where a gather puts its parameters in it.
-        self.targets: dict[str, list[nn.Module]] = {}
-        self.slots: dict[tuple[str, int], list[tuple[nn.Module, str, str]]] = {}
-        for unit in self.plan.units:
-            seen: dict[int, nn.Module] = {}
-            for path in unit.modules:
-                target = module.get_submodule(path)
-                seen.setdefault(id(target), target)
-                slots = self.slots.setdefault((unit.name, id(target)), [])
-                for spec in unit.all_params:
-                    for full_name in (spec.name, *spec.aliases):
-                        owner, _, attr = full_name.rpartition(".")
-                        if not unit.hooks or owner == path:
-                            slot = (module.get_submodule(owner), attr, spec.name)
-                            if not any(s[0] is slot[0] and s[1] == attr for s in slots):
-                                slots.append(slot)
-            self.targets[unit.name] = list(seen.values())
-        # Units that can be rematerialised run through a forward of ours for the call: the
-        # ones ``remat`` selects, and the ones a torch.utils.checkpoint region asks for.
-        self.own_unit: dict[int, Unit] = {
-            id(module.get_submodule(u.name)): u for u in self.plan.units if u.name != ROOT and not u.hooks
-        }
+        self.sparse_grads = wiring.sparse_grads
+        self.targets, self.slots, self.own_unit = wiring.targets, wiring.slots, wiring.own_unit
+        self.modules = wiring.modules
         self.remat = remat
-        self.remat_units = remat.selects(self.plan, module) if remat is not None else frozenset()
-        for name in self.remat_units:
-            self._check_rematerialisable(self.plan.unit(name), "train_step(remat=...)")
+        self.remat_units = wiring.remat_units
         self.forced: set[str] = set()  # units a routed torch checkpoint region rematerialises now
         # Lookup units (a plain nn.Embedding) whose module carries no hook of the user's: their
         # backward reads no parameter, so their buffer is not gathered again for it.
         global_hooks = nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
         self.lookups = {
-            u.name
-            for u in self.plan.units
-            if u.lookup
-            and not global_hooks
-            and not (module.get_submodule(u.name)._forward_hooks or module.get_submodule(u.name)._forward_pre_hooks)
-        }
-        # Lookups whose rows are fetched instead of their table gathered (``_lookup.py``): over
-        # gloo's pairwise sends, on CPU, in the shard's own dtype and place, reduced per
-        # micro-batch, without replicas, not rematerialised, and not renormalising rows or
-        # making sparse gradients.
-        self.row_lookups = {
             name
-            for name in self.lookups
-            if not composable
-            and params.group.size() > 1
-            and pairwise(params.group)
-            and rows_fit(self.plan.unit(name), self.schedule, params.layout.replicas)
-            and params[name].device.type == "cpu"  # not yet measured on accelerators
-            and self.sink.deferred is None
-            and name not in self.remat_units
-            and module.get_submodule(name).max_norm is None
-            and not module.get_submodule(name).sparse
+            for name in wiring.lookups
+            if not global_hooks and not (self.modules[name]._forward_hooks or self.modules[name]._forward_pre_hooks)
         }
+        self.row_lookups = wiring.row_lookups & self.lookups
 
     # --- rematerialisation -------------------------------------------------------------------------
-
-    def _check_rematerialisable(self, unit: Unit, asked_by: str) -> None:
-        """A rematerialised unit is recomputed in backward, after this call's hooks are gone:
-        every parameter it reads must be its own (another unit's would not be gathered then)."""
-        module = self.fn.module.get_submodule(unit.name)
-        own = {spec.name for spec in unit.all_params} | {a for spec in unit.all_params for a in spec.aliases}
-        prefix = f"{unit.name}."
-        for name, _ in module.named_parameters(remove_duplicate=False):
-            full = prefix + name
-            if full not in own:
-                other = self.plan.unit_of(full).name
-                raise ValueError(
-                    f"{asked_by}: unit {unit_label(unit.name)} cannot be rematerialised: it reads parameter "
-                    f"{full!r} of unit {unit_label(other)}, which is not gathered when the unit is recomputed in "
-                    "backward; rematerialise the units inside it instead (or put that parameter in this unit)"
-                )
 
     def _forward(self, unit: Unit, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """The unit's forward for this call: rematerialised when asked, a lookup of fetched rows,
@@ -212,12 +301,10 @@ class Runtime:
         if self._fetches_rows(unit):
             return self._lookup(unit, *args, **kwargs)
         if unit.name in self.forced:
-            return _remat_with_state(original, [self.fn.module.get_submodule(unit.name)], save_nothing, unit.name)(
-                *args, **kwargs
-            )
+            return _remat_with_state(original, [self.modules[unit.name]], save_nothing, unit.name)(*args, **kwargs)
         if unit.name in self.remat_units:
             assert self.remat is not None
-            module = self.fn.module.get_submodule(unit.name)
+            module = self.modules[unit.name]
             return _remat_with_state(original, [module], self.remat.policy, unit.name)(*args, **kwargs)
         return original(*args, **kwargs)
 
@@ -230,7 +317,9 @@ class Runtime:
         if not units:
             return NotImplemented
         for unit in units:
-            self._check_rematerialisable(unit, f"torch.utils.checkpoint.checkpoint of unit {unit_label(unit.name)}")
+            check_rematerialisable(
+                self.fn, self.plan, unit, f"torch.utils.checkpoint.checkpoint of unit {unit_label(unit.name)}"
+            )
         added = [u.name for u in units if u.name not in self.forced]
         self.forced.update(added)
         try:
@@ -253,14 +342,14 @@ class Runtime:
         """``nn.Embedding.forward`` on the rows its indices name, fetched from their holders."""
         indices = _indices(args, kwargs)
         check_indices(indices, unit)
-        module = self.fn.module.get_submodule(unit.name)
+        module = self.modules[unit.name]
         assert isinstance(module, nn.Embedding)
         shard = check_shard(self.params, unit)
         fetch = RowFetch(unit, plain(shard), self.params.group, self)
         rows, inverse, distinct = fetch.fetch(indices)
         if torch.is_grad_enabled():
             self.records.append(fetch)
-        table = RowLookup.apply(shard, fetch, rows)
+        table = row_lookup(shard, fetch, rows)
         padding = None
         if module.padding_idx is not None:
             at = int(torch.searchsorted(distinct, module.padding_idx))
@@ -301,7 +390,7 @@ class Runtime:
         if rec is None:
             rec = self._new_record(unit)
             self.records.append(rec)
-        full = GatherUnit.apply(check_shard(self.params, unit), rec)
+        full = gather_unit(check_shard(self.params, unit), rec)
         return rec, rec.views(full)
 
     def _gather_composable(self, unit: Unit) -> dict[str, torch.Tensor]:
@@ -421,43 +510,53 @@ class Runtime:
         if outputs and refill:
             rec.refill_on_backward(outputs)
 
+    @phased("graph_walk")
     def finish_forward(self, loss: torch.Tensor) -> None:
         """The loss is known: find the gathered uses its backward will reach (walking autograd's
         graph), tell the sink how many per unit, and release the others now (a no-grad call,
         an output thrown away): they will never get a backward, so backward must not refill them."""
         self.loss_known = True
-        gathers: set[int] = set()  # uses whose gradient the backward computes
         # A freed use's refill hooks its outputs; a path into its forward that bypasses them (a
         # tensor it kept on its module, read by the loss) would reach a node reading the freed
         # buffer first: the nodes where such paths enter refill it too.
         spans = ForwardSpans(
             [r for r in self.records if isinstance(r, GatheredUnit) and r.state is UnitState.FREED and r.refill]
         )
-        entries: dict[GatheredUnit, list[Any]] = collections.defaultdict(list)
-        seen: set[Any] = set()
+        numbers: dict[Any, int] = {}  # each node the loss's backward reaches -> its sequence number
+        into: list[Any] = []  # edges to a node not seen yet (a way into it): its node and the source's number
+        out_of: list[int] = []
+        track = bool(spans.uses)
+        # Uses whose gather's node the walk meets: known by number (``use.node``) or, for a gather
+        # applied under a torch.func transform inside the loss, by the node's own reference.
+        gathers: set[int] = set()
+        python_node = torch.autograd.function.BackwardCFunction
         stack = [loss.grad_fn]
         while stack:
             node = stack.pop()
-            if node is None or node in seen:
+            if node is None or node in numbers:
                 continue
-            seen.add(node)
-            use = getattr(node, "fsdp_fn_use", None)
-            if use is not None:
-                gathers.add(id(use))
-            number = node._sequence_nr()
+            if isinstance(node, python_node):
+                use = getattr(node, "fsdp_fn_use", None)
+                if use is not None:
+                    gathers.add(id(use))
+            number = numbers[node] = node._sequence_nr()
             for next_node, _ in node.next_functions:
-                if next_node is not None and next_node not in seen:
-                    for entered in spans.entered(next_node._sequence_nr(), number):
-                        entries[entered].append(next_node)
+                if next_node is not None and next_node not in numbers:
                     stack.append(next_node)
-        reached = {node._sequence_nr() for node in seen}  # (see GatheredUnit.outputs)
+                    if track:
+                        into.append(next_node)
+                        out_of.append(number)
+        reached = set(numbers.values())  # (see GatheredUnit.outputs)
+        entries: dict[GatheredUnit, list[Any]] = collections.defaultdict(list)
+        for k, entered in spans.entries([numbers[n] for n in into], out_of):
+            entries[entered].append(into[k])
         for entered, nodes in entries.items():
             outputs = [n for n in nodes if n._sequence_nr() not in entered.outputs]
             if outputs:
                 entered.refill_on_entry(outputs)
         uses: collections.Counter[str] = collections.Counter()
         for rec in list(self.records):
-            if id(rec) in gathers:
+            if rec.node in reached or id(rec) in gathers:
                 uses[rec.unit.name] += 1
                 continue
             # Refilled by outputs the backward reaches: the backward reads its parameters.
@@ -498,32 +597,35 @@ class Runtime:
         precision = self.schedule.mixed_precision
         args, kwargs = precision.cast_inputs(args, kwargs)
         first_record = len(self.records)
-        tensors: dict[str, torch.Tensor] = {}
+        tensors: dict[str, torch.Tensor] = dict(self.wiring.standins)
         root: tuple[dict[str, int], dict[str, torch.Tensor]] = ({}, {})
-        for unit in self.plan.units:
-            if unit.name == ROOT:
-                views = self._gather(unit)[1]
-                root = (_fingerprints(views) if self.check_unchanged else {}, views)
-                tensors.update(views)
-            else:
-                tensors.update({p.name: _not_gathered(p, unit.name) for p in unit.all_params})
+        if ROOT in self.modules:
+            views = self._gather(self.plan.unit(ROOT))[1]
+            root = (_fingerprints(views) if self.check_unchanged else {}, views)
+            tensors.update(views)
         tensors.update(_lift(buffers))
         if self.schedule.forward_prefetch:
             self._prefetch([self.forward_order.first] if self.forward_order.first else [])
 
         handles = []
+        calls: list[tuple[nn.Module, Any]] = []  # (compiled module, its own compiled call), put back after
         swapped: list[tuple[nn.Module, str, Any]] = []
         for unit in self.plan.units:
             if unit.name == ROOT:
                 continue
             for target in self.targets[unit.name]:
                 # First among the module's pre-hooks: a user's (spectral_norm's) may read the parameters.
-                pre = self._pre_hook(unit, target, swapped)
+                pre, post = self._pre_hook(unit, target, swapped), self._post_hook(unit, target, swapped)
+                compiled = self.wiring.compiled.get(id(target))
+                if compiled is not None:  # around the compiled call, where Dynamo does not look
+                    calls.append((target, target.__dict__.get("_compiled_call_impl")))
+                    target.__dict__["_compiled_call_impl"] = self._around(unit, target, compiled, pre, post)
+                    continue
                 handles.append(target.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-                handles.append(target.register_forward_hook(self._post_hook(unit, target, swapped)))
+                handles.append(target.register_forward_hook(post))
         forwards: list[tuple[nn.Module, Any]] = []  # (module, its own instance-level forward or _MISSING)
         for unit in self.own_unit.values():
-            target = module.get_submodule(unit.name)
+            target = self.modules[unit.name]
             forwards.append((target, target.__dict__.get("forward", _MISSING)))
             target.forward = functools.partial(self._forward, unit, target.forward)
         try:
@@ -533,7 +635,11 @@ class Runtime:
                 handling_regions(self._region),
                 requires_grad_tolerated(),
             ):
-                out = functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
+                for owner, attr, name, is_param in self.wiring.swaps:  # what functional_call does, wired once
+                    value = tensors.get(name)
+                    if value is not None:
+                        (owner._parameters if is_param else owner._buffers)[attr] = value  # type: ignore[index,assignment]
+                out = module(*args, **kwargs)
             _check_unchanged(ROOT, *root)
         except Exception as e:
             where = f"unit {unit_label(self.running[-1])}" if self.running else "the root unit"
@@ -546,6 +652,8 @@ class Runtime:
         finally:
             for h in handles:
                 h.remove()
+            for target, call in calls:
+                target.__dict__["_compiled_call_impl"] = call
             for target, forward in forwards:
                 if forward is _MISSING:
                     del target.forward
@@ -567,11 +675,66 @@ class Runtime:
             del self.records[first_record:]
         return precision.cast_output(out)
 
+    def _around(
+        self,
+        unit: Unit,
+        target: nn.Module,
+        compiled: Callable[..., Any],
+        pre: Callable[..., None],
+        post: Callable[..., Any],
+    ) -> Callable[..., Any]:
+        """A compiled unit's call for this run: the pre- and post-forward hooks' work around the
+        compiled code (which holds the module's own hooks and forward), rematerialised when asked."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            pre(target, args, kwargs)
+            with warnings.catch_warnings():
+                # Dynamo reads ``.grad`` of the unit's parameters, which are views (non-leaf) here.
+                warnings.filterwarnings("ignore", message=_NOT_A_LEAF)
+                out = self._run_compiled(unit, target, compiled, args, kwargs)
+            return post(target, args, out)
+
+        return call
+
+    def _run_compiled(
+        self, unit: Unit, target: nn.Module, compiled: Callable[..., Any], args: Any, kwargs: dict[str, Any]
+    ) -> Any:
+        if unit.name not in self.remat_units:
+            return compiled(*args, **kwargs)
+        assert self.remat is not None
+        if self._checkpoints(target):
+            # torch's own checkpoint around the compiled code: the compiled forward's saved
+            # tensors are dropped and recomputed by running it again in backward (fsdp_fn's
+            # remat traces operators in a dispatch mode, which Dynamo would not compile). The
+            # recomputation runs with the parameters the forward ran with (by then the module
+            # holds its own again), so it recomputes exactly what the forward saved.
+            state, slots = _state_slots([target])
+
+            def region(*args: Any, **kwargs: Any) -> Any:
+                with _installed(slots, state), warnings.catch_warnings():  # (recomputed in backward too)
+                    warnings.filterwarnings("ignore", message=_NOT_A_LEAF)
+                    return compiled(*args, **kwargs)
+
+            return _checkpointed(region, _saving(self.remat.policy), *args, **kwargs)
+        # (torch.func transforms refuse the saved-tensor hooks torch's checkpoint runs on)
+        return _remat_with_state(compiled, [target], self.remat.policy, unit.name)(*args, **kwargs)
+
+    def _checkpoints(self, target: nn.Module) -> bool:
+        """Whether a compiled unit is rematerialised by torch's checkpoint: under plain autograd
+        (torch.func refuses its saved-tensor hooks) and without buffers (its recomputation would
+        update a BatchNorm's statistics a second time)."""
+        return (
+            torch.is_grad_enabled()
+            and not torch._C._are_functorch_transforms_active()
+            and not any(True for _ in target.buffers())
+        )
+
     def _pre_hook(
         self, unit: Unit, target: nn.Module, swapped: list[tuple[nn.Module, str, Any]]
     ) -> Callable[..., None]:
         key = (unit.name, id(target))
 
+        @phased("pre_forward")
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             self.running.append(unit.name)
             if self._fetches_rows(unit):  # nothing to gather: its forward fetches the rows it reads
@@ -606,6 +769,7 @@ class Runtime:
     ) -> Callable[..., Any]:
         key = (unit.name, id(target))
 
+        @phased("post_forward")
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             rec, nodes_before = self.live[key].pop()
             if isinstance(rec, str):  # _FETCHING: nothing was gathered or swapped
@@ -633,6 +797,53 @@ class Runtime:
             return output
 
         return hook
+
+
+def check_rematerialisable(fn: Functional, plan: Plan, unit: Unit, asked_by: str) -> None:
+    """A rematerialised unit is recomputed in backward, after this call's hooks are gone:
+    every parameter it reads must be its own (another unit's would not be gathered then)."""
+    module = fn.module.get_submodule(unit.name)
+    own = {spec.name for spec in unit.all_params} | {a for spec in unit.all_params for a in spec.aliases}
+    prefix = f"{unit.name}."
+    for name, _ in module.named_parameters(remove_duplicate=False):
+        full = prefix + name
+        if full not in own:
+            other = plan.unit_of(full).name
+            raise ValueError(
+                f"{asked_by}: unit {unit_label(unit.name)} cannot be rematerialised: it reads parameter "
+                f"{full!r} of unit {unit_label(other)}, which is not gathered when the unit is recomputed in "
+                "backward; rematerialise the units inside it instead (or put that parameter in this unit)"
+            )
+
+
+_NOT_A_LEAF = "The .grad attribute of a Tensor that is not a leaf"  # (torch's warning, which Dynamo triggers)
+
+# torch's own non-reentrant checkpoint, taken before a call routes torch.utils.checkpoint to fsdp_fn's remat.
+_checkpoint_generator = torch.utils.checkpoint._checkpoint_without_reentrant_generator
+
+
+def _checkpointed(fn: Callable[..., Any], context_fn: Callable[[], Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)``,
+    also while a call routes ``checkpoint`` to fsdp_fn's remat (which would refuse ``context_fn``)."""
+    steps = _checkpoint_generator(fn, True, context_fn, "default", False, True, *args, **kwargs)
+    next(steps)  # before the forward: the saved-tensor hooks that drop what the forward keeps
+    out = fn(*args, **kwargs)
+    with contextlib.suppress(StopIteration):
+        next(steps)
+    return out
+
+
+def _saving(policy: SavePolicy) -> Callable[[], Any]:
+    """torch's selective checkpoint contexts saving what ``policy`` saves (none: recompute everything)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts, noop_context_fn
+
+    if not policy.ops:
+        return noop_context_fn
+
+    def choose(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if policy.saves(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, choose)
 
 
 def _indices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -9,12 +9,15 @@ would be dropped without a word). A stand-in owns no memory.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as torch_pytree
 from torch import nn
+
+from fsdp_fn._functional import index_of
 
 # Reading what a tensor is (shape, dtype, device, requires_grad) is harmless; its values are not.
 _HARMLESS = {
@@ -80,6 +83,25 @@ def _message(args: Any, kwargs: Any, op: str) -> str:
     return me.fsdp_fn_message.replace("{op}", op)
 
 
+# module -> id(parameter) -> (the parameter, its stand-in, its requires_grad when the stand-in was made)
+_hidden: weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[torch.Tensor, StandIn, bool]]]
+_hidden = weakref.WeakKeyDictionary()
+
+
+def _standin_for(p: torch.Tensor, name: str) -> StandIn:
+    return StandIn(
+        p.shape,
+        p.dtype,
+        p.device,
+        f"loss_fn read parameter {name!r} of the module itself ({{op}}); during a step the "
+        "module keeps its original values, not the trained shards, and a gradient to them would be "
+        "lost. Reach the model only through model(...), loss_fn's first argument; a term on a unit's "
+        "parameters belongs in that unit's forward, and an L2 penalty is the optimizer's weight decay "
+        "(sgd(weight_decay=...), from_torch(torch.optim.Adam(..., weight_decay=...)))",
+        requires_grad=p.requires_grad,
+    )
+
+
 @contextlib.contextmanager
 def module_parameters_hidden(module: nn.Module) -> Iterator[None]:
     """While the block runs, each parameter of ``module`` is a ``StandIn`` that names it.
@@ -89,28 +111,17 @@ def module_parameters_hidden(module: nn.Module) -> Iterator[None]:
     and lose their gradient silently. Tied parameters share one stand-in, so
     ``functional_call`` still sees the tie. No memory, no communication.
     """
-    standins: dict[int, StandIn] = {}
-    names: dict[int, str] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), name)
-    saved = [(m, dict(m._parameters)) for m in module.modules()]
-    for m, params in saved:
-        for attr, p in params.items():
-            if p is None or isinstance(p, StandIn):
-                continue
-            if id(p) not in standins:
-                standins[id(p)] = StandIn(
-                    p.shape,
-                    p.dtype,
-                    p.device,
-                    f"loss_fn read parameter {names[id(p)]!r} of the module itself ({{op}}); during a step the "
-                    "module keeps its original values, not the trained shards, and a gradient to them would be "
-                    "lost. Reach the model only through model(...), loss_fn's first argument; a term on a unit's "
-                    "parameters belongs in that unit's forward, and an L2 penalty is the optimizer's weight decay "
-                    "(sgd(weight_decay=...), from_torch(torch.optim.Adam(..., weight_decay=...)))",
-                    requires_grad=p.requires_grad,
-                )
-            m._parameters[attr] = standins[id(p)]  # type: ignore[assignment]
+    index = index_of(module)
+    standins = _hidden.setdefault(module, {})
+    saved = [(m, dict(m._parameters)) for m in index.modules]
+    for name, owner, attr in index.param_slots:
+        p = owner._parameters.get(attr)
+        if p is None or isinstance(p, StandIn):
+            continue
+        known = standins.get(id(p))
+        if known is None or known[0] is not p or known[2] != p.requires_grad:  # (made once)
+            known = standins[id(p)] = (p, _standin_for(p, name), p.requires_grad)
+        owner._parameters[attr] = known[1]  # type: ignore[assignment]
     try:
         yield
     finally:

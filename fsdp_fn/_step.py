@@ -19,6 +19,7 @@ from fsdp_fn._grad import LossFn, lean_pass
 from fsdp_fn._guard import Guard, guarded
 from fsdp_fn._labels import label
 from fsdp_fn._norms import square_norm
+from fsdp_fn._phases import phase, phased
 from fsdp_fn._plan import Plan, Policy, unit_label
 from fsdp_fn._policy import Schedule
 from fsdp_fn._predict import metrics_words
@@ -70,6 +71,12 @@ class TrainStep:
     and their backward recomputes them inside the unit's one gather, so no collective is
     added. ``torch.utils.checkpoint.checkpoint`` calls in the model are routed the same way.
 
+    Compilation: a unit whose module was compiled (``block.compile()``, as torchtitan does)
+    runs its compiled code with the gathering around it, outside what Dynamo traces: one
+    graph per unit, no graph break, no recompilation from step to step. ``compile=True`` (or
+    ``torch.compile``'s options as a dict) compiles every non-root unit's module that way for
+    the step's calls, leaving the module itself as it was.
+
     Reliability: no step hangs silently. Waits on collectives notice a rank that raised
     (its error is raised here too, naming it), died, or stayed silent past ``timeout``
     seconds (named). Every step checks, inside its metrics all-gather, that all ranks
@@ -93,6 +100,7 @@ class TrainStep:
         check_schedule: CheckSchedule = "first",
         buffer_sync: BufferSync = "broadcast",
         has_aux: bool = False,
+        compile: bool | Mapping[str, Any] = False,
     ) -> None:
         if not isinstance(fn, Functional):
             raise TypeError(f"train_step wants the Functional from functionalize(module), got {type(fn).__name__}")
@@ -120,6 +128,12 @@ class TrainStep:
                     "Schedule(update_in_backward=True) steps each unit during backward, before the whole gradient "
                     f"exists; it cannot be combined with {', '.join(whole)}"
                 )
+        if not isinstance(compile, bool | Mapping):
+            raise TypeError(f"compile must be True, False or torch.compile's options as a dict, got {compile!r}")
+        # Each non-root unit's module compiled (torch.compile's options), its gathering left out of the graph.
+        self.compile: dict[str, Any] | None = (
+            dict(compile) if isinstance(compile, Mapping) else ({} if compile else None)
+        )
         self.fn, self.loss_fn, self.optimizer, self.donate = fn, loss_fn, optimizer, donate
         self.has_aux = has_aux
         self.schedule = schedule
@@ -197,14 +211,16 @@ class TrainStep:
         self.calls += 1
         check = self._check_next
         self._check_next = self.check_schedule == "always"
-        guard = Guard(state.params.group, self.calls, timeout=self.timeout, check=check)
+        with phase("setup"):
+            guard = Guard(state.params.group, self.calls, timeout=self.timeout, check=check)
         with guard.active():
-            # This rank's own input first: a rank that rejects it reports before any rank waits on it.
-            frozen = state.params.plan.check_trainable(self.fn.module)
-            micro = self._micro_batches(batch)
-            for mb in micro:
-                _check_not_empty(mb, guard.rank)
-            guard.enter(rendezvous=check)
+            with phase("setup"):
+                # This rank's own input first: a rank that rejects it reports before any rank waits on it.
+                frozen = state.params.plan.check_trainable(self.fn.module)
+                micro = self._micro_batches(batch)
+                for mb in micro:
+                    _check_not_empty(mb, guard.rank)
+                guard.enter(rendezvous=check)
             new, metrics = self._step(state, micro, guard, frozen)
         if self.donate:
             _consume(
@@ -235,7 +251,8 @@ class TrainStep:
                 received = drop_frozen(plan.unit(unit), grad, received, frozen, layout)
             square_norms[unit] = square_norm(grad)
             only = params.replace({u: grad if u == unit else params[u] for u in plan.unit_names})
-            opt_state = update_in_place(self.optimizer, only.with_received({unit: received}), before, params)
+            with phase("optimizer"):
+                opt_state = update_in_place(self.optimizer, only.with_received({unit: received}), before, params)
             stepped.append(unit)
 
         schedule = self.schedule
@@ -246,15 +263,17 @@ class TrainStep:
         losses, auxes = [], []
         try:
             for mb in micro:
-                runtime = Runtime(
-                    self.fn,
-                    params,
-                    schedule=self.schedule,
-                    order_hint=self.unit_order,
-                    sink=sink,
-                    remat=self.remat,
-                    check_unchanged=guard.check,
-                )
+                with phase("setup"):
+                    runtime = Runtime(
+                        self.fn,
+                        params,
+                        schedule=self.schedule,
+                        order_hint=self.unit_order,
+                        sink=sink,
+                        remat=self.remat,
+                        check_unchanged=guard.check,
+                        compile=self.compile,
+                    )
                 loss, aux = lean_pass(runtime, params, buffers, mb, self.loss_fn, self.has_aux)
                 losses.append(loss)
                 auxes.append(aux)
@@ -278,7 +297,8 @@ class TrainStep:
                 grads = params.replace(
                     {u: totals[u] if u in totals else torch.zeros_like(params[u]) for u in plan.unit_names}
                 ).with_received(merged)
-                opt_state = update_in_place(self.optimizer, grads, opt_state, params)
+                with phase("optimizer"):
+                    opt_state = update_in_place(self.optimizer, grads, opt_state, params)
                 if self.optimizer.outcome is not None:
                     outcome = self.optimizer.outcome(opt_state)
                 if saved_buffers is not None and outcome is Outcome.REJECTED:
@@ -327,6 +347,7 @@ class TrainStep:
         return batch
 
     @staticmethod
+    @phased("metrics")
     def _global(
         loss: torch.Tensor,
         square_norms: Any,

@@ -29,9 +29,13 @@ from torch.autograd.function import FunctionCtx
 from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
 
 from fsdp_fn._collectives import all_gather_into
+from fsdp_fn._function import plain_apply
 from fsdp_fn._labels import label, retag
+from fsdp_fn._phases import phased
 from fsdp_fn._plan import ROOT, Unit
 from fsdp_fn._shard import unit_views
+
+_transforms_active = torch._C._are_functorch_transforms_active
 
 
 class UnitState(enum.Enum):
@@ -167,6 +171,7 @@ class GatheredUnit:
         self.refill = True  # freed after forward, gathered again for backward (not a lookup's)
         self.outputs: frozenset[int] = frozenset()  # sequence numbers of the nodes of the outputs that refill it
         self.made = range(0)  # sequence numbers of the autograd nodes its forward made
+        self.node = -1  # the sequence number of its gather's autograd node
         # Only non-root units whose gather allocates take a buffer that counts against the limit.
         counted = unit.name != ROOT and not all(p.in_place for p in self.parts)
         self.nbytes = sum(p.shard.numel() * int(p.group.size()) * p.dtype.itemsize for p in parts) if counted else 0
@@ -208,6 +213,7 @@ class GatheredUnit:
         for node in nodes:
             node.register_prehook(lambda _grads: self.refill_now())
 
+    @phased("pre_backward")
     def refill_now(self) -> None:
         """The unit's backward is about to run: its buffer gathered (started here if it was not
         prefetched), then the owner told. Once its backward is done (released), nothing."""
@@ -250,7 +256,11 @@ class GatheredUnit:
         self.received[index] = True
 
     def _write(self, index: int, grad: torch.Tensor) -> None:
-        spec = self.unit.params[index]
+        # (Backward runs without grad mode and, in the step's own pass, outside any transform: then
+        # the guards that keep the copy out of autograd and functorch would only cost time.)
+        if self.grad is not None and not (torch.is_grad_enabled() or _transforms_active()):
+            self._copy(index, grad)
+            return
         with torch._C._DisableFuncTorch(), torch.no_grad():
             if self.grad is None:
                 self.owner.before_grad(self)
@@ -262,12 +272,17 @@ class GatheredUnit:
                     retag(self.grad, "grads")
                     return
                 self.grad, self.taken = self._new_grad(), False
-            at = self.offsets[index]
-            into = self.grad[at : at + spec.numel].view(spec.shape)
-            if grad.layout == torch.strided:
-                into.copy_(grad)
-            else:  # nn.Embedding(sparse=True): its rows added in place, never a dense copy of its own
-                into.zero_().add_(grad)
+            self._copy(index, grad)
+
+    def _copy(self, index: int, grad: torch.Tensor) -> None:
+        assert self.grad is not None
+        spec = self.unit.params[index]
+        at = self.offsets[index]
+        into = self.grad[at : at + spec.numel].view(spec.shape)
+        if grad.layout == torch.strided:
+            into.copy_(grad)
+        else:  # nn.Embedding(sparse=True): its rows added in place, never a dense copy of its own
+            into.zero_().add_(grad)
 
     def _may_take(self, grad: torch.Tensor) -> bool:
         """Whether ``grad`` can be the flat gradient itself: the unit's only parameter, no padding,
@@ -323,7 +338,7 @@ class GatheredUnit:
         if torch.is_grad_enabled():
             out = {}
             for i, spec in enumerate(self.unit.params):
-                view = out[spec.name] = _ParamView.apply(trainable, self, i)
+                view = out[spec.name] = _param_view(trainable, self, i)
                 if view.grad_fn is not None:
                     # Run as soon as the gradient is ready, as autograd runs AccumulateGrad: created
                     # before the unit's ops, the node would otherwise wait for the unit's whole
@@ -353,6 +368,29 @@ class ForwardSpans:
             self.parent.append(open_[-1] if open_ else -1)
             open_.append(i)
 
+    def innermost(self, nodes: Sequence[int]) -> torch.Tensor:
+        """The index of the innermost span that holds each node number (-1: none), for many at once."""
+        at = torch.tensor(nodes, dtype=torch.float64)  # (autograd's last number, 2**64 - 1, is exact enough)
+        starts = torch.tensor(self.starts, dtype=torch.float64)
+        stops = torch.tensor([u.made.stop for u in self.uses], dtype=torch.float64)
+        parent = torch.tensor(self.parent, dtype=torch.int64)
+        i = torch.searchsorted(starts, at, right=True) - 1
+        while True:  # out of the last span that starts before it: maybe inside one around it
+            outside = (i >= 0) & (at >= stops[i.clamp(min=0)])
+            if not bool(outside.any()):
+                return i
+            i = torch.where(outside, parent[i.clamp(min=0)], i)
+
+    def entries(self, into: Sequence[int], out_of: Sequence[int]) -> list[tuple[int, GatheredUnit]]:
+        """For edges ``out_of[k] -> into[k]`` (node numbers, the gradient flowing from the first to
+        the second): ``(k, use)`` for each use whose span an edge enters from outside."""
+        if not self.uses or not into:
+            return []
+        inner = self.innermost([*into, *out_of])
+        to, since = inner[: len(into)], inner[len(into) :]
+        crossing = ((to >= 0) & (to != since)).nonzero().flatten().tolist()  # (within one span: no entry)
+        return [(k, use) for k in crossing for use in self.entered(into[k], out_of[k])]
+
     def entered(self, node: int, source: int) -> Iterator[GatheredUnit]:
         """The uses whose span holds node number ``node`` but not ``source``, the node whose
         gradient flows into it."""
@@ -381,11 +419,14 @@ class GatherUnit(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
         ctx.fsdp_fn_use = inputs[1]  # type: ignore[attr-defined]
+        if not torch._C._are_functorch_transforms_active():  # (a transform's node is not in the loss's graph)
+            inputs[1].node = ctx._sequence_nr()  # type: ignore[attr-defined]  # how the graph walk knows it reaches this use
         # The parameters' views send their gradients into the use's flat gradient and give
         # autograd none: backward gets None here, not a zero-filled full-size buffer.
         ctx.set_materialize_grads(False)
 
     @staticmethod
+    @phased("post_backward")
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor, None]:
         rec: GatheredUnit = ctx.fsdp_fn_use
         if torch.is_grad_enabled():
@@ -402,6 +443,8 @@ class GatherUnit(torch.autograd.Function):
         # The gradient travels through the sink; autograd gets a zero that owns no memory.
         return torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.shape), None
 
+
+gather_unit = plain_apply(GatherUnit)
 
 _AS_SOON_AS_READY = 2**64 - 1  # the sequence number autograd gives AccumulateGrad nodes
 
@@ -422,7 +465,11 @@ class _ParamView(torch.autograd.Function):
         ctx.set_materialize_grads(False)
 
     @staticmethod
+    @phased("post_backward")
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, None, None]:
         if grad is not None:
             ctx.rec.add_grad(ctx.index, plain(grad))
         return None, None, None
+
+
+_param_view = plain_apply(_ParamView)

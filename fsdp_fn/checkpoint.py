@@ -13,8 +13,15 @@ its shards; no rank ever holds the full model.
 
 A save is atomic: it writes into a hidden temporary directory, rank 0 writes the commit
 marker last, then renames the directory into place. A directory without the marker (a
-save killed half-way) is never loaded. ``CheckpointManager`` keeps the last K and finds
-the latest; ``blocking=False`` saves in the background.
+save killed half-way) is never loaded. ``CheckpointManager`` keeps the last K of its own
+step directories and restores the newest that loads; ``blocking=False`` saves in the
+background.
+
+A checkpoint directory is untrusted input (``_integrity``): loading runs no code from it
+(fsdp_fn's own entries are JSON and tensors; DCP's pickled metadata is read by an
+unpickler that admits only DCP's types), reads no file outside it, and refuses damage
+(a SHA-256 digest per chunk, written at save, checked at load; ``verify(dir)`` checks a
+whole directory). Every failure is a ``CheckpointError``.
 
 Full-model files, streamed (no rank gathers the model): ``export_safetensors`` writes
 Hugging Face safetensors (one file, or a sharded set with its index), each rank writing
@@ -26,28 +33,42 @@ same with a plain state dict (on rank 0 / from full tensors).
 from __future__ import annotations
 
 import hashlib
-import json
+import logging
 import os
 import random
+import re
 import shutil
 import sys
 import threading
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from fsdp_fn._agree import failures, gather_objects
 from fsdp_fn._dcp import LoadPlanner, Pieces, SavePlanner, ranges
+from fsdp_fn._document import decode, encode
+from fsdp_fn._errors import DivergenceError, RankFailure
 from fsdp_fn._export import export_safetensors, export_state_dict, import_safetensors, import_state_dict
 from fsdp_fn._guard import join
+from fsdp_fn._integrity import (
+    COMMIT_MARKER,
+    CheckpointError,
+    Opened,
+    Reader,
+    Writer,
+    commit,
+    marker_step,
+    open_checkpoint,
+    read_tensor,
+    verify_chunks,
+)
 from fsdp_fn._plan import ParamSpec, Unit, unit_label
 from fsdp_fn._shard import Layout, Sharded, ensure_live
 from fsdp_fn._step import TrainState
@@ -57,6 +78,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "PendingSave",
+    "Verified",
     "export_safetensors",
     "export_state_dict",
     "import_safetensors",
@@ -64,19 +86,16 @@ __all__ = [
     "is_committed",
     "latest",
     "load",
+    "read_metadata",
     "save",
+    "verify",
     "wait",
 ]
 
-COMMIT_MARKER = "COMMITTED"  # written last, inside the directory, before it is renamed into place
-_META = "fsdp_fn"  # the entry holding the step, the writers' world size and the user's extra
-_FORMAT = 1
+_META = "fsdp_fn"  # the entry (JSON) holding the step, the writers' world size and the user's extra
 # torch.optim's names for the fields of fsdp_fn's optimizer states (others keep their field name).
 TORCH_NAMES = {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into the target: incomplete, corrupt or mismatched."""
+logger = logging.getLogger(__name__)
 
 
 # --- state <-> FQN-keyed DCP entries -----------------------------------------------------
@@ -219,12 +238,14 @@ def _bytes(t: torch.Tensor) -> bytes:
 
 
 def _rng_state() -> dict[str, Any]:
+    """This process's random number generators' states, as JSON values and tensors."""
     rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     numpy = sys.modules.get("numpy")
     if numpy is not None:
-        rng["numpy"] = numpy.random.get_state()
+        name, keys, pos, has_gauss, cached = numpy.random.get_state()
+        rng["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
     return rng
 
 
@@ -235,7 +256,50 @@ def _set_rng_state(rng: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
     numpy = sys.modules.get("numpy")
     if "numpy" in rng and numpy is not None:
-        numpy.random.set_state(rng["numpy"])
+        name, keys, pos, has_gauss, cached = rng["numpy"]
+        numpy.random.set_state((name, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached))
+
+
+# --- fsdp_fn's own entries: JSON documents and their tensors ------------------------------
+
+
+def _document(key: str, value: Any, where: str, *, copy: bool = False) -> dict[str, torch.Tensor]:
+    """The entries holding ``value``: ``key`` its JSON text (as bytes in a uint8 tensor), ``key.i``
+    its tensors (on the CPU; copied with ``copy``). ``CheckpointError`` naming the part of
+    ``value`` that is neither JSON nor a tensor."""
+    text, tensors = encode(value, where)
+    out = {key: torch.frombuffer(bytearray(text), dtype=torch.uint8)}
+    for i, t in enumerate(tensors):
+        t = t.detach().to("cpu")
+        out[f"{key}.{i}"] = t.clone() if copy or t.device.type != "cpu" else t
+    return out
+
+
+def _document_keys(md: Metadata, key: str) -> list[str]:
+    return [k for k in md.state_dict_metadata if k == key or (k.startswith(f"{key}.") and k[len(key) + 1 :].isdigit())]
+
+
+def _document_targets(path: Path, md: Metadata, key: str) -> dict[str, torch.Tensor]:
+    """Tensors to read the document ``key`` and its tensors into, as the metadata describes them."""
+    out = {}
+    for k in _document_keys(md, key):
+        entry = md.state_dict_metadata[k]
+        text = k == key
+        if not isinstance(entry, TensorStorageMetadata) or (
+            text and (entry.properties.dtype, len(entry.size)) != (torch.uint8, 1)
+        ):
+            raise CheckpointError(f"{path}: its entry {k!r} is not what fsdp_fn writes (JSON bytes, or a tensor)")
+        out[k] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    return out
+
+
+def _read_document(path: Path, loaded: Mapping[str, torch.Tensor], key: str) -> Any:
+    """The value of the document ``key`` among the tensors read (``_document_targets``)."""
+    count = sum(1 for k in loaded if k.startswith(f"{key}.") and k[len(key) + 1 :].isdigit())
+    if any(f"{key}.{i}" not in loaded for i in range(count)):
+        raise CheckpointError(f"{path}: the tensors of its entry {key!r} are not numbered 0..{count - 1}")
+    tensors = [loaded[f"{key}.{i}"] for i in range(count)]
+    return decode(loaded[key].numpy().tobytes(), tensors, f"{path}: its entry {key!r}")
 
 
 # --- groups ------------------------------------------------------------------------------
@@ -298,8 +362,9 @@ class PendingSave:
     def _run(self, run: Callable[[], None]) -> None:
         try:
             run()
-        except BaseException as e:  # surfaced by wait()
+        except BaseException as e:  # surfaced by wait(); logged too, for a job that ends without waiting
             self._error = e
+            logger.warning("the background save of %s failed on rank %d: %s", self.directory, self.rank, e)
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -337,17 +402,22 @@ def save(
 
     Every rank of the state's group calls it (a rank that calls alone gets an error naming
     the ranks that did not join, within ``timeout`` seconds). Each rank writes only its own chunks
-    (replicas of a hybrid mesh: only the first); rank 0 also writes the replicated
-    values: buffers, step counters, and ``extra`` (any picklable value, e.g. the data
-    loader's position). ``hyperparams`` (torch.optim's names: ``lr``, ``betas``, ...) are
+    (replicas of a hybrid mesh: only the first) and hashes them (SHA-256, read back from the
+    page cache); rank 0 also writes the replicated values: buffers, step counters, and
+    ``extra`` (JSON values, tuples, sets and tensors, e.g. the data loader's position; anything
+    else is refused here, naming it, so that loading runs no code), then the digests and
+    the commit marker. ``hyperparams`` (torch.optim's names: ``lr``, ``betas``, ...) are
     written as a torch param group, so a torch optimizer loads the checkpoint with a plain
     ``dcp.load``. Atomic: the directory appears, complete, when every rank has written.
+    Any failure (a full disk on one rank, say) raises ``CheckpointError`` on every rank.
 
     ``blocking=False`` copies the shards to host memory (one more copy of the state,
     briefly) and returns a ``PendingSave`` at once; the writing runs in a background
-    thread on a second process group, and the next ``save`` or ``wait()`` waits for it.
-    Memory (blocking): one parameter chunk at a time beyond the state. Communication:
-    DCP's planning (a gather and a scatter of small plans) and three small barriers.
+    thread on a second process group, and the next ``save`` or ``wait()`` waits for it. A
+    background save whose group is destroyed before it ends (the process exits without
+    ``wait()``) never commits. Memory (blocking): one parameter chunk at a time beyond the
+    state. Communication: DCP's planning (a gather and a scatter of small plans, the
+    digests riding with the write results) and three small barriers.
     """
     wait()  # the previous background save, and its failure, come first
     final = Path(directory)
@@ -356,26 +426,24 @@ def save(
     ensure_live(state, "checkpoint.save")
     layout = state.params.layout
     group = _group(layout)
+    coordinator = group.rank() == 0
+    meta = {"step": state.step, "world": group.size(), "extra": extra, "optimizer": _opt_values(state.opt_state)}
+    encode(extra, "extra")  # checked on every rank, before any message, naming what is not JSON
+    encode(meta["optimizer"], "the optimizer state")
+    own_entries = _document(_META, meta, "the checkpoint", copy=not blocking)
     join(group, "checkpoint.save", timeout)  # a rank that saves alone is named, not left waiting in DCP
     write_shards = layout.replicate is None or layout.replicate.rank() == 0
-    coordinator = group.rank() == 0
     if not blocking:
         params, opt_state, buffers = _tree_clone((state.params, state.opt_state, state.buffers))
         state = TrainState(params, opt_state, buffers, state.step)
     entries = _entries(state, write_shards=write_shards, coordinator=coordinator)
-    entries[f"rng.{dist.get_rank()}"] = _rng_state()
+    entries.update(_document(f"rng.{dist.get_rank()}", _rng_state(), "the RNG state", copy=not blocking))
     own = _own_buffers(state.buffers, group)
     if own:
-        entries[f"buffers.{dist.get_rank()}"] = own
+        entries.update(_document(f"buffers.{dist.get_rank()}", own, "the per-rank buffers"))
     if coordinator:
-        entries[_META] = {
-            "format": _FORMAT,
-            "step": state.step,
-            "world": group.size(),
-            "extra": extra,
-            "optimizer": _opt_values(state.opt_state),
-        }
-        if hyperparams is not None:
+        entries.update(own_entries)
+        if hyperparams is not None:  # torch's layout, for torch's loader: fsdp_fn never reads these back
             names = [spec.name for unit in layout.plan.units for spec in unit.params]
             for key, value in {**hyperparams, "params": names}.items():
                 entries[f"optim.param_groups.0.{key}"] = value
@@ -403,7 +471,24 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _converted(e: BaseException, what: str) -> CheckpointError:
+    """One ``CheckpointError`` for a failure inside DCP (its ``CheckpointException`` is a
+    ``BaseException`` carrying each rank's exception): the first line names the first rank's cause."""
+    if isinstance(e, CheckpointException) and e.failures:
+        rank = min(e.failures)
+        cause = e.failures[rank][0]
+        more = f" (and {len(e.failures) - 1} more ranks)" if len(e.failures) > 1 else ""
+        if isinstance(cause, CheckpointError):  # it names the checkpoint already
+            return CheckpointError(f"rank {rank}{more}: {cause}")
+        return CheckpointError(f"{what}: rank {rank}{more}: {type(cause).__name__}: {cause}")
+    return CheckpointError(f"{what}: {type(e).__name__}: {e}")
+
+
 def _write(final: Path, entries: dict[str, Any], group: dist.ProcessGroup, step: int) -> None:
+    if not dist.is_initialized():  # a background save whose process group was destroyed
+        raise CheckpointError(
+            f"the process group of the save of {final} was destroyed before it could write; nothing was committed"
+        )
     coordinator = group.rank() == 0
     tmp = final.parent / f".{final.name}.tmp"
     error = None
@@ -421,20 +506,17 @@ def _write(final: Path, entries: dict[str, Any], group: dist.ProcessGroup, step:
             except OSError as e:
                 error = f"cannot create {tmp}: {e}"
     _agree_on_error(group, error)
-    dcp_save(
-        entries,
-        storage_writer=FileSystemWriter(tmp),
-        planner=SavePlanner(),
-        process_group=group,
-    )
+    writer = Writer(tmp, world=group.size())
+    try:
+        dcp_save(entries, storage_writer=writer, planner=SavePlanner(), process_group=group)
+    except (CheckpointException, Exception) as e:
+        if isinstance(e, RankFailure | DivergenceError):
+            raise
+        raise _converted(e, f"cannot write {final}") from e
     # dcp.save returns once the coordinator has written the metadata after every rank's data.
     if coordinator:
         try:
-            marker = tmp / COMMIT_MARKER
-            with open(marker, "w") as f:
-                json.dump({"step": step, "world": group.size(), "time": time.time()}, f)
-                f.flush()
-                os.fsync(f.fileno())
+            commit(tmp, writer, step, group.size())
             _fsync_dir(tmp)
             os.rename(tmp, final)
             _fsync_dir(final.parent)
@@ -451,24 +533,18 @@ def is_committed(directory: str | os.PathLike[str]) -> bool:
     return (Path(directory) / COMMIT_MARKER).is_file()
 
 
-def _read_metadata(path: Path) -> Metadata:
-    if not path.is_dir():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    incomplete = CheckpointError(
-        f"{path} is not a complete checkpoint: it has no {COMMIT_MARKER} marker "
-        "(a save was interrupted before every rank finished); load an earlier one (latest())"
-    )
-    if not is_committed(path) and not (path / ".metadata").is_file():
-        raise incomplete
-    try:
-        md = FileSystemReader(path).read_metadata()
-    except Exception as e:
-        raise CheckpointError(f"{path}: its metadata file cannot be read ({type(e).__name__}: {e})") from e
-    # DCP writes its metadata last, so a torch-written checkpoint (no marker, none of our
-    # entries) is complete; one of ours without the marker is not.
-    if not is_committed(path) and _META in md.state_dict_metadata:
-        raise incomplete
-    return md
+def _open(path: Path) -> Opened:
+    """The checked checkpoint at ``path``: its marker first, then its digests and metadata."""
+    opened = open_checkpoint(path)
+    # torch's dcp.save writes no marker and none of our entries; one of ours without it is incomplete.
+    if opened.marker is None and _META in opened.metadata.state_dict_metadata:
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint: it has no {COMMIT_MARKER} marker "
+            "(a save was interrupted before every rank finished); load an earlier one (latest())"
+        )
+    if opened.marker is not None and _META not in opened.metadata.state_dict_metadata:
+        raise CheckpointError(f"{path}: its metadata has no {_META!r} entry: it is damaged")
+    return opened
 
 
 def _ready(t: torch.Tensor) -> torch.Tensor:
@@ -533,9 +609,9 @@ def _where(unit: Unit) -> str:
     return f"unit {unit_label(unit.name)}"
 
 
-def _check(path: Path, md: Metadata, target: _Target, like: TrainState) -> None:
+def _check(path: Path, opened: Opened, target: _Target, like: TrainState) -> None:
     """Raise ``CheckpointError`` naming the first parameter the checkpoint cannot fill (the same on every rank)."""
-    saved = md.state_dict_metadata
+    saved = opened.metadata.state_dict_metadata
     names = {n for spec in like.params.plan.params for n in (spec.name, *spec.aliases)}
     unexpected = [k[6:] for k in saved if k.startswith("model.") and k[6:] not in names and k[6:] not in like.buffers]
     if unexpected:
@@ -565,7 +641,7 @@ def _check(path: Path, md: Metadata, target: _Target, like: TrainState) -> None:
             raise CheckpointError(
                 f"{path}: {what} is {entry.properties.dtype} in the checkpoint, {dtype} in the target"
             )
-    _check_files(path, md, target)
+    _check_files(path, opened, target)
 
 
 def _never_stepped(saved: Mapping[str, Any], target: _Target) -> set[str]:
@@ -593,17 +669,16 @@ def _zero(entry: Any) -> None:
         entry.zero_()
 
 
-def _check_files(path: Path, md: Metadata, target: _Target) -> None:
+def _check_files(path: Path, opened: Opened, target: _Target) -> None:
     """Every chunk to read lies inside its data file: a truncated file is named with a parameter in it."""
-    storage = md.storage_data or {}
     sizes: dict[str, int] = {}
-    for index, info in storage.items():
+    for index, info in opened.metadata.storage_data.items():
         key = index.fqn
         if key not in target.entries:
             continue
         name = info.relative_path
         if name not in sizes:
-            file = path / name
+            file = opened.files[name]
             sizes[name] = file.stat().st_size if file.is_file() else -1
         if sizes[name] < info.offset + info.length:
             state = "missing" if sizes[name] < 0 else f"truncated ({sizes[name]} bytes)"
@@ -619,17 +694,27 @@ def _torch_step(target: _Target) -> int:
     return int(steps[0].item()) if steps else 0
 
 
-def load(directory: str | os.PathLike[str], like: TrainState, *, timeout: float = 300.0) -> tuple[TrainState, Any]:
+def load(
+    directory: str | os.PathLike[str], like: TrainState, *, check_digests: bool = True, timeout: float = 300.0
+) -> tuple[TrainState, Any]:
     """Read the checkpoint at ``directory`` into the layout of ``like``; return the state and ``extra``.
 
     ``like`` is a ``TrainState`` for the target run (``step.init(shard(...))``, or from
     ``init_shards`` with ``device="meta"``): any world size, plan, or mesh. Its tensors
     are filled in place and returned (donated; meta tensors are replaced by new ones).
     Each rank reads only the saved chunks that overlap its shards. The RNG state of each
-    rank is restored when the world size is the one that saved. A missing, unexpected,
-    mis-shaped or mis-typed parameter, an incomplete or a truncated checkpoint raise
-    ``CheckpointError`` naming it, before anything is read. Communication: DCP's planning
-    (a gather and a scatter of small plans).
+    rank is restored when the world size is the one that saved.
+
+    The directory is untrusted: its commit marker is read first, then the digests and
+    DCP's metadata against it (no code from the directory runs, no file outside it is
+    read), and every tensor must be covered exactly by its chunks. A missing, unexpected,
+    mis-shaped or mis-typed parameter, an incomplete, damaged or truncated checkpoint
+    raise ``CheckpointError`` naming it, on every rank, before anything is read; each chunk
+    a rank reads is checked against its SHA-256 digest before it is used
+    (``check_digests=False`` skips that, not the rest: docs/checkpoints.md has the cost).
+    A checkpoint written by torch's ``dcp.save`` (FSDP2) has no marker and no digests and
+    loads with the other checks. Communication: DCP's planning (a gather and a scatter of
+    small plans) and one small all-gather of the ranks' checks.
     """
     wait()
     path = Path(directory)
@@ -638,67 +723,158 @@ def load(directory: str | os.PathLike[str], like: TrainState, *, timeout: float 
     ensure_live(like, "checkpoint.load")
     group = _group(like.params.layout)
     join(group, "checkpoint.load", timeout)
+    rank = dist.get_rank()
+    rng_key, buffers_key = f"rng.{rank}", f"buffers.{rank}"
     raised: Exception | None = None
     try:
-        md = _read_metadata(path)
+        opened = _open(path)
         target = _target(like)
-        _check(path, md, target, like)
-    except (CheckpointError, FileNotFoundError) as e:
-        raised = e
+        _check(path, opened, target, like)
+        own: dict[str, torch.Tensor] = {}
+        if opened.marker is not None:
+            for key in (_META, rng_key, buffers_key):
+                own.update(_document_targets(path, opened.metadata, key))
+    except Exception as e:  # a file the system refuses too: every rank must reach the all-gather below
+        raised = e if isinstance(e, CheckpointError) else CheckpointError(f"{path}: {type(e).__name__}: {e}")
     # Every rank raises, or none: a rank that went on alone would wait in DCP's collectives.
     errors: list[str | None] = [None] * group.size()
-    dist.all_gather_object(errors, None if raised is None else f"{type(raised).__name__}: {raised}", group=group)
+    dist.all_gather_object(errors, None if raised is None else str(raised), group=group)
     if raised is not None:
         raise raised
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
         raise CheckpointError(f"rank {failed[0][0]} cannot load {path}: {failed[0][1]}")
-    rng_key, buffers_key = f"rng.{dist.get_rank()}", f"buffers.{dist.get_rank()}"
-    entries = dict(target.entries)
-    for key in (_META, rng_key, buffers_key):
-        if key in md.state_dict_metadata:
-            entries[key] = None
-    dcp_load(
-        entries,
-        storage_reader=FileSystemReader(path),
-        planner=LoadPlanner(),
-        process_group=group,
-    )
+    entries = {**target.entries, **own}
+    try:
+        dcp_load(
+            entries,
+            storage_reader=Reader(opened, check_digests=check_digests),
+            planner=LoadPlanner(),
+            process_group=group,
+        )
+    except (CheckpointException, Exception) as e:
+        if isinstance(e, RankFailure | DivergenceError):
+            raise
+        raise _converted(e, f"cannot load {path}") from e
     for tree in (like.params, *(v for _, v in _opt_fields(like.opt_state))):
         tree.consumed = f"its tensors were loaded into by checkpoint.load({str(path)!r}): use the state it returned"
-    meta = entries.get(_META)
-    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-        meta = {"step": _torch_step(target), "world": None, "extra": None}  # written by torch (FSDP2)
     loaded = target.state
+    if opened.marker is None:  # written by torch (FSDP2): its optimizer's step, no extra
+        return loaded._replace(step=_torch_step(target)), None
+    meta = _meta(path, own)
     if meta["world"] == group.size():  # the same ranks: each its own RNG state and buffers
-        if entries.get(rng_key) is not None:
-            _set_rng_state(entries[rng_key])
-        for name, value in (entries.get(buffers_key) or {}).items():
-            if name in loaded.buffers:
-                loaded.buffers[name].copy_(value)
-    values = meta.get("optimizer") or {}
+        try:
+            if rng_key in own:
+                _set_rng_state(_read_document(path, own, rng_key))
+            buffers = _read_document(path, own, buffers_key) if buffers_key in own else {}
+            for name, value in buffers.items():
+                if name in loaded.buffers:
+                    loaded.buffers[name].copy_(value)
+        except (TypeError, ValueError, RuntimeError, KeyError, AttributeError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{path}: rank {rank}'s RNG state or buffers are damaged ({e})") from e
+    values = meta["optimizer"]
     if values:  # a chain's counters, as saved
+        _check_values(path, values, _opt_values(loaded.opt_state))
         same = {id(v): v for _, v in _opt_fields(loaded.opt_state)}
         loaded = loaded._replace(opt_state=_rebuild(loaded.opt_state, same, values))
-    return loaded._replace(step=int(meta["step"])), meta["extra"]
+    return loaded._replace(step=meta["step"]), meta["extra"]
+
+
+def _meta(path: Path, own: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """fsdp_fn's entry (step, world size, extra, the optimizer's plain values), checked."""
+    meta = _read_document(path, own, _META)
+    if not (
+        isinstance(meta, dict)
+        and type(meta.get("step")) is int
+        and meta["step"] >= 0
+        and type(meta.get("world")) is int
+        and isinstance(meta.get("optimizer"), dict)
+        and "extra" in meta
+    ):
+        raise CheckpointError(f"{path}: its entry {_META!r} is not what fsdp_fn writes")
+    return meta
+
+
+def _check_values(path: Path, saved: Mapping[str, Any], template: Mapping[str, Any]) -> None:
+    """The optimizer's plain values in the checkpoint are of the template's kinds (a chain's counters)."""
+    for name, value in saved.items():
+        if name not in template:
+            continue  # another chain: _rebuild takes only what the template has
+        like = template[name]
+        same = type(value) is type(like)
+        if same and isinstance(value, torch.Tensor):
+            same = value.shape == like.shape and value.dtype == like.dtype
+        if not same:
+            raise CheckpointError(
+                f"{path}: the optimizer state's {name!r} is {value!r} in the checkpoint, a {type(like).__name__} "
+                "in the target"
+            )
+
+
+def verify(directory: str | os.PathLike[str]) -> Verified:
+    """Check the whole checkpoint at ``directory`` as ``load`` would, on this process alone: its
+    marker, digests and metadata, that every tensor is covered exactly by its chunks, that
+    every file it names is inside it, every chunk's bytes against their digest, and that
+    fsdp_fn's own entries are the JSON it writes. Reads every byte once; runs no code from
+    the directory; needs no process group. ``CheckpointError`` naming the first fault.
+
+    >>> verify("/nowhere")
+    Traceback (most recent call last):
+    ...
+    fsdp_fn._integrity.CheckpointError: no checkpoint at /nowhere: no such path
+    """
+    path = Path(directory)
+    opened = _open(path)
+    if opened.marker is None:
+        raise CheckpointError(
+            f"{path} has no {COMMIT_MARKER} marker and no digests (written by torch's dcp.save?): "
+            "there is nothing to verify its bytes against; load checks everything else"
+        )
+    chunks, size = verify_chunks(opened)
+    md = opened.metadata
+    own = _document_targets(path, md, _META)
+    for key, target in own.items():
+        indices = [i for i in md.storage_data if i.fqn == key]
+        if len(indices) != 1:
+            raise CheckpointError(f"{path}: its entry {key!r} is not what fsdp_fn writes (one whole tensor)")
+        with open(opened.files[md.storage_data[indices[0]].relative_path], "rb") as stream:
+            target.copy_(read_tensor(opened, stream, indices[0], check_digest=True))
+    return Verified(path, _meta(path, own)["step"], chunks, size)
+
+
+def read_metadata(directory: str | os.PathLike[str]) -> Metadata:
+    """DCP's metadata of the checkpoint at ``directory`` (its entries: ``.state_dict_metadata``),
+    read as ``load`` reads it: after the commit marker and against its digest, by an unpickler
+    that admits only DCP's metadata types, then checked (chunks, paths). Runs no code from
+    the directory, reads no data; ``CheckpointError`` naming the fault."""
+    return _open(Path(directory)).metadata
+
+
+class Verified(NamedTuple):
+    """What ``verify`` checked: the checkpoint's step, and how many chunks and bytes."""
+
+    directory: Path
+    step: int
+    chunks: int
+    bytes: int
 
 
 # --- a directory of checkpoints ----------------------------------------------------------
 
 
 def _committed(root: Path) -> list[tuple[int, Path]]:
-    """(step, directory) of every complete checkpoint under ``root``, oldest first."""
+    """(step, directory) of every complete checkpoint under ``root`` (its marker's step), oldest first."""
     if not root.is_dir():
         return []
     found = []
     for d in root.iterdir():
         if d.name.startswith(".") or not is_committed(d):
             continue
-        try:
-            step = int(json.loads((d / COMMIT_MARKER).read_text())["step"])
-        except (ValueError, KeyError, TypeError):
-            continue  # not one of ours
-        found.append((step, d))
+        step = marker_step(d)
+        if step is not None:  # else not one of ours, or damaged: load says which
+            found.append((step, d))
     return sorted(found)
 
 
@@ -708,12 +884,18 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
     return found[-1][1] if found else None
 
 
+_STEP_DIR = re.compile(r"step_(\d{8,})")
+
+
 class CheckpointManager:
     """Checkpoints of one run under ``root`` (``root/step_00000100``), the last ``keep`` kept.
 
-    ``save(state)`` names the directory after ``state.step`` (or ``step=``); once it is committed, rank 0
-    deletes the oldest ones beyond ``keep`` (and temporary directories left by interrupted
-    saves). ``restore(like)`` loads the latest, or returns ``None`` when there is none.
+    ``save(state)`` names the directory after ``state.step`` (or ``step=``); once it is committed,
+    rank 0 deletes the oldest of its own step directories beyond ``keep`` (and the temporary
+    directories its interrupted saves left). Nothing else under ``root`` is its own: a
+    checkpoint saved there by hand (``root/best``) is never deleted, nor restored.
+    ``restore(like)`` loads the newest of its checkpoints that loads, or returns ``None``
+    when there is none; ``skipped`` then lists the newer ones it passed over, and why.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep: int | None = 3) -> None:
@@ -721,16 +903,30 @@ class CheckpointManager:
             raise ValueError(f"keep must be at least 1 (or None to keep every checkpoint), got {keep!r}")
         self.root, self.keep = Path(root), keep
         self._prune_after: Layout | None = None
+        self.skipped: list[tuple[Path, str]] = []  # by the last restore: (directory, why), newest first
 
     def directory(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
 
+    def _own(self) -> list[tuple[int, Path]]:
+        """(step, directory) of this manager's committed checkpoints (named by ``directory``), oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for d in self.root.iterdir():
+            named = _STEP_DIR.fullmatch(d.name)
+            if named and d == self.directory(int(named[1])) and is_committed(d):
+                found.append((int(named[1]), d))
+        return sorted(found)
+
     def steps(self) -> list[int]:
-        """The steps of the complete checkpoints (their directories' names), oldest first."""
-        return [int(d.name.removeprefix("step_")) for _, d in _committed(self.root) if d.name.startswith("step_")]
+        """The steps of its complete checkpoints (their directories' names), oldest first."""
+        return [n for n, _ in self._own()]
 
     def latest(self) -> Path | None:
-        return latest(self.root)
+        """Its newest complete checkpoint (``restore`` falls back from it if it does not load)."""
+        own = self._own()
+        return own[-1][1] if own else None
 
     def save(
         self, state: TrainState, *, step: int | None = None, extra: Any = None, blocking: bool = True, **kwargs: Any
@@ -742,7 +938,7 @@ class CheckpointManager:
         self.wait()  # the previous background save, then its retention
         n = state.step if step is None else step
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"CheckpointManager.save: step must be a whole number >= 0, got {n!r}")
+            raise CheckpointError(f"CheckpointManager.save: step must be a whole number >= 0, got {n!r}")
         result = save(self.directory(n), state, extra=extra, blocking=blocking, **kwargs)
         if isinstance(result, Path):
             self._prune(state.params.layout)
@@ -761,12 +957,42 @@ class CheckpointManager:
     def _prune(self, layout: Layout) -> None:
         if _group(layout).rank() != 0 or self.keep is None:
             return
-        for _, d in _committed(self.root)[: -self.keep]:
+        for _, d in self._own()[: -self.keep]:
             shutil.rmtree(d, ignore_errors=True)
-        for d in self.root.glob(".step_*.tmp"):  # left by saves that were killed
-            shutil.rmtree(d, ignore_errors=True)
+        for d in self.root.glob(".step_*.tmp"):  # left by its saves that were killed
+            named = _STEP_DIR.fullmatch(d.name[1:-4])
+            if named and d.name == f".{self.directory(int(named[1])).name}.tmp":
+                shutil.rmtree(d, ignore_errors=True)
 
-    def restore(self, like: TrainState) -> tuple[TrainState, Any] | None:
-        """``load(latest, like)``, or ``None`` when ``root`` holds no complete checkpoint."""
-        path = self.latest()
-        return None if path is None else load(path, like)
+    def restore(
+        self, like: TrainState, *, check_digests: bool = True, timeout: float = 300.0
+    ) -> tuple[TrainState, Any] | None:
+        """``load`` the newest of its checkpoints that loads into ``like``; ``None`` when it has none.
+
+        A checkpoint that does not load (damaged, a file missing, a flipped bit) is skipped
+        for the one before it: each skipped one is logged (``fsdp_fn.checkpoint``, warning)
+        and kept in ``skipped`` with why. When none loads, ``CheckpointError`` lists each and
+        why; ``like``'s tensors may then hold part of what was read.
+        """
+        self.skipped = []
+        own = self._own()
+        for _, path in reversed(own):
+            try:
+                restored = load(path, like, check_digests=check_digests, timeout=timeout)
+            except CheckpointError as e:
+                why = str(e).splitlines()[0]
+                self.skipped.append((path, why))
+                logger.warning("CheckpointManager.restore skipped %s: %s", path, why)
+                continue
+            if self.skipped:
+                logger.warning(
+                    "CheckpointManager.restore loaded %s, skipping %d newer: %s",
+                    path,
+                    len(self.skipped),
+                    ", ".join(p.name for p, _ in self.skipped),
+                )
+            return restored
+        if self.skipped:
+            reasons = "; ".join(f"{p.name}: {why}" for p, why in self.skipped)
+            raise CheckpointError(f"none of the {len(own)} checkpoints under {self.root} loads: {reasons}")
+        return None

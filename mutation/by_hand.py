@@ -1,4 +1,4 @@
-"""Mutants planted by hand (docs/testing.md, the fifth to seventh batches): each a plausible slip in a
+"""Mutants planted by hand (docs/testing.md, the fifth to eighth batches): each a plausible slip in a
 core module, applied to a copy of the tracked tree, its tests run with ``pytest -x``.
 
     python mutation/by_hand.py                    # every mutant
@@ -335,6 +335,84 @@ MUTANTS = [
         "        if all(mask) and layout.replicate is None:",
         "        if layout.replicate is None:",
         "tests/test_correctness.py::test_an_expert_only_some_ranks_route_to_is_stepped_on_every_rank",
+    ),
+    # --- the eighth batch: checkpoints from untrusted or damaged directories (issue 32) ---
+    (
+        "unpickler_admits_any",
+        "fsdp_fn/_integrity.py",
+        "        if (module, name) in _ADMITTED:\n            return super().find_class(module, name)",
+        "        if True:\n            return super().find_class(module, name)",
+        "tests/test_checkpoint.py::test_loading_runs_no_code_from_the_directory",
+    ),
+    (
+        "dotdot_allowed",
+        "fsdp_fn/_integrity.py",
+        '    if pure.is_absolute() or PureWindowsPath(name).drive or ".." in pure.parts:',
+        "    if pure.is_absolute() or PureWindowsPath(name).drive:",
+        "tests/test_checkpoint.py::test_loading_reads_nothing_outside_the_directory",
+    ),
+    (
+        "symlink_followed",
+        "fsdp_fn/_integrity.py",
+        "    if real == root or not real.is_relative_to(root):",
+        "    if real == root:",
+        "tests/test_checkpoint.py::test_loading_reads_nothing_outside_the_directory",
+    ),
+    (
+        "chunk_digest_unchecked",
+        "fsdp_fn/_integrity.py",
+        "    if opened.digests is not None and digest != opened.digests[_key(index)][3]:",
+        "    if False:",
+        "tests/test_checkpoint.py::test_damage_is_refused_naming_the_file_and_the_parameter",
+    ),
+    (
+        "chunks_not_covered",
+        "fsdp_fn/_integrity.py",
+        "        _covers_exactly(root, fqn, shape, boxes)\n",
+        "",
+        "tests/test_checkpoint.py::test_damage_is_refused_naming_the_file_and_the_parameter",
+    ),
+    (
+        "storage_entries_not_recorded",
+        "fsdp_fn/_integrity.py",
+        "            if recorded is None or recorded[:3] != (info.relative_path, info.offset, info.length):",
+        "            if recorded is None:",
+        "tests/test_checkpoint.py::test_damage_is_refused_naming_the_file_and_the_parameter",
+    ),
+    (
+        "manager_prunes_any",
+        "fsdp_fn/checkpoint.py",
+        "        for _, d in self._own()[: -self.keep]:",
+        "        for _, d in _committed(self.root)[: -self.keep]:",
+        "tests/test_checkpoint.py::test_the_manager_prunes_only_its_own_and_restores_the_newest_that_loads",
+    ),
+    (
+        "restore_no_fallback",
+        "fsdp_fn/checkpoint.py",
+        "                continue\n            if self.skipped:",
+        "                raise\n            if self.skipped:",
+        "tests/test_checkpoint.py::test_the_manager_prunes_only_its_own_and_restores_the_newest_that_loads",
+    ),
+    (
+        "background_writes_without_group",
+        "fsdp_fn/checkpoint.py",
+        "    if not dist.is_initialized():  # a background save whose process group was destroyed",
+        "    if False:",
+        "tests/test_checkpoint.py::test_a_background_save_whose_group_is_gone_never_commits",
+    ),
+    (
+        "writer_falls_back",
+        "fsdp_fn/_integrity.py",
+        "        if len(plans) != self.expected_world:",
+        "        if False:",
+        "tests/test_checkpoint.py::test_a_background_save_whose_group_is_gone_never_commits",
+    ),
+    (
+        "dcp_exception_raw",
+        "fsdp_fn/checkpoint.py",
+        '        raise _converted(e, f"cannot write {final}") from e',
+        "        raise",
+        "tests/test_checkpoint.py::test_a_save_failing_on_one_rank_fails_on_every_rank_and_keeps_the_last",
     ),
 ]
 

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import copy
+import hashlib
+import io
 import json
 import os
+import pickle
+import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -13,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 import fsdp_fn as ff
 import fsdp_fn.checkpoint as ckpt
@@ -427,12 +434,15 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(fresh, tm
 
 
 def _save_fails(group, root, where):
-    """Save step 1, then a step 2 that fails on rank 0 alone (``where``: creating its directory,
-    or committing it), then step 2 again where it can succeed."""
+    """Save step 1, then a step 2 that fails on one rank alone (``where``: rank 0 creating its
+    directory or committing it; rank 1 writing its data to a full disk), then step 2 again where it
+    can succeed. The error as ``except Exception`` sees it."""
     _, _, state = _setup(group)
     manager = ckpt.CheckpointManager(root)
     manager.save(state._replace(step=1))
-    rename = os.rename
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    rename, create_stream = os.rename, FileSystem.create_stream
     if where == "commit" and group.rank() == 0:
 
         def full_disk(src, dst):  # on fsdp_fn's commit of the directory only (DCP renames its files too)
@@ -441,30 +451,46 @@ def _save_fails(group, root, where):
             rename(src, dst)
 
         os.rename = full_disk
+    if where == "write" and group.rank() == 1:
+
+        def no_space(self, path, mode):  # DCP's data files, as a full disk refuses them
+            if Path(path).suffix == ".distcp":
+                raise OSError(28, "No space left on device", str(path))
+            return create_stream(self, path, mode)
+
+        FileSystem.create_stream = no_space
     try:
         if where == "create":
             ckpt.save(Path(root) / "a_file" / "step_00000002", state._replace(step=2))
         else:
             manager.save(state._replace(step=2))
         error = "saved"
-    except ckpt.CheckpointError as e:
-        error = str(e)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
     finally:
-        os.rename = rename
+        os.rename, FileSystem.create_stream = rename, create_stream
     latest = str(manager.latest())
     manager.save(state._replace(step=2))  # the state and the group are still usable
     return error, latest, manager.steps()
 
 
-@pytest.mark.parametrize("where", ["create", "commit"])
+@pytest.mark.parametrize("where", ["create", "commit", "write"])
 def test_a_save_failing_on_one_rank_fails_on_every_rank_and_keeps_the_last(pool, tmp_path, where):
     # Catches: rank 0's error leaving the other ranks waiting for a commit that never comes
-    # (a hang), and a failed save taking the last checkpoint with it.
+    # (a hang), a failed save taking the last checkpoint with it, and (write) DCP's
+    # CheckpointException, a BaseException that `except Exception` misses, its cause in a traceback.
     root = tmp_path / "run"
     root.mkdir()
     (root / "a_file").write_text("not a directory")
     for error, latest, steps in pool.run(_save_fails, str(root), where, world=2):
-        assert error.startswith(f"rank 0: cannot {where} "), error
+        if where == "write":
+            first = error.splitlines()[0]
+            assert first.startswith(
+                f"CheckpointError: cannot write {root / 'step_00000002'}: rank 1: OSError: [Errno 28] "
+                f"No space left on device: '{root / '.step_00000002.tmp' / '__1_0.distcp'}'"
+            ), error
+        else:
+            assert error.startswith(f"CheckpointError: rank 0: cannot {where} "), error
         assert latest == str(root / "step_00000001")
         assert steps == [1, 2]
 
@@ -479,7 +505,7 @@ def _load_error(group, directory, cfg_kw, dtype=None):
         like = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([Block])), group))
     try:
         ckpt.load(directory, like)
-    except (ckpt.CheckpointError, FileNotFoundError) as e:
+    except ckpt.CheckpointError as e:
         return f"{type(e).__name__}: {e}"
     return "loaded"
 
@@ -499,8 +525,8 @@ def _load_error(group, directory, cfg_kw, dtype=None):
             r"the data of (parameter|optimizer state '\w+' of) '\S+' .* is in __1_0\.distcp, which is truncated",
         ),
         ("no-marker", r"not a complete checkpoint: it has no COMMITTED marker"),
-        ("bad-metadata", r"its metadata file cannot be read"),
-        ("missing", r"FileNotFoundError: no checkpoint at"),
+        ("bad-metadata", r"\.metadata does not match its digest in COMMITTED: the file is damaged"),
+        ("missing", r"CheckpointError: no checkpoint at .*nowhere: no such path"),
     ],
 )
 def test_a_mismatched_partial_or_corrupt_checkpoint_is_named(pool, tmp_path, change, message):
@@ -519,6 +545,439 @@ def test_a_mismatched_partial_or_corrupt_checkpoint_is_named(pool, tmp_path, cha
     got = pool.run(_load_error, str(d), kw, torch.float64 if change == "float64" else None, world=2)
     for text in got:
         assert __import__("re").search(message, text), text
+
+
+# --- untrusted directories: no code runs, nothing outside is read, damage is refused --------
+
+
+class _Planted:
+    """Unpickling it runs a shell command that creates ``marker`` (what a downloaded checkpoint may hold)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.fixture(scope="module")
+def pristine(pool, tmp_path_factory):
+    """A checkpoint of the tiny GPT after 2 steps at W=2 (``extra={"next": 2}``); tests edit copies."""
+    d = tmp_path_factory.mktemp("pristine") / "c"
+    pool.run(_save_after, str(d), world=2)
+    return d
+
+
+def _copy(pristine: Path, to: Path) -> Path:
+    shutil.copytree(pristine, to)
+    return to
+
+
+def _marker_edit(d: Path, **fields) -> None:
+    marker = json.loads((d / ckpt.COMMIT_MARKER).read_text())
+    (d / ckpt.COMMIT_MARKER).write_text(json.dumps({**marker, **fields}))
+
+
+def _metadata_edit(d: Path, edit, *, forge: bool = True) -> None:
+    """Edit ``d``'s DCP metadata (the test wrote it: unpickled here as is); ``forge``: record the new
+    file's digest in the marker too, so only the checks past the digests stand in the way."""
+    md = pickle.loads((d / ".metadata").read_bytes())
+    edit(md)  # in place
+    data = pickle.dumps(md)
+    (d / ".metadata").write_bytes(data)
+    if forge:
+        _marker_edit(d, metadata=hashlib.sha256(data).hexdigest())
+
+
+def _digests_edit(d: Path, edit) -> None:
+    """Edit ``digests.json`` and record its new digest in the marker (a forger's edit); nothing to
+    forge in a checkpoint written before digests existed."""
+    if not (d / "digests.json").exists():
+        return
+    found = json.loads((d / "digests.json").read_text())
+    found["chunks"] = edit(found["chunks"])
+    data = json.dumps(found).encode()
+    (d / "digests.json").write_bytes(data)
+    _marker_edit(d, digests=hashlib.sha256(data).hexdigest())
+
+
+def _entry(d: Path, fqn: str, file: str = "__1_0.distcp"):
+    """(index, storage info) of a chunk of ``fqn`` in ``file``."""
+    md = pickle.loads((d / ".metadata").read_bytes())
+    return next((i, s) for i, s in md.storage_data.items() if i.fqn == fqn and s.relative_path == file)
+
+
+def _flip_a_bit(d: Path, fqn: str, file: str = "__1_0.distcp") -> None:
+    """Flip the lowest bit of one element of ``fqn``'s chunk in ``file`` (one ulp of a float)."""
+    _, info = _entry(d, fqn, file)
+    blob = (d / file).read_bytes()
+    chunk = blob[info.offset : info.offset + info.length]
+    raw = torch.load(io.BytesIO(chunk), weights_only=True).contiguous().view(torch.uint8).numpy().tobytes()
+    at = info.offset + chunk.find(raw) + len(raw) // 2
+    (d / file).write_bytes(blob[:at] + bytes([blob[at] ^ 1]) + blob[at + 1 :])
+
+
+def _load_each(group, directories):
+    """Load each directory into a fresh template; what happened to each, as text."""
+    out = []
+    for d in directories:
+        _, _, like = _setup(group)
+        try:
+            _, extra = ckpt.load(d, like)
+            out.append(f"loaded: extra={extra!r}")
+        except Exception as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def _verify_error(d: Path) -> str:
+    try:
+        ckpt.verify(d)
+    except ckpt.CheckpointError as e:
+        return str(e)
+    return "verified"
+
+
+def _planted_cases(pristine: Path, tmp_path: Path, marker: Path) -> dict[str, Path]:
+    cases = {}
+
+    def plant(md):
+        md.planner_data = _Planted(marker)
+
+    # in .metadata, its new digest in the marker: only the unpickler stands in the way
+    _metadata_edit(cases.setdefault("metadata", _copy(pristine, tmp_path / "metadata")), plant)
+    # the same with the marker's old digest, and with no marker at all (as torch writes them)
+    _metadata_edit(cases.setdefault("stale-digest", _copy(pristine, tmp_path / "stale")), plant, forge=False)
+    _metadata_edit(cases.setdefault("no-marker", _copy(pristine, tmp_path / "no-marker")), plant, forge=False)
+    (cases["no-marker"] / ckpt.COMMIT_MARKER).unlink()
+    # fsdp_fn's own entry as a pickled object (as the old format held it), digests forged
+    d = cases.setdefault("own-entry", _copy(pristine, tmp_path / "own-entry"))
+    buf = io.BytesIO()
+    torch.save({"step": 2, "extra": _Planted(marker)}, buf)
+    (d / "__9_0.distcp").write_bytes(buf.getvalue())
+
+    def pickled_entry(md):
+        for index in [i for i in md.storage_data if i.fqn.startswith("fsdp_fn")]:
+            del md.storage_data[index]
+        md.state_dict_metadata = {k: v for k, v in md.state_dict_metadata.items() if not k.startswith("fsdp_fn")}
+        md.state_dict_metadata["fsdp_fn"] = BytesStorageMetadata()
+        md.storage_data[MetadataIndex("fsdp_fn")] = _StorageInfo("__9_0.distcp", 0, len(buf.getvalue()))
+
+    _metadata_edit(d, pickled_entry)
+    _digests_edit(
+        d,
+        lambda records: (
+            [r for r in records if not r[0].startswith("fsdp_fn")]
+            + [["fsdp_fn", None, "__9_0.distcp", 0, len(buf.getvalue()), hashlib.sha256(buf.getvalue()).hexdigest()]]
+        ),
+    )
+    # a tensor chunk's bytes replaced by a pickled object, its digest forged
+    d = cases.setdefault("chunk", _copy(pristine, tmp_path / "chunk"))
+    index, _ = _entry(d, "model.wpe.weight")
+    blob = (d / "__1_0.distcp").read_bytes()
+    buf = io.BytesIO()
+    torch.save(_Planted(marker), buf)
+    planted = buf.getvalue()
+    (d / "__1_0.distcp").write_bytes(blob + planted)  # appended: the chunk's entry points at it
+
+    def at_the_end(md):
+        md.storage_data[index] = _StorageInfo("__1_0.distcp", len(blob), len(planted))
+
+    _metadata_edit(d, at_the_end)
+    offsets = list(index.offset)
+    _digests_edit(
+        d,
+        lambda records: [
+            [*r[:2], "__1_0.distcp", len(blob), len(planted), hashlib.sha256(planted).hexdigest()]
+            if r[0] == "model.wpe.weight" and r[1] == offsets
+            else r
+            for r in records
+        ],
+    )
+    return cases
+
+
+def test_loading_runs_no_code_from_the_directory(pool, pristine, tmp_path):
+    """A command planted in a checkpoint (``.metadata``, fsdp_fn's own entry, a tensor chunk; with
+    digests forged, stale, or no marker at all) never runs on load, verify or restore: the marker
+    file it would create never appears, and each load names the cause. Before: the command ran
+    from ``.metadata`` and from fsdp_fn's pickled entry, also without ``COMMITTED``."""
+    marker = tmp_path / "ran"
+    cases = _planted_cases(pristine, tmp_path, marker)
+    expected = {
+        "metadata": r"metadata file cannot be read \(UnpicklingError: it names posix\.system, which is not one of DCP",
+        "stale-digest": r"\.metadata does not match its digest in COMMITTED: the file is damaged",
+        "no-marker": r"metadata file cannot be read \(UnpicklingError: it names posix\.system",
+        "own-entry": r"its entry 'fsdp_fn' is not what fsdp_fn writes",
+        "chunk": r"rank 1: \S+: the data of 'model\.wpe\.weight' \(chunk at \(5, 6\)\) in __1_0\.distcp "
+        r"is not a tensor \(UnpicklingError",
+    }
+    got = pool.run(_load_each, [str(d) for d in cases.values()], world=2)
+    for rank in got:
+        for name, text in zip(cases, rank):
+            assert text.startswith("CheckpointError: "), (name, text)
+            assert re.search(expected[name], text), (name, text)
+    for name, d in cases.items():
+        if name != "no-marker":
+            assert re.search(expected[name] if name != "chunk" else "is not a tensor", _verify_error(d)), name
+    # a manager skips the planted checkpoint for the one before it
+    root = tmp_path / "run"
+    root.mkdir()
+    shutil.copytree(pristine, root / "step_00000001")
+    shutil.copytree(cases["metadata"], root / "step_00000002")
+    for step, extra, skipped in pool.run(_restore_report, str(root), world=2):
+        assert (step, extra) == (2, {"next": 2})  # step_00000001 holds the state after 2 steps
+        assert [p for p, _ in skipped] == ["step_00000002"] and "UnpicklingError" in skipped[0][1]
+    assert not marker.exists()
+
+
+def _save_extra(group, directory, extra, planted=None):
+    """Save with ``extra`` (with ``planted``: ``{"loader": _Planted(planted)}``, made here: the pool
+    pickles what it sends), then load; the ``extra`` loaded, or the error."""
+    if planted is not None:
+        extra = {"loader": _Planted(Path(planted))}
+    _, _, state = _setup(group)
+    try:
+        ckpt.save(directory, state, extra=extra)
+    except ckpt.CheckpointError as e:
+        return f"CheckpointError: {e}"
+    _, _, like = _setup(group)
+    return ckpt.load(directory, like)[1]
+
+
+def test_extra_holds_json_values_and_tensors_and_refuses_anything_else(pool, tmp_path):
+    """``extra`` is written as JSON and tensors, so loading it runs no code: tuples, sets and tensors
+    come back as they were; an object (one whose unpickling would run a command, a NumPy array, a
+    dict with int keys) is refused at save on every rank, naming where it sits, and nothing is
+    written. Before: it was pickled, and its unpickling ran at load."""
+    import numpy as np
+
+    value = {"pos": (3, [4, 5.5]), "seen": frozenset({"a", "b"}), "w": torch.arange(6.0).view(2, 3), "none": None}
+    for back in pool.run(_save_extra, str(tmp_path / "ok"), value, world=2):
+        assert back.keys() == value.keys() and back["pos"] == (3, [4, 5.5]) and back["seen"] == frozenset("ab")
+        assert torch.equal(back["w"], value["w"]) and back["none"] is None
+    marker = tmp_path / "ran"
+    bad = [
+        (None, r"extra\['loader'\] is a tests\.test_checkpoint\._Planted: a checkpoint holds"),
+        ({"rng": [np.zeros(3)]}, r"extra\['rng'\]\[0\] is a numpy\.ndarray: .*torch\.from_numpy"),
+        ({1: "a"}, r"extra has the key 1, a int: JSON's keys are strings"),
+    ]
+    for i, (extra, message) in enumerate(bad):
+        planted = str(marker) if extra is None else None
+        for text in pool.run(_save_extra, str(tmp_path / f"bad{i}"), extra, planted, world=2):
+            assert isinstance(text, str) and re.match(f"CheckpointError: {message}", text), text  # not loaded
+        assert not (tmp_path / f"bad{i}").exists() and not (tmp_path / f".bad{i}.tmp").exists()
+    assert not marker.exists()
+
+
+def test_loading_reads_nothing_outside_the_directory(pool, pristine, tmp_path):
+    """Storage entries naming ``../outside/...`` or an absolute path, and a data file that is a symlink
+    out of the directory, are refused naming the entry, also with the digests forged to match
+    (before: loaded from there); a safetensors index whose ``weight_map`` leads out is refused too."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy(pristine / "__1_0.distcp", outside / "__1_0.distcp")
+    cases = {}
+    for name, target in (("dotdot", "../outside/__1_0.distcp"), ("absolute", str(outside / "__1_0.distcp"))):
+        d = cases[name] = _copy(pristine, tmp_path / name)
+        _metadata_edit(
+            d,
+            lambda md, t=target: [
+                setattr(s, "relative_path", t) for s in md.storage_data.values() if s.relative_path == "__1_0.distcp"
+            ],
+        )
+        _digests_edit(d, lambda rs, t=target: [[*r[:2], t, *r[3:]] if r[2] == "__1_0.distcp" else r for r in rs])
+    d = cases["symlink"] = _copy(pristine, tmp_path / "symlink")
+    (d / "__1_0.distcp").unlink()
+    (d / "__1_0.distcp").symlink_to(outside / "__1_0.distcp")
+    got = pool.run(_load_each, [str(d) for d in cases.values()], world=2)
+    for rank in got:
+        for name, text in zip(cases, rank):
+            assert text.startswith("CheckpointError: "), (name, text)
+            assert re.search(r"the storage entry of '[\w.]+' \(chunk at \([\d, ]+\)\) names '[^']+', ", text), text
+            assert ("through a symlink" in text) == (name == "symlink"), text
+    for d in cases.values():
+        assert "leave" in _verify_error(d) or "leads outside" in _verify_error(d)
+    # safetensors: an index's weight_map that leads out of the directory, by .. or by a symlink
+    for how in ("dotdot", "symlink"):
+        hf = tmp_path / f"hf-{how}"
+        pool.run(_export_to, str(hf), world=2)
+        index = json.loads((hf / "model.safetensors.index.json").read_text())
+        first = sorted(set(index["weight_map"].values()))[0]
+        shutil.move(hf / first, outside / first)
+        if how == "dotdot":
+            index["weight_map"] = {
+                k: f"../outside/{first}" if v == first else v for k, v in index["weight_map"].items()
+            }
+            (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+        else:
+            (hf / first).symlink_to(outside / first)
+        for text in pool.run(_import_from, str(hf), world=2):
+            assert re.match(r"CheckpointError: .*the index's weight_map entry '[\w.]+' names", text), text
+
+
+def _export_to(group, directory):
+    _, _, state = _setup(group)
+    ckpt.export_safetensors(directory, state.params, max_shard_size=6000)
+
+
+def _import_from(group, directory):
+    _, _, like = _setup(group)
+    try:
+        ckpt.import_safetensors(directory, like.params)
+    except ckpt.CheckpointError as e:
+        return f"CheckpointError: {e}"
+    return "imported"
+
+
+def test_damage_is_refused_naming_the_file_and_the_parameter(pool, pristine, tmp_path):
+    """One flipped bit in a tensor's bytes, two chunks' storage entries swapped, a chunk removed from
+    the metadata (digests forged to match), an edited ``extra``, a metadata field of the wrong type:
+    every one is a ``CheckpointError`` on every rank naming the file and the parameter, and
+    ``verify`` finds each. Before: the bit, the swap, the removed chunk and the edit loaded
+    silently with other values; the wrong type raised a raw ``AttributeError``."""
+    cases = {}
+    _flip_a_bit(cases.setdefault("bit", _copy(pristine, tmp_path / "bit")), "model.blocks.1.fc.weight")
+    d = cases["swap"] = _copy(pristine, tmp_path / "swap")
+    # two chunks of one shape, (1, 6): the halves of row 22 of a weight, one in each rank's file
+
+    def swap(md):
+        a, b = MetadataIndex("model.blocks.0.fc.weight", (22, 0)), MetadataIndex("model.blocks.0.fc.weight", (22, 6))
+        md.storage_data[a], md.storage_data[b] = md.storage_data[b], md.storage_data[a]
+
+    _metadata_edit(d, swap)
+    d = cases["removed"] = _copy(pristine, tmp_path / "removed")
+
+    def remove(md):
+        entry = md.state_dict_metadata["model.blocks.0.fc.weight"]
+        entry.chunks = [c for c in entry.chunks if tuple(c.offsets) != (22, 6)]
+        del md.storage_data[MetadataIndex("model.blocks.0.fc.weight", (22, 6))]
+
+    _metadata_edit(d, remove)
+    _digests_edit(d, lambda rs: [r for r in rs if not (r[0] == "model.blocks.0.fc.weight" and r[1] == [22, 6])])
+    d = cases["extra"] = _copy(pristine, tmp_path / "extra")
+    blob = (d / "__0_0.distcp").read_bytes()
+    assert blob.count(b'"next": 2') == 1
+    (d / "__0_0.distcp").write_bytes(blob.replace(b'"next": 2', b'"next": 3'))
+    d = cases["format-1"] = _copy(pristine, tmp_path / "format-1")  # as an earlier fsdp_fn wrote its marker
+    (d / ckpt.COMMIT_MARKER).write_text(json.dumps({"step": 2, "world": 2, "time": 0.0}))
+    d = cases["type"] = _copy(pristine, tmp_path / "type")
+    _metadata_edit(d, lambda md: setattr(md.state_dict_metadata["model.wte.weight"], "chunks", "many"))
+    expected = {
+        "bit": r"the data of 'model\.blocks\.1\.fc\.weight' \(chunk at \(\d+, \d+\)\) in __1_0\.distcp does not match "
+        r"its digest \(sha256\): the file is damaged",
+        "swap": r"the storage entry of 'model\.blocks\.0\.fc\.weight' \(chunk at \(22, [06]\)\) names bytes "
+        r"\d+\.\.\d+ of '__\d_0\.distcp', which digests\.json does not record",
+        "removed": r"the chunks of 'model\.blocks\.0\.fc\.weight' cover 570 of its 576 elements \(a chunk is missing\)",
+        "extra": r"the data of 'fsdp_fn' \(chunk at \(0,\)\) in __0_0\.distcp does not match its digest",
+        "format-1": r"was written by an earlier fsdp_fn \(checkpoint format 1\), which pickled its own entries",
+        "type": r"its metadata is damaged: the entry 'model\.wte\.weight' has the chunks 'many'",
+    }
+    got = pool.run(_load_each, [str(d) for d in cases.values()], world=2)
+    for rank in got:
+        for name, text in zip(cases, rank):
+            first = text.splitlines()[0]
+            assert first.startswith("CheckpointError: ") and re.search(expected[name], first), (name, text)
+    for name, d in cases.items():
+        assert re.search(expected[name], _verify_error(d)), (name, _verify_error(d))
+    verified = ckpt.verify(pristine)
+    assert verified.step == 2 and verified.bytes == sum(f.stat().st_size for f in pristine.glob("*.distcp"))
+
+
+def _restore_report(group, root):
+    _, _, like = _setup(group)
+    manager = ckpt.CheckpointManager(root)
+    state, extra = manager.restore(like)
+    return state.step, extra, [(p.name, why) for p, why in manager.skipped]
+
+
+def _manager_run(group, root):
+    _, _, state = _setup(group)
+    ckpt.save(Path(root) / "best", state._replace(step=2), extra="by hand")
+    manager = ckpt.CheckpointManager(root, keep=2)
+    for s in (1, 2, 3, 4):
+        manager.save(state._replace(step=s), extra=s)
+    return manager.steps(), str(manager.latest())
+
+
+def test_the_manager_prunes_only_its_own_and_restores_the_newest_that_loads(pool, tmp_path):
+    """A checkpoint saved by hand under the manager's root (``root/best``, step 2) is neither pruned
+    nor restored; with a bit flipped in the newest, ``restore`` loads the one before, logs it and
+    says which it skipped and why. Before: ``best`` was pruned, and the damaged one loaded."""
+    root = tmp_path / "run"
+    steps, latest = pool.run(_manager_run, str(root), world=2)[0]  # rank 0 prunes
+    assert steps == [3, 4] and latest == str(root / "step_00000004")
+    assert sorted(p.name for p in root.iterdir()) == ["best", "step_00000003", "step_00000004"]
+    _flip_a_bit(root / "step_00000004", "model.wte.weight", "__0_0.distcp")
+    for step, extra, skipped in pool.run(_restore_report, str(root), world=2):
+        assert (step, extra) == (3, 3)
+        assert [p for p, _ in skipped] == ["step_00000004"]
+        assert re.search(r"'model\.wte\.weight' .* in __0_0\.distcp does not match its digest", skipped[0][1])
+
+
+def _abandoned_save(group, root):
+    """Save step 1; start a background save of step 2 whose writing begins only after the process
+    group is destroyed (a job that ends without ``wait()``); then what interpreter exit does:
+    wait for the writer thread. Also DCP's own fallback, offered our writer with the group gone."""
+    import threading
+    import warnings
+
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    from fsdp_fn._dcp import SavePlanner
+
+    rank = group.rank()
+    _, _, state = _setup(group)
+    manager = ckpt.CheckpointManager(root)
+    manager.save(state._replace(step=1), extra=1)
+    go, write = threading.Event(), ckpt._write
+
+    def late(*args):
+        go.wait()
+        return write(*args)
+
+    ckpt._write = late
+    pending = manager.save(state._replace(step=2), extra=2, blocking=False)
+    side = ckpt._side_group(group)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # DCP's note that it falls back
+        dist.destroy_process_group()
+        go.set()
+        pending._thread.join()
+        errors = [str(pending._error)]
+        try:
+            from fsdp_fn._integrity import Writer
+
+            tmp = Path(root) / ".fallback.tmp"
+            tmp.mkdir(exist_ok=True)
+            dcp_save(
+                {"x": torch.ones(2)},
+                storage_writer=Writer(tmp, world=2),
+                planner=SavePlanner(),
+                process_group=side,
+            )
+            errors.append("saved")
+        except BaseException as e:
+            errors.append(str(e))
+    Path(root, f"errors.{rank}").write_text(json.dumps(errors))
+    os._exit(0)  # the process ends here: the pool starts new ones
+
+
+def test_a_background_save_whose_group_is_gone_never_commits(fresh, tmp_path):
+    """``save(blocking=False)``, then ``destroy_process_group()`` and exit without ``wait()``: the
+    background writer refuses to write as a single process (DCP's fallback, in which the ranks
+    overwrote each other's files), nothing is committed, and ``restore`` loads the step before.
+    Before: a broken checkpoint was committed, became ``latest()``, and ``restore`` raised."""
+    root = tmp_path / "run"
+    with pytest.raises(RankError, match="died"):
+        fresh.run(_abandoned_save, str(root), world=2)
+    for rank in range(2):
+        pending, fallback = json.loads((root / f"errors.{rank}").read_text())
+        assert "the process group of the save of" in pending and "was destroyed before it could write" in pending
+        assert "nothing was committed" in pending
+        assert "the process group of this save is gone" in fallback, fallback
+    assert not (root / "step_00000002").exists() and ckpt.latest(root) == root / "step_00000001"
+    assert fresh.run(_restore, str(root), world=2) == [(1, 1), (1, 1)]
 
 
 # --- streamed export and import -------------------------------------------------------------

@@ -130,13 +130,14 @@ def _sends_on_the_sender_thread(group):
     isend = dist.isend
 
     def spy(tensor, *args, **kwargs):
-        seen.append((threading.current_thread().name, kwargs.get("tag")))
+        seen.append((threading.current_thread().name, kwargs.get("tag"), tensor.numel() * tensor.element_size()))
         return isend(tensor, *args, **kwargs)
 
+    big = C.SENDER_BYTES // 4  # float32 elements per shard: a send this large leaves from the sender thread
     dist.isend = spy
     try:
-        shard = torch.arange(6.0) + 10 * rank
-        out = torch.empty(6 * world)
+        shard = torch.arange(float(big)) + 10 * rank
+        out = torch.empty(big * world)
         pending = C.all_gather_into(out, shard, group, "u", async_op=True)
         # The user's own point-to-point on the same group, default tag, while ours is in flight.
         peer = (rank + 1) % world
@@ -145,13 +146,17 @@ def _sends_on_the_sender_thread(group):
             dist.isend(mine, group=group, group_dst=peer),
             dist.irecv(theirs, group=group, group_src=(rank - 1) % world),
         ]
+        # Small sends right behind the large ones: they must not overtake them (gloo matches in order).
         summed = C.reduce_scatter(torch.ones(6 * world) * (rank + 1), group, "u")
         pending.wait()
         for w in user:
             w.wait()
+        # Once the queue has drained, a small send leaves from the step's own thread: no hand-off.
+        seen.clear()
+        again = C.reduce_scatter(torch.ones(6 * world) * (rank + 1), group, "u")
     finally:
         dist.isend = isend
-    ours = [s for s in seen if s[1] == C.TAG]
+    ours_small = [s for s in seen if s[1] == C.TAG]
 
     # A send whose issue fails reaches the thread that waits on it.
     def refuse(*args, **kwargs):
@@ -166,21 +171,47 @@ def _sends_on_the_sender_thread(group):
         raised = str(e) == "refused"
     finally:
         dist.isend = isend
+    expected = (torch.arange(float(big)) + 10 * torch.arange(world)[:, None]).view(-1)
     return (
-        len(ours) == 2 * (world - 1) and all(name == "fsdp_fn-send" for name, _ in ours),
-        torch.equal(out, (torch.arange(6.0) + 10 * torch.arange(world).repeat_interleave(6).view(world, 6)).view(-1)),
+        len(ours_small) == world - 1 and all(name == "MainThread" for name, _, _ in ours_small),
+        torch.equal(out, expected),
         torch.equal(theirs, torch.full((6,), -1.0 - (rank - 1) % world)),
         torch.equal(summed, torch.full((6,), world * (world + 1) / 2)),
+        torch.equal(again, summed),
         raised,
+        C._last is not None and C._last.issued.is_set(),
     )
 
 
+def _large_sends_leave_from_the_sender_thread(group):
+    world, rank = group.size(), group.rank()
+    names = []
+    isend = dist.isend
+
+    def spy(tensor, *args, **kwargs):
+        if kwargs.get("tag") == C.TAG:
+            names.append(threading.current_thread().name)
+        return isend(tensor, *args, **kwargs)
+
+    dist.isend = spy
+    try:
+        big = C.SENDER_BYTES // 4
+        out = torch.empty(big * world)
+        C.all_gather_into(out, torch.full((big,), float(rank)), group, "u")
+    finally:
+        dist.isend = isend
+    return names == ["fsdp_fn-send"] * (world - 1) and torch.equal(out, torch.arange(world).repeat_interleave(big).float())
+
+
 def test_sends_leave_from_the_sender_thread(pool):
-    # Catches: sends issued on the step's thread (the second rank to arrive would copy every payload
-    # there); fsdp_fn's messages matched with a user's own on the default tag; a send that failed to
-    # issue lost on the sender thread (its waiter would hang).
+    # Catches: large sends issued on the step's thread (the second rank to arrive would copy every
+    # payload there); a small send issued on the step's thread while a large one still waits in the
+    # queue (it would overtake it: gloo matches messages in order); small sends handed over after
+    # the queue drained (a hand-off per message); fsdp_fn's messages matched with a user's own on
+    # the default tag; a send that failed to issue lost on the sender thread (its waiter would hang).
     for world in (2, 3):
         assert all(all(r) for r in pool.run(_sends_on_the_sender_thread, world=world))
+        assert all(pool.run(_large_sends_leave_from_the_sender_thread, world=world))
 
 
 def test_a_forked_child_starts_its_own_sender_thread():

@@ -32,7 +32,6 @@ NO_EXAMPLES = {
     "fsdp_fn._policy": "plain option dataclasses; used by the examples in docs/features.md (test below)",
     "fsdp_fn._step": "train_step: runnable examples in docs/api.md and docs/features.md (test below)",
     "fsdp_fn.testing": "its example spawns ranks, so it is +SKIP; RankPool runs every multi-rank test",
-    "fsdp_fn.checkpoint": "save and load write directories: runnable examples in docs/checkpoints.md (test below)",
     "fsdp_fn._export": "safetensors export and import: runnable examples in docs/checkpoints.md (test below)",
 }
 
