@@ -10,6 +10,15 @@ loss, grads = value_and_grad(fn, loss_fn)(params, buffers, batch)   # gradients 
 """
 
 from fsdp_fn._activations import ActivationEstimate, ActivationStage, UnitActivations, estimate_activations
+from fsdp_fn._base import (
+    EmptyState,
+    GradientTransformation,
+    Outcome,
+    apply_updates,
+    chain,
+    identity,
+    update_in_place,
+)
 from fsdp_fn._collectives import Collective, CommLog, all_gather, comm_log, reduce_scatter_sum
 from fsdp_fn._errors import DivergenceError, RankFailure
 from fsdp_fn._functional import Functional, functionalize
@@ -18,7 +27,7 @@ from fsdp_fn._grad import value_and_grad
 from fsdp_fn._init import init_shards
 from fsdp_fn._losses import chunked_cross_entropy
 from fsdp_fn._memory import CATEGORIES, MemoryEstimate, MemoryMeter, estimate_memory
-from fsdp_fn._optim import AdamWState, Optimizer, SGDState, adamw, from_torch, sgd, tree_leaves, tree_map
+from fsdp_fn._optim import adam, adamw, from_torch, lion, sgd, tree_leaves, tree_map
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Policy, Unit, layer_policy, make_plan, size_policy
 from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedule
 from fsdp_fn._predict import predict_collectives
@@ -27,31 +36,79 @@ from fsdp_fn._runtime import apply_sharded
 from fsdp_fn._shard import NAMESPACE, Sharded, reduce_grads, shard, unshard
 from fsdp_fn._step import TrainState, TrainStep, clip_grad_norm_, sync_buffers, train_step
 from fsdp_fn._transforms import (
-    AccumulateState,
-    ApplyIfFiniteState,
-    GradientTransformation,
-    accumulate,
-    apply_if_finite,
-    chain,
+    ScaleByAdamState,
+    ScaleByLionState,
+    ScaleByScheduleState,
+    TraceState,
+    add_decayed_weights,
+    clip,
     clip_by_global_norm,
     global_norm,
+    scale,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_lion,
+    scale_by_schedule,
+    trace,
+    zero_nans,
 )
 from fsdp_fn._unit import UnitState
+from fsdp_fn._wrappers import (
+    AccumulateState,
+    ApplyIfFiniteState,
+    InjectHyperparamsState,
+    MaskedState,
+    MultiTransformState,
+    accumulate,
+    apply_if_finite,
+    inject_hyperparams,
+    masked,
+    multi_transform,
+)
 
 __all__ = [
     "NAMESPACE",
     "ROOT",
     "CATEGORIES",
-    "AccumulateState",
     "ActivationEstimate",
-    "AdamWState",
-    "ApplyIfFiniteState",
+    # gradient transformations (optax's protocol and building blocks)
     "GradientTransformation",
-    "accumulate",
-    "apply_if_finite",
+    "EmptyState",
+    "Outcome",
+    "apply_updates",
+    "update_in_place",
     "chain",
+    "identity",
+    "scale",
+    "clip",
     "clip_by_global_norm",
     "global_norm",
+    "zero_nans",
+    "add_decayed_weights",
+    "scale_by_learning_rate",
+    "scale_by_schedule",
+    "scale_by_adam",
+    "scale_by_lion",
+    "trace",
+    "ScaleByAdamState",
+    "ScaleByLionState",
+    "ScaleByScheduleState",
+    "TraceState",
+    "apply_if_finite",
+    "ApplyIfFiniteState",
+    "accumulate",
+    "AccumulateState",
+    "masked",
+    "MaskedState",
+    "multi_transform",
+    "MultiTransformState",
+    "inject_hyperparams",
+    "InjectHyperparamsState",
+    "adam",
+    "adamw",
+    "lion",
+    "sgd",
+    "from_torch",
     "BackwardPrefetch",
     "CPUOffload",
     "Collective",
@@ -61,12 +118,10 @@ __all__ = [
     "MemoryEstimate",
     "MemoryMeter",
     "MixedPrecision",
-    "Optimizer",
     "ParamSpec",
     "RankFailure",
     "Plan",
     "Policy",
-    "SGDState",
     "ActivationStage",
     "Schedule",
     "Sharded",
@@ -75,7 +130,6 @@ __all__ = [
     "Unit",
     "UnitActivations",
     "UnitState",
-    "adamw",
     "all_gather",
     "apply_sharded",
     "chunked_cross_entropy",
@@ -83,7 +137,6 @@ __all__ = [
     "comm_log",
     "estimate_activations",
     "estimate_memory",
-    "from_torch",
     "functionalize",
     "gather_for",
     "init_shards",
@@ -92,7 +145,6 @@ __all__ = [
     "predict_collectives",
     "reduce_grads",
     "reduce_scatter_sum",
-    "sgd",
     "shard",
     "size_policy",
     "sync_buffers",

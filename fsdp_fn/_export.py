@@ -176,8 +176,11 @@ def _settled(layout: Layout, what: str) -> Iterator[None]:
 def export_state_dict(params: Sharded, *, dst: int = 0) -> dict[str, torch.Tensor] | None:
     """The full parameters on rank ``dst`` of the group (``None`` on the others), one unit at a time.
 
-    Memory: rank ``dst`` ends with the whole model; the others hold nothing beyond their
-    shards. Communication: one gather to ``dst`` per unit part.
+    Keyed as the module's ``state_dict()`` keys its parameters, in its order: a tied
+    parameter under each of its names (one tensor), so ``module.load_state_dict(export,
+    strict=False)`` loads every parameter. Memory: rank ``dst`` ends with the whole model;
+    the others hold nothing beyond their shards. Communication: one gather to ``dst`` per
+    unit part.
     """
     layout = params.layout
     group, rank = layout.group, layout.rank
@@ -189,8 +192,13 @@ def export_state_dict(params: Sharded, *, dst: int = 0) -> dict[str, torch.Tenso
             full = torch.cat(pieces)
             for spec, at in zip(part.params, part.offsets, strict=True):
                 out[spec.name] = full[at : at + spec.numel].view(spec.shape).clone()
+                for alias in spec.aliases:  # tied: the same tensor, as the module's state dict has it
+                    out[alias] = out[spec.name]
             del full, pieces
-    return out if rank == dst else None
+    if rank != dst:
+        return None
+    order = [name for name in params.plan.order if name in out]
+    return {name: out[name] for name in [*order, *(n for n in out if n not in set(order))]}
 
 
 # --- import ------------------------------------------------------------------------------

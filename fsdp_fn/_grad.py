@@ -20,6 +20,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.utils._pytree as torch_pytree
 from torch.func import grad_and_value
 
+from fsdp_fn._base import drop_frozen
 from fsdp_fn._collectives import all_reduce_
 from fsdp_fn._errors import DivergenceError, RankFailure
 from fsdp_fn._functional import Functional, index_of
@@ -189,9 +190,13 @@ def value_and_grad(
 
     def run(params: Sharded, buffers: Mapping[str, torch.Tensor], batch: Any) -> tuple[Any, Sharded]:
         ensure_live(params, "value_and_grad")
-        params.plan.check_trainable(fn.module)
+        frozen = params.plan.check_trainable(fn.module)  # since the plan: reach no gradient
         if _differentiated_outside(params):
             loss, aux, out = _composable(fn, loss_fn, schedule, rematerialise, params, buffers, batch, has_aux)
+            if frozen:
+                out = out.with_received(
+                    {u.name: drop_frozen(u, None, out.mask(u), frozen, out.layout) for u in out.plan.units}
+                )
         else:
             sink = GradSink(params, schedule)
             runtime = Runtime(fn, params, schedule=schedule, sink=sink, remat=rematerialise)
@@ -199,6 +204,11 @@ def value_and_grad(
                 loss, aux = lean_pass(runtime, params, buffers, batch, loss_fn, has_aux)
                 masks = _all_ranks(sink.received_masks(), params)
             grads = {u.name: sink.totals.get(u.name) for u in params.plan.units}
+            if frozen:
+                masks = {
+                    u.name: drop_frozen(u, grads[u.name], masks[u.name], frozen, params.layout)
+                    for u in params.plan.units
+                }
             shards = {u: g if g is not None else torch.zeros_like(params[u]) for u, g in grads.items()}
             out = params.replace(shards).with_received(masks)
         return ((loss, aux) if has_aux else loss), out

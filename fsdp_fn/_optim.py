@@ -1,74 +1,52 @@
-"""Optimizers as ``(init, update)`` pairs over sharded pytrees: their state is sharded by construction.
+"""Optimizers: chains of building blocks (``_transforms.py``), as optax's, with torch's numerics.
 
-``update(grads, state, params) -> (params, state)`` runs torch's own optimizer kernels
-(``torch.optim.adamw.adamw``, ``torch.optim.sgd.sgd``), so the numbers equal
-``torch.optim.AdamW``/``SGD`` element for element. It updates the shard tensors in
-place and returns them (the buffers are donated, as with JAX's ``donate_argnums``):
-optimizer memory is exactly the sharded moments, never a second copy of the parameters.
+``adamw`` is ``chain(scale_by_adam(), add_decayed_weights(wd), scale_by_learning_rate(lr))``
+(optax's ``adamw``); ``adam`` and ``sgd`` put the decay first (torch's L2 form); ``lion``
+is optax's. Their ``update`` is functional, as every transformation's; their ``fused``
+form, what the train step runs on donated buffers, calls torch's own kernels
+(``torch.optim.adamw.adamw``, ``adam``, ``sgd``) in place, so a step equals
+``torch.optim.AdamW``/``Adam``/``SGD`` element for element and holds exactly the sharded
+moments, never a second copy of parameters or state.
 
 torch.optim skips a parameter whose ``.grad`` is ``None``; so do these, per parameter:
-``grads.received`` (set by ``value_and_grad``) says which parameters of each unit got a
-gradient, and the others keep their values, moments and step counts. Step counts are
-kept per parameter, as torch.optim keeps them.
+``grads.received`` says which parameters of each unit got a gradient, and the others keep
+their values, moments and step counts. Step counts are kept per parameter, as torch.optim
+keeps them; a learning-rate schedule reads the chain's own count of applied updates.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+from torch.optim.adam import adam as _adam_kernel
 from torch.optim.adamw import adamw as _adamw_kernel
 from torch.optim.sgd import sgd as _sgd_kernel
 
-from fsdp_fn._plan import Unit, unit_label
+from fsdp_fn._base import GradientTransformation, Params, Updates, chain
+from fsdp_fn._plan import unit_label
 from fsdp_fn._shard import Sharded
+from fsdp_fn._transforms import (
+    ScalarOrSchedule,
+    ScaleByAdamState,
+    ScaleByScheduleState,
+    TraceState,
+    add_decayed_weights,
+    check_rate,
+    rate_at,
+    scale,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_lion,
+    trace,
+)
 from fsdp_fn._tree import tree_leaves, tree_map
 
-__all__ = ["AdamWState", "Optimizer", "SGDState", "adamw", "from_torch", "sgd", "tree_leaves", "tree_map"]
-
-
-class Optimizer(NamedTuple):
-    """A pair of functions, as in optax: ``init(params) -> state``, ``update(grads, state, params)``.
-
-    ``update`` steps, in place, exactly the parameters ``grads.received`` marks (all of
-    them when it is ``None``), so fsdp_fn can step one unit the moment its gradient is
-    ready, and skip parameters the forward never used, as torch.optim does.
-    """
-
-    init: Callable[[Sharded], Any]
-    update: Callable[[Sharded, Any, Sharded], tuple[Sharded, Any]]
-    links: tuple[str, ...] = ()  # what it is made of, for messages
-    whole: tuple[str, ...] = ()  # the links that need the whole gradient (its global norm, a sum over calls)
-
-    @property
-    def elementwise(self) -> bool:
-        """Each unit's update needs that unit's gradient alone (so ``update_in_backward`` can run it)."""
-        return not self.whole
-
-
-class AdamWState(NamedTuple):
-    steps: Sharded  # per unit: one float32 step count per trainable parameter, shape (len(unit.params),)
-    exp_avg: Sharded
-    exp_avg_sq: Sharded
-
-
-class SGDState(NamedTuple):
-    steps: Sharded  # per unit: one float32 step count per trainable parameter
-    momentum: Sharded | None  # None without momentum
-
-
-def _zeros_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(t, memory_format=torch.contiguous_format)
-
-
-def _step_counts(params: Sharded) -> Sharded:
-    return params.replace({u.name: torch.zeros(len(u.params), dtype=torch.float32) for u in params.plan.units})
-
+__all__ = ["adam", "adamw", "from_torch", "lion", "sgd", "tree_leaves", "tree_map"]
 
 DecayMask = Callable[[str, tuple[int, ...]], bool]
-LearningRate = float | Callable[[int], float]
+LearningRate = ScalarOrSchedule
 
 
 class _Slices(NamedTuple):
@@ -83,7 +61,7 @@ class _Slices(NamedTuple):
 
 
 def _select(
-    grads: Sharded, params: Sharded, states: list[Sharded], steps: Sharded, decay: DecayMask | None = None
+    grads: Sharded, params: Sharded, states: list[Sharded], steps: Sharded | None, decay: DecayMask | None = None
 ) -> _Slices:
     """The tensors to step, unit by unit: a unit whose parameters all got a gradient, share
     one step count and one weight-decay choice is stepped as one flat shard (its padding is
@@ -95,10 +73,10 @@ def _select(
     for unit in params.plan.units:
         if not unit.params:
             continue
-        mask = _mask(grads, unit)
+        mask = grads.mask(unit)
         if not any(mask):
             continue
-        counts = steps[unit.name]
+        counts = steps[unit.name] if steps is not None else torch.zeros(len(unit.params))
         decays = [True if decay is None else bool(decay(spec.name, spec.shape)) for spec in unit.params]
         whole = all(mask) and bool((counts == counts[0]).all()) and len(set(decays)) == 1
         if whole:
@@ -120,29 +98,6 @@ def _select(
                 decays[i],
             )
     return out
-
-
-def _rate(lr: LearningRate, grads: Sharded, optimizer: str) -> float:
-    """``lr``, or the schedule ``lr(k)`` at ``k = grads.step``, the steps applied before this one."""
-    if not callable(lr):
-        return lr
-    if grads.step is None:
-        raise ValueError(
-            f"{optimizer}(lr=schedule): the schedule reads grads.step, the number of steps applied before this "
-            "one; the train step sets it, and a loop of your own sets it before update (grads.step = k)"
-        )
-    rate = lr(grads.step)
-    if (
-        isinstance(rate, bool)
-        or not isinstance(rate, int | float | torch.Tensor)
-        or not math.isfinite(float(rate))
-        or float(rate) < 0
-    ):
-        raise ValueError(
-            f"{optimizer}(lr=schedule): the schedule gave lr={rate!r} at step {grads.step}; a learning rate must "
-            "be a finite number >= 0 (nothing was applied)"
-        )
-    return float(rate)
 
 
 def _by_decay(todo: _Slices) -> list[tuple[bool, _Slices]]:
@@ -199,19 +154,25 @@ def _add(
         out.decays.append(decayed)
 
 
-def _sync_counts(whole: list[str], steps: Sharded) -> None:
+def _sync_counts(whole: list[str], steps: Sharded | None) -> None:
     """After a whole-unit step only the first count moved: copy it to the others. (A unit
     stepped per parameter, whose counts differed, keeps each count as it moved.)"""
+    if steps is None:
+        return
     for name in whole:
         counts = steps[name]
         counts[1:] = counts[0]
 
 
-def _mask(grads: Sharded, unit: Unit) -> tuple[bool, ...]:
-    received = grads.received
-    if received is None:
-        return (True,) * len(unit.params)
-    return tuple(received.get(unit.name, (False,) * len(unit.params)))
+def _rate(lr: LearningRate, state: Any, where: str) -> tuple[float, Any]:
+    """The learning rate of this update and the schedule's next state (a schedule counts its updates)."""
+    if not callable(lr):
+        return float(lr), state
+    return rate_at(lr, state.count, where), ScaleByScheduleState(state.count + 1)
+
+
+def _flipped(maximize: bool) -> list[GradientTransformation]:
+    return [scale(-1.0)] if maximize else []
 
 
 def adamw(
@@ -223,33 +184,38 @@ def adamw(
     weight_decay_mask: DecayMask | None = None,
     maximize: bool = False,
     foreach: bool | None = None,
-) -> Optimizer:
-    """AdamW with ``torch.optim.AdamW``'s numerics. State: two moments the size of the shards.
+) -> GradientTransformation:
+    """AdamW with ``torch.optim.AdamW``'s numerics and defaults (``weight_decay=1e-2``;
+    optax's ``adamw`` has ``1e-4``). State: the chain's, two moments the size of the shards.
 
-    ``lr``: a number, or a schedule ``lr(k) -> float`` of the steps applied before this one
-    (0 at the first; ``TrainState.step``, which a skipped step does not advance; with
-    ``accumulate(n)``, the inner optimizer's own steps), as ``torch.optim.lr_scheduler.LambdaLR``
-    stepped after each step gives ``base_lr * lr_lambda(k)``.
+    ``lr``: a number, or a schedule ``lr(count) -> number`` of the updates applied before
+    this one (0 at the first; a step ``apply_if_finite`` rejected or ``accumulate`` deferred
+    does not count), as ``torch.optim.lr_scheduler.LambdaLR`` stepped after each step gives
+    ``base_lr * lr_lambda(k)``; any callable returning a number (``optax.linear_schedule``).
     ``weight_decay_mask(name, shape) -> bool``: which parameters weight decay applies to
     (default all), as torch's parameter groups with ``weight_decay=0`` for the others
-    (``lambda name, shape: len(shape) >= 2`` leaves biases and norms undecayed). A unit
-    whose parameters differ there is stepped a parameter at a time.
+    (``lambda name, shape: len(shape) >= 2`` leaves biases and norms undecayed).
 
     >>> opt = adamw(lr=1e-3)
-    >>> opt.init  # doctest: +ELLIPSIS
-    <function adamw.<locals>.init at ...>
+    >>> opt.name, opt.needs_whole_gradient
+    ('adamw', False)
     """
+    check_rate(lr, "adamw")
     if (not callable(lr) and lr < 0) or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
         raise ValueError(
             f"invalid AdamW hyper-parameters lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}"
         )
+    tx = chain(
+        *_flipped(maximize),
+        scale_by_adam(betas[0], betas[1], eps),
+        add_decayed_weights(weight_decay, weight_decay_mask),
+        scale_by_learning_rate(lr),
+    )
 
-    def init(params: Sharded) -> AdamWState:
-        return AdamWState(_step_counts(params), tree_map(_zeros_like, params), tree_map(_zeros_like, params))
-
-    def update(grads: Sharded, state: AdamWState, params: Sharded) -> tuple[Sharded, AdamWState]:
-        todo = _select(grads, params, [state.exp_avg, state.exp_avg_sq], state.steps, weight_decay_mask)
-        rate = _rate(lr, grads, "adamw") if todo.params else 0.0
+    def fused(grads: Updates, state: tuple[Any, ...], params: Params) -> tuple[Any, ...]:
+        moments: ScaleByAdamState = state[-3]
+        rate, schedule = _rate(lr, state[-1], "adamw")
+        todo = _select(grads, params, [moments.mu, moments.nu], moments.count, weight_decay_mask)
         for decayed, part in _by_decay(todo):
             _adamw_kernel(
                 part.params,
@@ -267,10 +233,67 @@ def adamw(
                 eps=eps,
                 maximize=maximize,
             )
-        _sync_counts(todo.whole, state.steps)
-        return params, state
+        _sync_counts(todo.whole, moments.count)
+        return (*state[:-1], schedule)
 
-    return Optimizer(init, update, links=("adamw",))
+    return tx._replace(name="adamw", fused=fused)
+
+
+def adam(
+    lr: LearningRate = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    weight_decay_mask: DecayMask | None = None,
+    maximize: bool = False,
+    foreach: bool | None = None,
+) -> GradientTransformation:
+    """Adam with ``torch.optim.Adam``'s numerics: ``weight_decay`` is L2, added to the
+    gradient before the moments (``chain(add_decayed_weights(wd), scale_by_adam(),
+    scale_by_learning_rate(lr))``; optax's ``adam`` has none). ``lr`` and
+    ``weight_decay_mask`` as in ``adamw``.
+
+    >>> adam().name
+    'adam'
+    """
+    check_rate(lr, "adam")
+    if (not callable(lr) and lr < 0) or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+        raise ValueError(
+            f"invalid Adam hyper-parameters lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}"
+        )
+    tx = chain(
+        *_flipped(maximize),
+        add_decayed_weights(weight_decay, weight_decay_mask),
+        scale_by_adam(betas[0], betas[1], eps),
+        scale_by_learning_rate(lr),
+    )
+
+    def fused(grads: Updates, state: tuple[Any, ...], params: Params) -> tuple[Any, ...]:
+        moments: ScaleByAdamState = state[-2]
+        rate, schedule = _rate(lr, state[-1], "adam")
+        todo = _select(grads, params, [moments.mu, moments.nu], moments.count, weight_decay_mask)
+        for decayed, part in _by_decay(todo):
+            _adam_kernel(
+                part.params,
+                part.grads,
+                part.states[0],
+                part.states[1],
+                [],
+                part.steps,
+                foreach=foreach,
+                amsgrad=False,
+                beta1=betas[0],
+                beta2=betas[1],
+                lr=rate,
+                weight_decay=weight_decay if decayed else 0.0,
+                eps=eps,
+                maximize=maximize,
+            )
+        _sync_counts(todo.whole, moments.count)
+        return (*state[:-1], schedule)
+
+    return tx._replace(name="adam", fused=fused)
 
 
 def sgd(
@@ -283,23 +306,32 @@ def sgd(
     nesterov: bool = False,
     maximize: bool = False,
     foreach: bool | None = None,
-) -> Optimizer:
-    """SGD (with optional momentum) with ``torch.optim.SGD``'s numerics. State: one buffer per shard.
+) -> GradientTransformation:
+    """SGD (with optional momentum) with ``torch.optim.SGD``'s numerics:
+    ``chain(add_decayed_weights(wd), trace(momentum), scale_by_learning_rate(lr))`` (the
+    decay is L2, before the momentum; optax's ``sgd`` has none). State: one momentum
+    buffer per shard with momentum. ``lr`` and ``weight_decay_mask`` as in ``adamw``.
 
-    ``lr`` (a number or a schedule) and ``weight_decay_mask`` as in ``adamw``.
+    >>> sgd(lr=0.1, momentum=0.9).name
+    'sgd'
     """
+    check_rate(lr, "sgd")
     if (not callable(lr) and lr < 0) or momentum < 0 or weight_decay < 0:
         raise ValueError(f"invalid SGD hyper-parameters lr={lr}, momentum={momentum}, weight_decay={weight_decay}")
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("nesterov momentum needs momentum > 0 and dampening = 0")
+    tx = chain(
+        *_flipped(maximize),
+        add_decayed_weights(weight_decay, weight_decay_mask),
+        *([trace(momentum, nesterov, dampening=dampening)] if momentum else []),
+        scale_by_learning_rate(lr),
+    )
 
-    def init(params: Sharded) -> SGDState:
-        return SGDState(_step_counts(params), tree_map(_zeros_like, params) if momentum else None)
-
-    def update(grads: Sharded, state: SGDState, params: Sharded) -> tuple[Sharded, SGDState]:
-        states = [state.momentum] if state.momentum is not None else []
-        todo = _select(grads, params, states, state.steps, weight_decay_mask)
-        rate = _rate(lr, grads, "sgd") if todo.params else 0.0
+    def fused(grads: Updates, state: tuple[Any, ...], params: Params) -> tuple[Any, ...]:
+        moments: TraceState | None = state[-2] if momentum else None
+        rate, schedule = _rate(lr, state[-1], "sgd")
+        states = [moments.trace] if moments is not None else []
+        todo = _select(grads, params, states, moments.count if moments is not None else None, weight_decay_mask)
         for decayed, part in _by_decay(todo):
             mine = part.states[0] if states else []
             # torch starts a momentum buffer as a copy of the first gradient: a parameter
@@ -322,24 +354,53 @@ def sgd(
             for target, used in zip(mine, buffers, strict=False):
                 if used is not None and used is not target:
                     target.copy_(used)
-            for s in part.steps:
-                s.add_(1)
-        _sync_counts(todo.whole, state.steps)
-        return params, state
+            if moments is not None:
+                for s in part.steps:
+                    s.add_(1)
+        _sync_counts(todo.whole, moments.count if moments is not None else None)
+        return (*state[:-1], schedule)
 
-    return Optimizer(init, update, links=("sgd",))
+    return tx._replace(name="sgd", fused=fused)
 
 
-def from_torch(optimizer: torch.optim.Optimizer) -> Optimizer:
+def lion(
+    lr: LearningRate = 1e-4,
+    betas: tuple[float, float] = (0.9, 0.99),
+    weight_decay: float = 1e-3,
+    *,
+    weight_decay_mask: DecayMask | None = None,
+) -> GradientTransformation:
+    """Lion (Chen et al. 2023), optax's ``lion``: ``chain(scale_by_lion(b1, b2),
+    add_decayed_weights(wd), scale_by_learning_rate(lr))`` with optax's defaults (torch has
+    no Lion). State: one moment the size of the shards; in a train step it runs as
+    ``update`` (new moment and update tensors, copied into the donated ones).
+
+    >>> lion().name
+    'lion'
+    """
+    check_rate(lr, "lion")
+    if weight_decay < 0 or not all(0 <= b <= 1 for b in betas):
+        raise ValueError(f"invalid Lion hyper-parameters betas={betas}, weight_decay={weight_decay}")
+    tx = chain(
+        scale_by_lion(betas[0], betas[1]),
+        add_decayed_weights(weight_decay, weight_decay_mask),
+        scale_by_learning_rate(lr),
+    )
+    return tx._replace(name="lion")
+
+
+def from_torch(optimizer: torch.optim.Optimizer) -> GradientTransformation:
     """Use any ``torch.optim`` optimizer built on the shard tensors (``list(params.values())``).
 
-    Its state lives in the optimizer object, sharded because its tensors are shards. It
+    Its state lives in the optimizer object, which each step changes: it runs in place only
+    (its ``fused`` form; ``train_step`` with ``donate=True``), and its ``update`` refuses. It
     sees one tensor per unit, so it skips whole units: a unit none of whose parameters got
     a gradient is skipped (its ``.grad`` is ``None``); a unit where only some did raises,
     naming them (``adamw``/``sgd`` skip per parameter).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"from_torch wants a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    name = f"from_torch({type(optimizer).__name__})"
 
     def _check(params: Sharded, whole: bool) -> list[torch.Tensor]:
         shards = tree_leaves(params)
@@ -359,11 +420,19 @@ def from_torch(optimizer: torch.optim.Optimizer) -> Optimizer:
         _check(params, whole=True)
         return optimizer
 
-    def update(grads: Sharded, state: torch.optim.Optimizer, params: Sharded) -> tuple[Sharded, torch.optim.Optimizer]:
+    def update(
+        grads: Updates, state: torch.optim.Optimizer, params: Params | None = None
+    ) -> tuple[Updates, torch.optim.Optimizer]:
+        raise TypeError(
+            f"{name} keeps its state inside the torch optimizer, which a step changes in place: it has no "
+            "functional update; run it in train_step (donate=True) or ff.update_in_place, or use ff.adamw / ff.sgd"
+        )
+
+    def fused(grads: Updates, state: torch.optim.Optimizer, params: Params) -> torch.optim.Optimizer:
         _check(params, whole=False)
         stepped = []
         for unit in params.plan.units:
-            mask = _mask(grads, unit)
+            mask = grads.mask(unit)
             if any(mask) and not all(mask):
                 unused = [spec.name for spec, got in zip(unit.params, mask, strict=True) if not got]
                 raise ValueError(
@@ -380,6 +449,6 @@ def from_torch(optimizer: torch.optim.Optimizer) -> Optimizer:
         finally:
             for p in stepped:
                 p.grad = None
-        return params, state
+        return state
 
-    return Optimizer(init, update, links=(f"from_torch({type(optimizer).__name__})",))
+    return GradientTransformation(init, update, name, needs_whole_gradient=False, fused=fused)

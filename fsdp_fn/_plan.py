@@ -143,9 +143,14 @@ class Unit:
 
 @dataclass(frozen=True)
 class Plan:
-    """Units in module order (root first). A value: compare, print, hash, serialise."""
+    """Units in module order (root first). A value: compare, print, hash, serialise.
+
+    ``order``: every parameter name of the module (tied aliases included) in
+    ``named_parameters(remove_duplicate=False)`` order, so a full state dict can follow the
+    module's key order (not part of the layout: not serialised, not compared)."""
 
     units: tuple[Unit, ...]
+    order: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         seen: dict[str, str] = {}
@@ -179,30 +184,36 @@ class Plan:
         return tuple(p for u in self.units for p in u.all_params)
 
     @functools.cached_property
-    def _planned_grad(self) -> dict[str, bool]:
-        return {name: spec.requires_grad for spec in self.params for name in (spec.name, *spec.aliases)}
-
-    @functools.cached_property
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
 
-    def check_trainable(self, module: nn.Module) -> None:
-        """Raise if a parameter of ``module`` has changed ``requires_grad`` since the plan was
-        made: the plan put it in its unit's trainable or frozen part, and steps follow that."""
-        planned = self._planned_grad
+    @functools.cached_property
+    def _planned(self) -> dict[str, ParamSpec]:
+        return {name: spec for spec in self.params for name in (spec.name, *spec.aliases)}
+
+    def check_trainable(self, module: nn.Module) -> frozenset[str]:
+        """The trainable parameters of the plan that ``module`` has frozen since
+        (``requires_grad_(False)``): steps treat them as reaching no gradient, so they keep
+        their values and optimizer state, as torch.optim skips them; unfreezing one again
+        trains it again. Raise for a parameter the plan holds frozen that is trainable now:
+        it has no gradient buffer or optimizer state to train with."""
+        planned = self._planned
+        frozen = set()
         for name, p in index_of(module).named_parameters():
-            if name in planned and p.requires_grad != planned[name]:
-                now, then, would = (
-                    ("trainable", "frozen", "not be trained")
-                    if p.requires_grad
-                    else ("frozen", "trainable", "still be trained")
-                )
-                raise ValueError(
-                    f"parameter {name!r} of unit {unit_label(self.unit_of(name).name)} is {now} now "
-                    f"(requires_grad={p.requires_grad}) but was {then} when the plan was made, and steps follow the "
-                    f"plan: it would {would}. To change which parameters train, make a new plan and step, and "
-                    "carry the parameters over: ff.shard(ff.unshard(state.params), new_plan)"
-                )
+            spec = planned.get(name)
+            if spec is None or p.requires_grad == spec.requires_grad:
+                continue
+            if not p.requires_grad:
+                frozen.add(spec.name)
+                continue
+            raise ValueError(
+                f"parameter {name!r} of unit {unit_label(self.unit_of(name).name)} is trainable now "
+                "(requires_grad=True) but was frozen when the plan was made: the plan holds it outside the unit's "
+                "gradient buffer and optimizer state, so it would not be trained. Make the plan while it is "
+                "trainable and freeze it after (requires_grad_(False) between steps is followed), or make a new "
+                "plan and step and carry the parameters over: ff.shard(ff.unshard(state.params), new_plan)"
+            )
+        return frozenset(frozen)
 
     def unit_of(self, param: str) -> Unit:
         for u in self.units:
@@ -499,4 +510,4 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
                     f"unit {unit_label(u.name)} mixes dtypes in its {kind} parameters ({detail}); a unit is one "
                     "flat buffer of one dtype: cast the module or choose a policy that separates them"
                 )
-    return Plan(tuple(units))
+    return Plan(tuple(units), order=tuple(name for name, _ in module.named_parameters(remove_duplicate=False)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fsdp_fn._base import GradientTransformation, count_global_norms
 from fsdp_fn._collectives import Collective
 from fsdp_fn._lookup import rows_fit
 from fsdp_fn._plan import ROOT, Plan
@@ -26,6 +27,7 @@ def predict_collectives(
     first_step: bool = True,
     replicas: int = 1,
     lookup_rows: bool = True,
+    optimizer: GradientTransformation | None = None,
 ) -> list[Collective]:
     """What one train step issues on each rank, from the plan alone (for units that run in plan order).
 
@@ -47,6 +49,11 @@ def predict_collectives(
     one ``row_fetch`` in forward and one ``row_reduce`` in backward (``numel`` 0: their size
     follows the indices), unless the table is small (``ROWS_MIN_BYTES``), the schedule casts
     or moves its shard, micro-batches are summed before reducing, or there are replicas.
+
+    ``optimizer``: then also what its update issues in a step that applies it (for
+    ``accumulate``, the call that ends a round): one all-reduce of one float64 number per
+    global norm it computes (``clip_by_global_norm``, ``apply_if_finite``), over the ranks
+    and over the replicas.
     """
     schedule = schedule or Schedule()
     nbytes = gathered_bytes(plan, world, schedule)
@@ -82,4 +89,6 @@ def predict_collectives(
     if replicas > 1:
         reached = sum(len(u.params) for u in plan.units)  # which parameters any replica reached
         out.append(Collective("all_reduce", None, 2 + reached, torch.float64, replicas))
+    for _ in range(count_global_norms(optimizer) if optimizer is not None else 0):
+        out += [Collective("all_reduce", None, 1, torch.float64, n) for n in (world, replicas)]
     return [c for c in out if c.world > 1]

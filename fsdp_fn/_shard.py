@@ -65,20 +65,19 @@ class Sharded:
     """One tensor per unit (this rank's 1-D shard, ``ceil(numel / W)`` elements) and the layout.
 
     A pytree node for optree (namespace ``"fsdp_fn"``) and for ``torch.utils._pytree``
-    (so ``torch.func`` transforms see the shard tensors as leaves). Gradients and
+    (so ``torch.func`` transforms see the shard tensors as leaves). Gradients, updates and
     optimizer moments share this type, so they are sharded by construction.
 
-    ``received`` (gradients only): for each unit, which of its trainable parameters got a
-    gradient (``value_and_grad`` sets it; ``None`` means all of them). Optimizers skip the
-    others, as torch.optim skips a parameter whose ``.grad`` is ``None``. It is not part of
-    the pytree structure: ``tree_map`` returns a tree without it (nor ``norm``, the global
-    norm of a gradient when the step computed it already, nor ``step``, the number of
-    steps applied before the one this gradient is for, which a learning-rate schedule
-    reads). ``consumed`` says why the shards may no longer be used (donated to a step,
-    left half-updated by a failed one).
+    ``received`` (gradients and updates): for each unit, which of its trainable parameters
+    got a gradient (``value_and_grad`` sets it; ``None`` means all of them). Optimizers
+    skip the others, as torch.optim skips a parameter whose ``.grad`` is ``None``. It is
+    part of the tree's structure, like the layout: ``tree_map(f, grads)`` keeps it, and two
+    trees that differ only there still map together (the result has the first tree's
+    structure, as optree's does). ``consumed`` says why the shards may no longer be used
+    (donated to a step, left half-updated by a failed one).
     """
 
-    __slots__ = ("consumed", "layout", "norm", "received", "shards", "step")
+    __slots__ = ("consumed", "layout", "received", "shards")
 
     def __init__(
         self, shards: Mapping[str, Any], layout: Layout, received: Mapping[str, tuple[bool, ...]] | None = None
@@ -89,8 +88,6 @@ class Sharded:
         self.shards = dict(shards)
         self.layout = layout
         self.received = dict(received) if received is not None else None
-        self.norm: torch.Tensor | None = None  # gradients only: their global norm, when the step knows it
-        self.step: int | None = None  # gradients only: steps applied before this one, when the step knows it
         self.consumed: str | None = None
 
     @property
@@ -114,17 +111,18 @@ class Sharded:
         return list(self.shards.values())
 
     def replace(self, shards: Mapping[str, Any]) -> Sharded:
-        return Sharded(shards, self.layout)
+        """New shards in this tree's structure (its layout and ``received``)."""
+        return Sharded(shards, self.layout, self.received)
 
     def with_received(self, received: Mapping[str, tuple[bool, ...]] | None) -> Sharded:
         """The same shards, marking which parameters of each unit got a gradient."""
         return Sharded(self.shards, self.layout, received)
 
-    def like(self, shards: Mapping[str, Any]) -> Sharded:
-        """New shards with this tree's layout, ``received``, ``norm`` and ``step`` (a transformed gradient)."""
-        out = Sharded(shards, self.layout, self.received)
-        out.norm, out.step = self.norm, self.step
-        return out
+    def mask(self, unit: Unit) -> tuple[bool, ...]:
+        """Which of ``unit``'s trainable parameters got a gradient (all, without ``received``)."""
+        if self.received is None:
+            return (True,) * len(unit.params)
+        return tuple(self.received.get(unit.name, (False,) * len(unit.params)))
 
     def __repr__(self) -> str:
         inner = ", ".join(
@@ -133,19 +131,38 @@ class Sharded:
         return f"Sharded(world={self.layout.world}, rank={self.layout.rank}, {{{inner}}})"
 
 
-def _flatten(s: Sharded) -> tuple[list[Any], Layout, tuple[str, ...]]:
-    return list(s.shards.values()), s.layout, tuple(s.shards)
+class _Structure:
+    """A ``Sharded`` node's static part: its layout, and which parameters got a gradient.
+
+    Equal when the layouts are: ``received`` rides along (``tree_map`` keeps it) but does
+    not stop a gradient and the parameters from mapping together."""
+
+    __slots__ = ("layout", "received")
+
+    def __init__(self, layout: Layout, received: dict[str, tuple[bool, ...]] | None) -> None:
+        self.layout, self.received = layout, received
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Structure) and other.layout == self.layout
+
+    def __hash__(self) -> int:
+        return hash(self.layout)
 
 
-def _unflatten(layout: Layout, children: Any) -> Sharded:
-    return Sharded(dict(zip(layout.plan.unit_names, children, strict=True)), layout)
+def _flatten(s: Sharded) -> tuple[list[Any], _Structure, tuple[str, ...]]:
+    return list(s.shards.values()), _Structure(s.layout, s.received), tuple(s.shards)
+
+
+def _unflatten(structure: _Structure, children: Any) -> Sharded:
+    layout = structure.layout
+    return Sharded(dict(zip(layout.plan.unit_names, children, strict=True)), layout, structure.received)
 
 
 optree.register_pytree_node(Sharded, _flatten, _unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
 torch_pytree.register_pytree_node(
     Sharded,
-    lambda s: (list(s.shards.values()), s.layout),
-    lambda children, layout: _unflatten(layout, children),
+    lambda s: (list(s.shards.values()), _Structure(s.layout, s.received)),
+    lambda children, structure: _unflatten(structure, children),
 )
 
 

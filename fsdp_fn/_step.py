@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -11,13 +12,13 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
 
+from fsdp_fn._base import GradientTransformation, Outcome, drop_frozen, update_in_place, whole_gradient_links
 from fsdp_fn._collectives import all_gather_into, all_reduce_, broadcast_
 from fsdp_fn._functional import Functional
 from fsdp_fn._grad import LossFn, lean_pass
 from fsdp_fn._guard import Guard, guarded
 from fsdp_fn._labels import label
 from fsdp_fn._norms import square_norm
-from fsdp_fn._optim import Optimizer
 from fsdp_fn._phases import phase, phased
 from fsdp_fn._plan import Plan, Policy, unit_label
 from fsdp_fn._policy import Schedule
@@ -26,7 +27,7 @@ from fsdp_fn._remat import Remat
 from fsdp_fn._runtime import Runtime
 from fsdp_fn._shard import Layout, Sharded, ensure_live, sharded_in
 from fsdp_fn._sink import GradSink
-from fsdp_fn._transforms import AccumulateState, ApplyIfFiniteState, ChainState, clip_by_global_norm, global_norm
+from fsdp_fn._transforms import global_norm
 from fsdp_fn._tree import NAMESPACE, tree_map
 
 BufferSync = Literal["broadcast", "mean"] | None
@@ -39,7 +40,7 @@ class TrainState(NamedTuple):
     params: Sharded
     opt_state: Any
     buffers: dict[str, torch.Tensor]  # replicated: the same on every rank
-    step: int
+    step: int  # updates applied: a step apply_if_finite rejected, a call accumulate deferred do not count
 
 
 class TrainStep:
@@ -90,7 +91,7 @@ class TrainStep:
         self,
         fn: Functional,
         loss_fn: LossFn,
-        optimizer: Optimizer,
+        optimizer: GradientTransformation,
         *,
         schedule: Schedule | None = None,
         remat: bool | Policy | Remat | None = None,
@@ -105,9 +106,9 @@ class TrainStep:
             raise TypeError(f"train_step wants the Functional from functionalize(module), got {type(fn).__name__}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}")
-        if not isinstance(optimizer, Optimizer):
+        if not isinstance(optimizer, GradientTransformation):
             raise TypeError(
-                "optimizer must be an fsdp_fn Optimizer (adamw(), sgd(), from_torch(opt)), "
+                "optimizer must be an fsdp_fn GradientTransformation (adamw(), sgd(), chain(...), from_torch(opt)), "
                 f"got {type(optimizer).__name__}"
             )
         schedule = Schedule() if schedule is None else schedule
@@ -121,7 +122,7 @@ class TrainStep:
             raise ValueError(f"buffer_sync must be 'broadcast', 'mean' or None, got {buffer_sync!r}")
         if schedule.update_in_backward:
             whole = ["donate=False"] if not donate else []
-            whole += optimizer.whole  # links that need the whole gradient (its norm, a sum over calls)
+            whole += whole_gradient_links(optimizer)  # (a global norm, a sum over calls)
             if whole:
                 raise ValueError(
                     "Schedule(update_in_backward=True) steps each unit during backward, before the whole gradient "
@@ -138,8 +139,9 @@ class TrainStep:
         self.schedule = schedule
         self.remat = Remat.of(remat)
         self.buffer_sync = buffer_sync
-        # A chain with apply_if_finite may skip a step: buffers the forward moved are restored then.
-        self._may_skip = "apply_if_finite" in optimizer.links
+        # An optimizer that may apply nothing (apply_if_finite) has an outcome: buffers the forward
+        # moved are restored when it rejects a step.
+        self._may_skip = optimizer.outcome is not None
         self.unit_order: list[str] = []  # the order the last step ran the units in: forward prefetch follows it
         self.timeout, self.check_schedule = timeout, check_schedule
         self.calls = 0  # steps attempted: every rank counts the same
@@ -214,12 +216,12 @@ class TrainStep:
         with guard.active():
             with phase("setup"):
                 # This rank's own input first: a rank that rejects it reports before any rank waits on it.
-                state.params.plan.check_trainable(self.fn.module)
+                frozen = state.params.plan.check_trainable(self.fn.module)
                 micro = self._micro_batches(batch)
                 for mb in micro:
                     _check_not_empty(mb, guard.rank)
                 guard.enter(rendezvous=check)
-            new, metrics = self._step(state, micro, guard)
+            new, metrics = self._step(state, micro, guard, frozen)
         if self.donate:
             _consume(
                 (state.params, state.opt_state),
@@ -228,24 +230,29 @@ class TrainStep:
             )
         return new, metrics
 
-    def _step(self, state: TrainState, micro: Sequence[Any], guard: Guard) -> tuple[TrainState, dict[str, Any]]:
+    def _step(
+        self, state: TrainState, micro: Sequence[Any], guard: Guard, frozen: frozenset[str] = frozenset()
+    ) -> tuple[TrainState, dict[str, Any]]:
         params, opt_state, buffers = state.params, state.opt_state, state.buffers
         layout, plan = params.layout, params.plan
         # A skipped step must leave everything as it was, buffers the forward moves included.
         saved_buffers = {k: b.clone() for k, b in buffers.items()} if self._may_skip else None
         if not self.donate:  # the forward moves buffers in place too: copy them with the rest
-            params, opt_state, buffers = tree_map(torch.clone, (params, opt_state, buffers))
+            params, opt_state, buffers = tree_map(_clone, (params, opt_state, buffers))
         square_norms: dict[str, torch.Tensor] = {}
         stepped: list[str] = []  # update_in_backward: units already updated
 
+        before = opt_state  # every unit's update starts from it: its tensors change in place, unit by unit,
+        # and its counts (a schedule's) move once per step, not once per unit
+
         def step_unit(unit: str, grad: torch.Tensor, received: tuple[bool, ...]) -> None:
             nonlocal opt_state
+            if frozen:  # frozen since the plan: as if no gradient reached them
+                received = drop_frozen(plan.unit(unit), grad, received, frozen, layout)
             square_norms[unit] = square_norm(grad)
             only = params.replace({u: grad if u == unit else params[u] for u in plan.unit_names})
-            only = only.with_received({unit: received})
-            only.step = state.step
             with phase("optimizer"):
-                _, opt_state = self.optimizer.update(only, opt_state, params)
+                opt_state = update_in_place(self.optimizer, only.with_received({unit: received}), before, params)
             stepped.append(unit)
 
         schedule = self.schedule
@@ -275,7 +282,9 @@ class TrainStep:
                 sink.reduce_deferred()
             loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
             masks = sink.received_masks()
-            skipped = torch.zeros((), dtype=torch.bool)
+            if frozen and not schedule.update_in_backward:  # frozen since the plan: as if no gradient reached them
+                masks = {u: drop_frozen(plan.unit(u), sink.totals.get(u), m, frozen, layout) for u, m in masks.items()}
+            outcome = Outcome.APPLIED
             if schedule.update_in_backward:  # (each unit was stepped with what any rank reached)
                 stats, merged, _ = self._global(loss, square_norms.values(), masks, layout, guard, "")
             else:
@@ -288,12 +297,11 @@ class TrainStep:
                 grads = params.replace(
                     {u: totals[u] if u in totals else torch.zeros_like(params[u]) for u in plan.unit_names}
                 ).with_received(merged)
-                grads.norm = stats[1].sqrt()  # what clip_by_global_norm and apply_if_finite read
-                grads.step = state.step  # what a learning-rate schedule reads
                 with phase("optimizer"):
-                    params, opt_state = self.optimizer.update(grads, opt_state, params)
-                if saved_buffers is not None and _skipped_by_chain(opt_state):
-                    skipped = torch.ones((), dtype=torch.bool)
+                    opt_state = update_in_place(self.optimizer, grads, opt_state, params)
+                if self.optimizer.outcome is not None:
+                    outcome = self.optimizer.outcome(opt_state)
+                if saved_buffers is not None and outcome is Outcome.REJECTED:
                     for k, b in buffers.items():
                         b.copy_(saved_buffers[k])
                 del grads, totals
@@ -308,13 +316,17 @@ class TrainStep:
                 e.add_note(f"fsdp_fn: {note}")
             raise
 
+        skipped = torch.tensor(outcome is Outcome.REJECTED)
         metrics: dict[str, Any] = {"loss": stats[0].float(), "grad_norm": stats[1].sqrt().float(), "skipped": skipped}
         if self.has_aux:
             metrics["aux"] = auxes[0] if len(auxes) == 1 else auxes
         sync_buffers(buffers, layout.group, self.buffer_sync)
         if layout.replicate is not None:
             sync_buffers(buffers, layout.replicate, self.buffer_sync)
-        new = TrainState(params.replace(params.shards), _fresh(opt_state), buffers, state.step + int(not skipped))
+        # TrainState.step counts the updates applied: not a rejected step, nor a call accumulate deferred
+        new = TrainState(
+            params.replace(params.shards), _fresh(opt_state), buffers, state.step + int(outcome is Outcome.APPLIED)
+        )
         return new, metrics
 
     def _micro_batches(self, batch: Any) -> Sequence[Any]:
@@ -392,15 +404,8 @@ def _unpack_masks(words: torch.Tensor, plan: Plan) -> dict[str, tuple[bool, ...]
     return out
 
 
-def _skipped_by_chain(opt_state: Any) -> bool:
-    """Whether an ``apply_if_finite`` in the optimizer's state left the last update out."""
-    if isinstance(opt_state, ApplyIfFiniteState):
-        return not opt_state.last_finite or _skipped_by_chain(opt_state.inner)
-    if isinstance(opt_state, ChainState):
-        return any(_skipped_by_chain(s) for s in opt_state.states)
-    if isinstance(opt_state, AccumulateState):  # its inner ran in this call only if a round just ended
-        return opt_state.mini_step == 0 and _skipped_by_chain(opt_state.inner)
-    return False
+def _clone(x: Any) -> Any:
+    return x.clone() if isinstance(x, torch.Tensor) else x
 
 
 def _consume(tree: Any, why: str) -> None:
@@ -435,8 +440,13 @@ def clip_grad_norm_(grads: Sharded, max_norm: float) -> torch.Tensor:
     and adds nothing), with the exact global norm of ``global_norm``. Communication: one
     all-reduce of one number (two with replicas).
     """
+    if not (max_norm > 0 and math.isfinite(max_norm)):
+        raise ValueError(f"clip_grad_norm_: max_norm must be a positive finite number, got {max_norm!r}")
     norm = global_norm(grads)
-    clip_by_global_norm(max_norm).update(grads, (), grads)
+    coef = torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0)
+    for unit in grads.plan.units:
+        if any(grads.mask(unit)):
+            grads[unit.name].mul_(coef.to(grads[unit.name].device))
     return norm.float()
 
 

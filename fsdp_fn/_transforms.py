@@ -1,14 +1,13 @@
-"""Gradient transformations as ``(init, update)`` values that chain, as in optax.
+"""Building blocks: gradient transformations over sharded pytrees, as optax's.
 
-A ``GradientTransformation`` maps gradients to gradients: ``update(grads, state, params)
--> (grads, state)``. An ``Optimizer`` (``adamw``, ``sgd``, ``from_torch``) is the last link
-and applies them: ``update(grads, state, params) -> (params, state)``, with torch's own
-kernels, so parity with torch.optim stays exact. ``chain(t1, t2, ..., optimizer)`` is an
-``Optimizer``; ``apply_if_finite`` and ``accumulate`` wrap one.
+Each is a ``GradientTransformation`` (``_base.py``): ``update`` returns new updates and
+state and changes nothing it is given. They run on this rank's shards, unit by unit;
+a parameter that got no gradient (``grads.received``) keeps its state and gets a zero
+update. What needs every rank (a global norm) does one all-reduce of one number over the
+shard group (and one over the replicas with hybrid sharding); nothing else communicates.
 
-Every tree is ``Sharded``: transformations run on this rank's shards. What needs the
-whole gradient (its global norm) takes ``grads.norm`` when the train step has computed it
-in its one metrics all-gather, and otherwise all-reduces one number.
+Optimizers are chains of these (``_optim.py``): ``adamw`` is
+``chain(scale_by_adam(), add_decayed_weights(wd), scale_by_learning_rate(lr))``, as in optax.
 """
 
 from __future__ import annotations
@@ -19,60 +18,119 @@ from typing import Any, NamedTuple
 
 import torch
 
+from fsdp_fn._base import (
+    EmptyState,
+    GradientTransformation,
+    Params,
+    Updates,
+    element_mask,
+    map_units,
+    per_element,
+    received_units,
+)
 from fsdp_fn._collectives import all_reduce_
 from fsdp_fn._norms import square_norm
-from fsdp_fn._optim import Optimizer
-from fsdp_fn._shard import Sharded
+from fsdp_fn._plan import Unit
+from fsdp_fn._shard import Layout, Sharded
 
 __all__ = [
-    "AccumulateState",
-    "ApplyIfFiniteState",
-    "GradientTransformation",
-    "accumulate",
-    "apply_if_finite",
-    "chain",
+    "ScaleByAdamState",
+    "ScaleByLionState",
+    "ScaleByScheduleState",
+    "TraceState",
+    "add_decayed_weights",
+    "clip",
     "clip_by_global_norm",
     "global_norm",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_lion",
+    "scale_by_schedule",
+    "trace",
+    "zero_nans",
 ]
 
+Schedule = Callable[[int], Any]  # the count of updates applied before this one -> a number
+ScalarOrSchedule = float | Schedule
+ParamMask = Callable[[str, tuple[int, ...]], bool]  # (name, shape) -> whether a link applies to the parameter
 
-class GradientTransformation(NamedTuple):
-    """``init(params) -> state``; ``update(grads, state, params) -> (grads, state)``.
 
-    ``links``: names, for messages; ``whole``: the links that need the whole gradient (the
-    others are elementwise: each unit's result depends on that unit's gradient alone, so
-    they can run unit by unit during backward, ``update_in_backward``).
+def _empty(params: Params) -> EmptyState:
+    return EmptyState()
+
+
+def _stateless(
+    name: str, fn: Callable[[torch.Tensor], torch.Tensor], fn_: Callable[[torch.Tensor], torch.Tensor]
+) -> GradientTransformation:
+    """A transformation that maps each received unit's gradient by ``fn`` and keeps no state;
+    ``fn_`` does it in place (zero stays zero), for donated gradients."""
+
+    def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+        updates, _ = map_units(lambda unit, mask, g: (fn(g),), grads, [])
+        return updates, state
+
+    def update_donated(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+        for unit in received_units(grads):
+            fn_(grads[unit.name])
+        return grads, state
+
+    return GradientTransformation(_empty, update, name, needs_whole_gradient=False, update_donated=update_donated)
+
+
+def scale(step_size: float) -> GradientTransformation:
+    """Multiply the updates by ``step_size`` (optax's ``scale``).
+
+    >>> scale(0.5).needs_whole_gradient
+    False
     """
-
-    init: Callable[[Sharded], Any]
-    update: Callable[[Sharded, Any, Sharded], tuple[Sharded, Any]]
-    links: tuple[str, ...] = ()
-    whole: tuple[str, ...] = ()
-
-    @property
-    def elementwise(self) -> bool:
-        return not self.whole
+    _check_number(step_size, "scale(step_size)")
+    return _stateless(f"scale({step_size:g})", lambda g: g * step_size, lambda g: g.mul_(step_size))
 
 
-def _received_units(grads: Sharded) -> list[str]:
-    received = grads.received
-    return [u for u in grads.plan.unit_names if received is None or any(received.get(u, ()))]
+def clip(max_delta: float) -> GradientTransformation:
+    """Clip each element of the updates to ``[-max_delta, max_delta]`` (optax's ``clip``).
+
+    >>> clip(1.0).name
+    'clip(1)'
+    """
+    if not (_check_number(max_delta, "clip(max_delta)") >= 0):
+        raise ValueError(f"clip: max_delta must be >= 0, got {max_delta!r}")
+    return _stateless(
+        f"clip({max_delta:g})", lambda g: g.clamp(-max_delta, max_delta), lambda g: g.clamp_(-max_delta, max_delta)
+    )
+
+
+def zero_nans() -> GradientTransformation:
+    """Replace NaNs in the updates by zeros (optax's ``zero_nans``, without its per-leaf
+    ``found_nan`` flags: a rank sees only its shards, so the flags would differ between
+    ranks; ``apply_if_finite`` makes the global decision).
+
+    >>> zero_nans().name
+    'zero_nans'
+    """
+    return _stateless(
+        "zero_nans",
+        lambda g: torch.nan_to_num(g, nan=0.0, posinf=math.inf, neginf=-math.inf),
+        lambda g: g.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf),
+    )
+
+
+# --- the global norm --------------------------------------------------------------------
 
 
 def global_norm(grads: Sharded) -> torch.Tensor:
-    """The L2 norm of the whole (unsharded) gradient, as a 0-d float64 tensor, on every rank.
+    """The L2 norm of the whole (unsharded) tree, as a 0-d float64 tensor, the same on every rank.
 
-    ``grads.norm`` when the step computed it; otherwise the squared norms of this rank's
-    shards (``square_norm``: exact at any size; padding is zero) all-reduced over the group (and averaged
-    over replicas, which hold the same shards). Communication: none, or one all-reduce of
-    one number (two with replicas).
+    The squared norms of this rank's shards of the units that got a gradient
+    (``square_norm``: exact at any size; padding is zero), all-reduced over the group, then
+    averaged over the replicas (which hold the same shards). Communication: one all-reduce
+    of one number (two with replicas).
     """
-    if grads.norm is not None:
-        return grads.norm
     layout = grads.layout
     square = torch.zeros((), dtype=torch.float64)
-    for u in _received_units(grads):
-        square += square_norm(grads[u]).cpu()
+    for unit in received_units(grads):
+        square += square_norm(grads[unit.name]).cpu()
     all_reduce_(square, layout.group)
     if layout.replicate is not None:
         all_reduce_(square, layout.replicate).div_(layout.replicas)
@@ -80,128 +138,350 @@ def global_norm(grads: Sharded) -> torch.Tensor:
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
-    """Scale the gradients so their global norm is at most ``max_norm``, in place:
-    ``torch.nn.utils.clip_grad_norm_``'s rule (``coef = min(1, max_norm / (norm + 1e-6))``).
+    """Scale the updates so their global norm is at most ``max_norm``, by
+    ``torch.nn.utils.clip_grad_norm_``'s rule ``coef = min(1, max_norm / (norm + 1e-6))``
+    (optax's scales by ``max_norm / norm`` only above it: the same but for that 1e-6).
 
-    >>> clip_by_global_norm(1.0).elementwise
-    False
+    The norm is of the updates it receives, whatever came before it in a chain.
+    Communication: one all-reduce of one number (``global_norm``).
+
+    >>> clip_by_global_norm(1.0).needs_whole_gradient
+    True
     """
-    if not (max_norm > 0 and math.isfinite(max_norm)):
+    if not (_check_number(max_norm, "clip_by_global_norm(max_norm)") > 0 and math.isfinite(max_norm)):
         raise ValueError(f"clip_by_global_norm: max_norm must be a positive finite number, got {max_norm!r}")
 
-    def init(params: Sharded) -> tuple[()]:
-        return ()
+    def coefficient(grads: Updates) -> torch.Tensor:
+        return torch.clamp(max_norm / (global_norm(grads).float() + 1e-6), max=1.0)
 
-    def update(grads: Sharded, state: tuple[()], params: Sharded) -> tuple[Sharded, tuple[()]]:
-        coef = torch.clamp(max_norm / (global_norm(grads).float() + 1e-6), max=1.0)
-        for u in _received_units(grads):
-            grads[u].mul_(coef.to(grads[u].device))
+    def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+        coef = coefficient(grads)
+        updates, _ = map_units(lambda unit, mask, g: (g * coef.to(g.device),), grads, [])
+        return updates, state
+
+    def update_donated(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+        coef = coefficient(grads)
+        for unit in received_units(grads):
+            grads[unit.name].mul_(coef.to(grads[unit.name].device))
         return grads, state
 
-    name = f"clip_by_global_norm({max_norm:g})"
-    return GradientTransformation(init, update, links=(name,), whole=(name,))
+    return GradientTransformation(
+        _empty, update, f"clip_by_global_norm({max_norm:g})", global_norms=1, update_donated=update_donated
+    )
 
 
-class ChainState(NamedTuple):
-    states: tuple[Any, ...]
+# --- weight decay and learning rates ----------------------------------------------------
 
 
-def chain(*links: GradientTransformation | Optimizer) -> Optimizer:
-    """Gradient transformations applied in order, then the optimizer (the last link).
+def _check_number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{where} must be a number, got {type(value).__name__} {value!r}")
+    return float(value)
 
-    >>> from fsdp_fn import adamw
-    >>> chain(clip_by_global_norm(1.0), adamw()).links
-    ('clip_by_global_norm(1)', 'adamw')
-    """
-    if not links or not isinstance(links[-1], Optimizer):
-        raise TypeError("chain(...) must end with an optimizer (adamw(), sgd(), from_torch(...)) that applies updates")
-    transforms, optimizer = links[:-1], links[-1]
-    bad = [t for t in transforms if not isinstance(t, GradientTransformation)]
-    if bad:
+
+def check_rate(lr: ScalarOrSchedule, where: str) -> None:
+    """Refuse, by its type, a learning rate that is neither a number nor a callable schedule."""
+    if callable(lr):
+        return
+    if isinstance(lr, bool) or not isinstance(lr, int | float):
         raise TypeError(
-            f"chain: only its last link applies updates; the others must be gradient transformations, got {bad!r}"
+            f"{where}: lr must be a number or a schedule (a callable count -> number, e.g. "
+            f"optax.linear_schedule(...)), got {type(lr).__name__} {lr!r}"
         )
 
-    def init(params: Sharded) -> ChainState:
-        return ChainState(tuple(link.init(params) for link in links))
 
-    def update(grads: Sharded, state: ChainState, params: Sharded) -> tuple[Sharded, ChainState]:
-        states = list(state.states)
-        for i, t in enumerate(transforms):
-            grads, states[i] = t.update(grads, states[i], params)
-        params, states[-1] = optimizer.update(grads, states[-1], params)
-        return params, ChainState(tuple(states))
+def rate_at(lr: ScalarOrSchedule, count: int, where: str) -> float:
+    """``lr``, or the schedule's value ``lr(count)`` as a Python float.
 
-    names = tuple(n for link in links for n in link.links)
-    whole = tuple(n for link in links for n in link.whole)
-    return Optimizer(init, update, links=names, whole=whole)
-
-
-class ApplyIfFiniteState(NamedTuple):
-    inner: Any
-    last_finite: bool  # whether the last update was applied
-    notfinite_count: int  # non-finite updates in a row
-    total_notfinite: int
-
-
-def apply_if_finite(inner: Optimizer) -> Optimizer:
-    """Apply ``inner`` only when the gradients' global norm is finite (no NaN or inf
-    anywhere, on any rank); otherwise leave parameters and ``inner``'s state as they were.
-    The decision is the same on every rank (the norm is global)."""
-    if not isinstance(inner, Optimizer):
-        raise TypeError(f"apply_if_finite wraps an optimizer or a chain ending in one, got {inner!r}")
-
-    def init(params: Sharded) -> ApplyIfFiniteState:
-        return ApplyIfFiniteState(inner.init(params), True, 0, 0)
-
-    def update(grads: Sharded, state: ApplyIfFiniteState, params: Sharded) -> tuple[Sharded, ApplyIfFiniteState]:
-        if not bool(torch.isfinite(global_norm(grads))):
-            return params, ApplyIfFiniteState(state.inner, False, state.notfinite_count + 1, state.total_notfinite + 1)
-        params, inner_state = inner.update(grads, state.inner, params)
-        return params, ApplyIfFiniteState(inner_state, True, 0, state.total_notfinite)
-
-    return Optimizer(init, update, links=("apply_if_finite", *inner.links), whole=("apply_if_finite", *inner.whole))
+    A schedule may return a Python number or a 0-d tensor or array (torch, numpy, jax:
+    anything ``float()`` takes); any other type is refused naming it, a value that is not a
+    finite number >= 0 naming it and the count."""
+    if not callable(lr):
+        return float(lr)
+    value = lr(count)
+    try:
+        if isinstance(value, bool | str):
+            raise TypeError
+        rate = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        shape = getattr(value, "shape", None)
+        raise TypeError(
+            f"{where}: the schedule returned a {type(value).__name__}"
+            + (f" of shape {tuple(shape)}" if shape is not None else "")
+            + f" at count {count}; a learning rate is a number: a Python float or a 0-d tensor or array "
+            "(torch, numpy, jax)"
+        ) from None
+    if not (math.isfinite(rate) and rate >= 0):
+        raise ValueError(
+            f"{where}: the schedule gave lr={rate!r} at count {count}; a learning rate must be a finite number >= 0 "
+            "(nothing was applied)"
+        )
+    return rate
 
 
-class AccumulateState(NamedTuple):
-    inner: Any
-    mini_step: int  # gradients summed so far in this round
-    summed: Sharded  # their sum (shards)
-    received: frozenset[str]  # the parameters that got a gradient in any of them, by name (any plan's)
+class _Masks:
+    """Which parameters of each unit a ``ParamMask`` selects, and the element masks of the
+    units it splits (made once per layout)."""
+
+    def __init__(self, select: ParamMask | None) -> None:
+        self.select = select
+        self._elements: dict[tuple[str, int, int], torch.Tensor | None] = {}
+
+    def of(self, unit: Unit) -> tuple[bool, ...]:
+        if self.select is None:
+            return (True,) * len(unit.params)
+        return tuple(bool(self.select(spec.name, spec.shape)) for spec in unit.params)
+
+    def elements(self, unit: Unit, layout: Layout, device: torch.device) -> torch.Tensor | None:
+        """``None`` where the mask takes every parameter of ``unit``, else its element mask."""
+        key = (unit.name, layout.world, layout.rank)
+        if key not in self._elements:
+            mask = self.of(unit)
+            self._elements[key] = None if all(mask) else element_mask(unit, mask, layout, device)
+        return self._elements[key]
 
 
-def accumulate(every: int, inner: Optimizer) -> Optimizer:
-    """Sum the gradients of ``every`` calls and apply ``inner`` to their mean on the last one
-    (optax's ``MultiSteps``); the other calls leave the parameters as they are. Memory: one
-    gradient shard per unit; no communication of its own."""
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"accumulate: every must be a whole number of calls >= 1, got {every!r}")
-    if not isinstance(inner, Optimizer):
-        raise TypeError(f"accumulate wraps an optimizer or a chain ending in one, got {inner!r}")
+def add_decayed_weights(weight_decay: float = 0.0, mask: ParamMask | None = None) -> GradientTransformation:
+    """Add ``weight_decay * params`` to the updates (optax's ``add_decayed_weights``).
 
-    def init(params: Sharded) -> AccumulateState:
-        zeros = params.replace({u: torch.zeros_like(params[u]) for u in params.plan.unit_names})
-        return AccumulateState(inner.init(params), 0, zeros, frozenset())
+    ``mask(name, shape) -> bool``: the parameters it applies to (default all), as torch's
+    parameter groups with ``weight_decay=0`` for the others. Needs ``params``.
 
-    def update(grads: Sharded, state: AccumulateState, params: Sharded) -> tuple[Sharded, AccumulateState]:
-        received = set(state.received)
-        for unit in params.plan.units:
-            mask = (True,) * len(unit.params) if grads.received is None else grads.received.get(unit.name)
-            if mask is None:
-                continue
-            state.summed[unit.name].add_(grads[unit.name])
-            received.update(spec.name for spec, got in zip(unit.params, mask, strict=True) if got)
-        mini_step = state.mini_step + 1
-        if mini_step < every:
-            return params, AccumulateState(state.inner, mini_step, state.summed, frozenset(received))
-        masks = {u.name: tuple(spec.name in received for spec in u.params) for u in params.plan.units}
-        mean = state.summed.like({u: g / every for u, g in state.summed.shards.items()})
-        mean = mean.with_received({u: mask for u, mask in masks.items() if any(mask)})
-        mean.step = None if grads.step is None else grads.step // every  # the inner optimizer's own steps
-        params, inner_state = inner.update(mean, state.inner, params)
-        for g in state.summed.values():
-            g.zero_()
-        return params, AccumulateState(inner_state, 0, state.summed, frozenset())
+    >>> add_decayed_weights(0.1).name
+    'add_decayed_weights(0.1)'
+    """
+    if not (_check_number(weight_decay, "add_decayed_weights(weight_decay)") >= 0):
+        raise ValueError(f"add_decayed_weights: weight_decay must be >= 0, got {weight_decay!r}")
+    masks = _Masks(mask)
 
-    name = f"accumulate({every})"
-    return Optimizer(init, update, links=(name, *inner.links), whole=(name, *inner.whole))
+    def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+        if params is None:
+            raise ValueError("add_decayed_weights needs params: update(grads, state, params)")
+        if weight_decay == 0:
+            return grads, state
+
+        def decay(unit: Unit, got: tuple[bool, ...], g: torch.Tensor) -> tuple[torch.Tensor]:
+            p = params[unit.name]
+            where = masks.elements(unit, grads.layout, g.device)
+            if where is None:
+                return (g + weight_decay * p,)
+            return (torch.where(where, g + weight_decay * p, g),)
+
+        updates, _ = map_units(decay, grads, [])
+        return updates, state
+
+    return GradientTransformation(_empty, update, f"add_decayed_weights({weight_decay:g})", needs_whole_gradient=False)
+
+
+class ScaleByScheduleState(NamedTuple):
+    # updates applied before the next one: what the schedule reads (optax's name: it shadows tuple.count)
+    count: int  # type: ignore[assignment]
+
+
+def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
+    """Multiply the updates by ``step_size_fn(count)``, ``count`` the updates this
+    transformation applied before (optax's ``scale_by_schedule``). A rejected or deferred
+    step (``apply_if_finite``, ``accumulate`` around it) does not count.
+
+    >>> scale_by_schedule(lambda k: 0.5 ** k).init(None)
+    ScaleByScheduleState(count=0)
+    """
+    if not callable(step_size_fn):
+        raise TypeError(f"scale_by_schedule takes a callable count -> number, got {type(step_size_fn).__name__}")
+
+    def init(params: Params) -> ScaleByScheduleState:
+        return ScaleByScheduleState(0)
+
+    def update(
+        grads: Updates, state: ScaleByScheduleState, params: Params | None = None
+    ) -> tuple[Updates, ScaleByScheduleState]:
+        value = step_size_fn(state.count)
+        try:
+            factor = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(
+                f"scale_by_schedule: the schedule returned a {type(value).__name__} at count {state.count}, "
+                "not a number"
+            ) from None
+        updates, _ = map_units(lambda unit, mask, g: (g * factor,), grads, [])
+        return updates, ScaleByScheduleState(state.count + 1)
+
+    return GradientTransformation(init, update, "scale_by_schedule", needs_whole_gradient=False)
+
+
+def scale_by_learning_rate(lr: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
+    """Multiply the updates by ``-lr`` (``lr`` with ``flip_sign=False``), as optax's.
+
+    ``lr``: a number, or a schedule ``lr(count)`` of the updates applied before this one
+    (0 at the first), which the state counts: ``ScaleByScheduleState(count)``. Any callable
+    returning a number works: a Python function, ``optax.linear_schedule(...)`` (a jax
+    scalar), a 0-d tensor. torch's ``LambdaLR(opt, f)`` stepped after each step is
+    ``lr=lambda k: base_lr * f(k)``.
+
+    >>> scale_by_learning_rate(lambda k: 1e-3 * 0.9 ** k).init(None)
+    ScaleByScheduleState(count=0)
+    """
+    check_rate(lr, "scale_by_learning_rate")
+    if not callable(lr) and not (math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"scale_by_learning_rate: lr must be a finite number >= 0, got {lr!r}")
+    sign = -1.0 if flip_sign else 1.0
+    if not callable(lr):
+        return scale(sign * float(lr))._replace(name=f"scale_by_learning_rate({lr:g})")
+
+    def init(params: Params) -> ScaleByScheduleState:
+        return ScaleByScheduleState(0)
+
+    def update(
+        grads: Updates, state: ScaleByScheduleState, params: Params | None = None
+    ) -> tuple[Updates, ScaleByScheduleState]:
+        rate = sign * rate_at(lr, state.count, "scale_by_learning_rate")
+        updates, _ = map_units(lambda unit, mask, g: (g * rate,), grads, [])
+        return updates, ScaleByScheduleState(state.count + 1)
+
+    return GradientTransformation(init, update, "scale_by_learning_rate(schedule)", needs_whole_gradient=False)
+
+
+# --- moments ----------------------------------------------------------------------------
+
+
+def step_counts(params: Params) -> Sharded:
+    """Per unit, one float32 count per trainable parameter (shape ``(P,)``): the updates it got.
+
+    Per parameter, as torch.optim keeps ``state[p]["step"]`` (a parameter without a
+    gradient does not count a step), and float32, its dtype there, so checkpoints keep
+    torch's layout (``optim.state.<name>.step``)."""
+    return params.replace(
+        {
+            u.name: torch.zeros(len(u.params), dtype=torch.float32, device=params[u.name].device)
+            for u in params.plan.units
+        }
+    )
+
+
+def zeros_like(params: Params) -> Sharded:
+    return params.replace(
+        {u: torch.zeros_like(t, memory_format=torch.contiguous_format) for u, t in params.shards.items()}
+    )
+
+
+def _counted(count: torch.Tensor, mask: tuple[bool, ...]) -> torch.Tensor:
+    return count + torch.tensor(mask, dtype=count.dtype, device=count.device)
+
+
+def _steps(unit: Unit, count: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The step counts to correct a unit's moments with: its one count, or one per element."""
+    if len(count) and bool((count == count[0]).all()):
+        return count[0]
+    return per_element(unit, count, layout)
+
+
+class ScaleByAdamState(NamedTuple):
+    # per unit: one float32 step count per trainable parameter (torch's "step") (optax's name: it shadows tuple.count)
+    count: Sharded  # type: ignore[assignment]
+    mu: Sharded  # first moment (torch's "exp_avg")
+    nu: Sharded  # second moment (torch's "exp_avg_sq")
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Adam's direction ``mu_hat / (sqrt(nu_hat) + eps)`` (optax's ``scale_by_adam``), with
+    torch's arithmetic and per-parameter step counts (bias correction per parameter, as
+    torch.optim's; optax keeps one count). Memory: two moments the size of the shards.
+
+    >>> scale_by_adam().needs_whole_gradient
+    False
+    """
+    if not (0 <= b1 < 1 and 0 <= b2 < 1 and eps >= 0):
+        raise ValueError(f"invalid Adam hyper-parameters betas=({b1}, {b2}), eps={eps}")
+
+    def init(params: Params) -> ScaleByAdamState:
+        return ScaleByAdamState(step_counts(params), zeros_like(params), zeros_like(params))
+
+    def update(
+        grads: Updates, state: ScaleByAdamState, params: Params | None = None
+    ) -> tuple[Updates, ScaleByAdamState]:
+        layout = grads.layout
+
+        def adam(
+            unit: Unit, mask: tuple[bool, ...], g: torch.Tensor, count: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor
+        ) -> tuple[torch.Tensor, ...]:
+            count = _counted(count, mask)
+            m = mu.lerp(g, 1 - b1)
+            v = (nu * b2).addcmul_(g, g, value=1 - b2)
+            steps = _steps(unit, count, layout)
+            bias1, bias2 = 1 - b1**steps, 1 - b2**steps
+            denom = (v.sqrt() / bias2.sqrt()).add_(eps)
+            return m / denom / bias1, count, m, v
+
+        updates, (count, mu, nu) = map_units(adam, grads, [state.count, state.mu, state.nu])
+        return updates, ScaleByAdamState(count, mu, nu)
+
+    return GradientTransformation(init, update, "scale_by_adam", needs_whole_gradient=False)
+
+
+class TraceState(NamedTuple):
+    # per unit: one float32 step count per trainable parameter (optax's name: it shadows tuple.count)
+    count: Sharded  # type: ignore[assignment]
+    trace: Sharded  # the momentum buffer (torch's "momentum_buffer")
+
+
+def trace(decay: float, nesterov: bool = False, *, dampening: float = 0.0) -> GradientTransformation:
+    """Momentum as torch.optim.SGD has it: ``trace = decay * trace + (1 - dampening) * g``,
+    starting from the first gradient itself; the update is ``trace`` (``g + decay * trace``
+    with ``nesterov``). Without dampening it is optax's ``trace``.
+
+    >>> trace(0.9).name
+    'trace(0.9)'
+    """
+    if decay < 0 or not 0 <= dampening <= 1:
+        raise ValueError(f"invalid momentum {decay} / dampening {dampening}")
+    if nesterov and (decay <= 0 or dampening != 0):
+        raise ValueError("nesterov momentum needs momentum > 0 and dampening = 0")
+
+    def init(params: Params) -> TraceState:
+        return TraceState(step_counts(params), zeros_like(params))
+
+    def update(grads: Updates, state: TraceState, params: Params | None = None) -> tuple[Updates, TraceState]:
+        layout = grads.layout
+
+        def momentum(
+            unit: Unit, mask: tuple[bool, ...], g: torch.Tensor, count: torch.Tensor, buf: torch.Tensor
+        ) -> tuple[torch.Tensor, ...]:
+            new = buf * decay + g * (1 - dampening)
+            if dampening != 0 and bool((count == 0).any()):  # torch: the first buffer is the gradient itself
+                new = torch.where(per_element(unit, count, layout) == 0, g, new)
+            update = g + new * decay if nesterov else new
+            return update, _counted(count, mask), new
+
+        updates, (count, buf) = map_units(momentum, grads, [state.count, state.trace])
+        return updates, TraceState(count, buf)
+
+    return GradientTransformation(init, update, f"trace({decay:g})", needs_whole_gradient=False)
+
+
+class ScaleByLionState(NamedTuple):
+    mu: Sharded  # the momentum (torch ports call it "exp_avg")
+
+
+def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
+    """Lion's direction ``sign((1 - b1) g + b1 mu)``, then ``mu = b2 mu + (1 - b2) g``
+    (optax's ``scale_by_lion``). Memory: one moment the size of the shards.
+
+    >>> scale_by_lion().name
+    'scale_by_lion'
+    """
+    if not (0 <= b1 <= 1 and 0 <= b2 <= 1):
+        raise ValueError(f"invalid Lion hyper-parameters b1={b1}, b2={b2}")
+
+    def init(params: Params) -> ScaleByLionState:
+        return ScaleByLionState(zeros_like(params))
+
+    def update(
+        grads: Updates, state: ScaleByLionState, params: Params | None = None
+    ) -> tuple[Updates, ScaleByLionState]:
+        def lion(unit: Unit, mask: tuple[bool, ...], g: torch.Tensor, mu: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return torch.sign(g * (1 - b1) + mu * b1), mu * b2 + g * (1 - b2)
+
+        updates, (mu,) = map_units(lion, grads, [state.mu])
+        return updates, ScaleByLionState(mu)
+
+    return GradientTransformation(init, update, "scale_by_lion", needs_whole_gradient=False)

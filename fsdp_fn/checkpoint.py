@@ -94,7 +94,7 @@ __all__ = [
 
 _META = "fsdp_fn"  # the entry (JSON) holding the step, the writers' world size and the user's extra
 # torch.optim's names for the fields of fsdp_fn's optimizer states (others keep their field name).
-TORCH_NAMES = {"steps": "step", "momentum": "momentum_buffer"}
+TORCH_NAMES = {"count": "step", "mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer"}
 logger = logging.getLogger(__name__)
 
 
@@ -116,6 +116,8 @@ def _walk(state: Any, path: Path_ = ()) -> list[tuple[Path_, Any]]:
     if isinstance(state, tuple):
         names = getattr(state, "_fields", None) or [str(i) for i in range(len(state))]
         return [leaf for name, value in zip(names, state, strict=True) for leaf in _walk(value, (*path, name))]
+    if isinstance(state, dict):  # multi_transform's states by label, inject_hyperparams' values
+        return [leaf for name, value in state.items() for leaf in _walk(value, (*path, str(name)))]
     return [(path, state)]
 
 
@@ -131,20 +133,35 @@ def _opt_fields(opt_state: Any) -> list[tuple[str, Sharded]]:
 
 
 def _opt_values(opt_state: Any) -> dict[str, Any]:
-    """The optimizer state's plain values (a chain's counters), by path: saved with the step."""
-    return {".".join(path): v for path, v in _walk(opt_state) if not isinstance(v, Sharded) and v is not None}
+    """The optimizer state's plain values (a chain's counters), by path: saved with the step; and,
+    for a tree that marks which parameters got a gradient (``accumulate``'s), their names."""
+    out: dict[str, Any] = {}
+    for path, v in _walk(opt_state):
+        if isinstance(v, Sharded) and v.received is not None:
+            reached = [spec.name for u in v.plan.units for spec, got in zip(u.params, v.mask(u), strict=True) if got]
+            out[".".join((*path, "received"))] = reached
+        elif not isinstance(v, Sharded) and v is not None:
+            out[".".join(path)] = v
+    return out
 
 
 def _rebuild(state: Any, sharded: dict[int, Sharded], values: dict[str, Any], path: Path_ = ()) -> Any:
     """``state`` with each ``Sharded`` replaced (by identity) and plain values taken from ``values``."""
     if isinstance(state, Sharded):
-        return sharded[id(state)]
+        node = sharded[id(state)]
+        names = values.get(".".join((*path, "received")))
+        if names is None:
+            return node
+        got = set(names)  # by name: the plan loaded into may group the parameters otherwise
+        return node.with_received({u.name: tuple(s.name in got for s in u.params) for u in node.plan.units})
     if state is None:
         return None
     if isinstance(state, tuple):
         names = getattr(state, "_fields", None) or [str(i) for i in range(len(state))]
         items = [_rebuild(v, sharded, values, (*path, n)) for n, v in zip(names, state, strict=True)]
         return type(state)(*items) if hasattr(state, "_fields") else tuple(items)
+    if isinstance(state, dict):
+        return {k: _rebuild(v, sharded, values, (*path, str(k))) for k, v in state.items()}
     return values.get(".".join(path), state)
 
 
@@ -168,7 +185,7 @@ def _pieces(part: Unit, flat: torch.Tensor, layout: Layout) -> list[tuple[ParamS
 
 
 def _is_step(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in ("step", "steps")
+    return name.rsplit(".", 1)[-1] in ("step", "count")
 
 
 def _step_views(unit: Unit, steps: torch.Tensor, *, every: bool) -> list[tuple[ParamSpec, torch.Tensor]]:

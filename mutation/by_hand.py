@@ -111,16 +111,16 @@ MUTANTS = [
     (
         "schedule_off_by_one",
         "fsdp_fn/_optim.py",
-        "    return float(lr(grads.step))",
-        "    return float(lr(grads.step + 1))",
+        '    return rate_at(lr, state.count, where), ScaleByScheduleState(state.count + 1)',
+        '    return rate_at(lr, state.count + 1, where), ScaleByScheduleState(state.count + 1)',
         "tests/test_chain.py",
     ),
     (
-        "accumulate_schedule_raw",
-        "fsdp_fn/_transforms.py",
-        "grads.step // every  #",
-        "grads.step  #",
-        "tests/test_chain.py",
+        "step_counts_calls",
+        "fsdp_fn/_step.py",
+        "state.step + int(outcome is Outcome.APPLIED)",
+        "state.step + 1",
+        "tests/test_chain.py::test_a_schedule_after_a_rejected_round_and_the_step_count",
     ),
     (
         "no_max_norm_refusal",
@@ -244,9 +244,9 @@ MUTANTS = [
     ),
     (
         "inner_skip_every_call",
-        "fsdp_fn/_step.py",
-        "        return opt_state.mini_step == 0 and _skipped_by_chain(opt_state.inner)",
-        "        return _skipped_by_chain(opt_state.inner)",
+        "fsdp_fn/_wrappers.py",
+        "        return Outcome.DEFERRED if state.mini_step else _inner_outcome(inner, state.inner_opt_state)",
+        "        return _inner_outcome(inner, state.inner_opt_state)",
         "tests/test_reliability.py::test_a_nonfinite_round_inside_accumulate_skips_that_round_only",
     ),
     (

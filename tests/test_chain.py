@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from functools import partial
 
@@ -60,10 +61,8 @@ def _by_hand(group):
     batch = local_part(batch_for("mlp", model, 0), rank, world)
     _, grads = ff.value_and_grad(fn, mse_loss)(state.params, fn.buffers, batch)
     composite = ff.chain(ff.clip_by_global_norm(0.01), ff.sgd(lr=0.1))
-    params_a = ff.tree_map(torch.clone, state.params)
-    params_a, _ = composite.update(
-        ff.tree_map(torch.clone, grads).with_received(grads.received), composite.init(params_a), params_a
-    )
+    updates, _ = composite.update(grads, composite.init(state.params), state.params)
+    params_a = ff.apply_updates(state.params, updates)
     # by hand: the global norm, the clip coefficient, then plain SGD
     square = torch.tensor(sum(g.double().square().sum().item() for g in grads.values()), dtype=torch.float64)
     torch.distributed.all_reduce(square, group=group)
@@ -88,14 +87,14 @@ def _finite(group):
     if rank == 1:
         bad[0, 0] = float("nan")  # one rank's data is bad: every rank skips
     before = ff.unshard(state.params), {k: v.clone() for k, v in state.buffers.items()}
-    counts = []  # (last_finite, notfinite_count, total_notfinite) after each step
+    counts = []  # (notfinite_count, last_finite, total_notfinite) after each step
     state, m1 = step(state, (bad, y))
-    counts.append(state.opt_state[1:])
+    counts.append(state.opt_state[:3])
     after = ff.unshard(state.params)
     state, _ = step(state, (bad, y))
-    counts.append(state.opt_state[1:])
+    counts.append(state.opt_state[:3])
     state, m2 = step(state, (x, y))
-    counts.append(state.opt_state[1:])
+    counts.append(state.opt_state[:3])
     moved = ff.unshard(state.params)
     return (
         bool(m1["skipped"]),
@@ -112,7 +111,7 @@ def test_apply_if_finite_skips_on_every_rank_and_then_applies(pool):
     # starting again after an applied step.
     for skipped, untouched, _, counts, skipped2, moved in pool.run(_finite, world=3):
         assert skipped and untouched
-        assert counts == [(False, 1, 1), (False, 2, 2), (True, 0, 2)]
+        assert counts == [(1, False, 1), (2, False, 2), (0, True, 2)]
         assert not skipped2 and moved
 
 
@@ -148,8 +147,8 @@ def test_update_in_backward_names_the_links_that_need_the_whole_gradient():
     with pytest.raises(ValueError, match=r"cannot be combined with donate=False$"):
         ff.train_step(fn, mse_loss, ff.adamw(), schedule=IN_BACKWARD, donate=False)
     ff.train_step(fn, mse_loss, ff.chain(ff.adamw()), schedule=IN_BACKWARD)  # an elementwise chain is fine
-    with pytest.raises(TypeError, match="must end with an optimizer"):
-        ff.chain(ff.clip_by_global_norm(1.0))
+    with pytest.raises(TypeError, match="chain takes GradientTransformations"):
+        ff.chain(ff.clip_by_global_norm(1.0), torch.optim.SGD)
 
 
 def test_the_schedule_is_the_one_value_for_when_things_happen():
@@ -304,42 +303,45 @@ def test_a_learning_rate_schedule_equals_torchs_lambda_lr(pool, optimizer, how):
 
 
 def _own_loop(group):
-    """value_and_grad, then the optimizer by hand: the schedule needs ``grads.step``."""
+    """value_and_grad, then ``update`` and ``apply_updates`` by hand, as with optax: the
+    schedule reads the count the state keeps, and ``update`` changes nothing it is given."""
     world, rank = group.size(), group.rank()
     model, fn, params = _sharded_mlp(group)
     opt = ff.adamw(lr=lambda k: 1e-2 * _warmup_cosine(k), weight_decay=0.1)
     opt_state = opt.init(params)
     grad_fn = ff.value_and_grad(fn, mse_loss)
-    messages = []
+    untouched = []
     for k in range(5):
         _, grads = grad_fn(params, fn.buffers, local_part(batch_for("mlp", model, k), rank, world))
-        if k == 0:
-            try:
-                opt.update(grads, opt_state, params)
-            except ValueError as e:
-                messages.append(str(e))
-        grads.step = k
-        params, opt_state = opt.update(grads, opt_state, params)
-    for bad in (-1e-3, float("nan")):  # a schedule gone wrong: refused, nothing applied
+        before = [t.clone() for t in ff.tree_leaves((grads, opt_state, params)) if isinstance(t, torch.Tensor)]
+        updates, new_state = opt.update(grads, opt_state, params)
+        after = [t for t in ff.tree_leaves((grads, opt_state, params)) if isinstance(t, torch.Tensor)]
+        untouched.append(all(torch.equal(a, b) for a, b in zip(before, after, strict=True)))
+        params, opt_state = ff.apply_updates(params, updates), new_state
+    messages = []
+    for bad in (-1e-3, float("nan"), "0.1", torch.ones(2)):  # a schedule gone wrong: refused, nothing applied
         wrong = ff.adamw(lr=lambda k, bad=bad: bad)
         try:
             wrong.update(grads, wrong.init(params), params)
-        except ValueError as e:
-            messages.append(str(e))
-    return messages, ff.unshard(params)
+        except (ValueError, TypeError) as e:
+            messages.append(f"{type(e).__name__}: {e}")
+    return untouched, opt_state[-1].count, messages, ff.unshard(params)
 
 
-def test_a_schedule_in_a_loop_of_ones_own_reads_grads_step(pool):
+def test_a_schedule_in_a_loop_of_ones_own_reads_the_count_in_its_state(pool):
+    # Catches: a schedule that needs the caller to set a step (grads.step before), an update that
+    # changes its inputs in place, a schedule's bad value or type accepted.
     _, _, ref = _torch_scheduled(partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1))
-    for messages, full in pool.run(_own_loop, world=2):
-        assert messages[0] == (
-            "adamw(lr=schedule): the schedule reads grads.step, the number of steps applied before this one; the "
-            "train step sets it, and a loop of your own sets it before update (grads.step = k)"
-        )
-        assert messages[1:] == [
-            f"adamw(lr=schedule): the schedule gave lr={bad} at step 4; a learning rate must be a finite number >= 0 "
-            "(nothing was applied)"
+    for untouched, count, messages, full in pool.run(_own_loop, world=2):
+        assert untouched == [True] * 5 and count == 5
+        assert messages == [
+            f"ValueError: scale_by_learning_rate: the schedule gave lr={bad} at count 0; a learning rate must be a "
+            "finite number >= 0 (nothing was applied)"
             for bad in (-0.001, "nan")
+        ] + [
+            f"TypeError: scale_by_learning_rate: the schedule returned a {kind} at count 0; a learning rate is a "
+            "number: a Python float or a 0-d tensor or array (torch, numpy, jax)"
+            for kind in ("str", "Tensor of shape (2,)")
         ]
         for name, p in ref["params"].items():
             torch.testing.assert_close(full[name], p, rtol=1e-5, atol=1e-6)
@@ -403,3 +405,215 @@ def test_has_aux_returns_this_ranks_aux_and_trains_as_the_loss_alone(pool):
         assert r["micro"] == [(2, 3), (4, 3)], r["micro"]  # one aux per micro-batch (6 local examples)
         assert max(r["value_and_grad"]) < 1e-6, r["value_and_grad"]
         assert r["error"] == "has_aux=True: loss_fn must return a pair (loss, aux), got Tensor"
+
+
+# --- the wrong results of issue 33, each against torch or optax ---------------------------
+
+
+class _TwoHeads(nn.Module):
+    """A trunk and two heads; the loss reaches head ``a`` only, so ``b`` gets no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.a, self.b = nn.Linear(7, 5), nn.Linear(5, 3), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(torch.tanh(self.trunk(x)))
+
+
+def _times_ten() -> ff.GradientTransformation:
+    """A user's own transformation, written with ff.tree_map, as a JAX user would."""
+    return ff.GradientTransformation(
+        lambda params: (), lambda grads, state, params=None: (ff.tree_map(lambda g: 10 * g, grads), state)
+    )
+
+
+def _user_link_then_clip(group):
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    fn = ff.functionalize(model)
+    opt = ff.chain(_times_ten(), ff.clip_by_global_norm(1.0), ff.adamw(lr=1e-2, weight_decay=0.1))
+    step = ff.train_step(fn, mse_loss, opt)
+    state = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group))
+    for k in range(3):
+        state, _ = step(state, local_part(batch_for("mlp", MLP(), k), rank, world))
+    return ff.unshard(state.params)
+
+
+def test_a_clip_after_another_link_norms_what_it_receives_and_unreached_parameters_stay(pool):
+    # Catches (issue 33): the clip used the norm from before the link ahead of it (an update 10x
+    # too small here), and a link written with ff.tree_map dropped which parameters got a
+    # gradient, so AdamW decayed head b, which no loss reached.
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for k in range(3):
+        mse_loss(ref, batch_for("mlp", MLP(), k)).backward()
+        for p in ref.parameters():
+            if p.grad is not None:
+                p.grad.mul_(10)
+        torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert ref.b.weight.grad is None and torch.equal(ref.b.weight, model.b.weight)
+    for full in pool.run(_user_link_then_clip, world=2):
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _rejected_round(group):
+    world, rank = group.size(), group.rank()
+    opt = ff.accumulate(2, ff.apply_if_finite(ff.adamw(lr=lambda k: 1e-2 * _warmup_cosine(k), weight_decay=0.1)))
+    model, fn, plan, step, state = _setup(group, opt)
+    steps = []
+    for k in range(6):
+        x, y = local_part(batch_for("mlp", model, k), rank, world)
+        if k == 1 and rank == 0:
+            x = x.clone()
+            x[0, 0] = float("nan")  # one rank's data is bad: the round is rejected on every rank
+        state, _ = step(state, (x, y))
+        steps.append(state.step)
+    return steps, ff.unshard(state.params)
+
+
+def test_a_schedule_after_a_rejected_round_and_the_step_count(pool):
+    # Catches (issue 33): the schedule read grads.step // k, which counted the rejected round
+    # (steps 1, 2 where AdamW applied 0, 1); TrainState.step moved on calls mid-round.
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine)
+    for a, b in ((2, 3), (4, 5)):  # the first round (calls 0, 1) is rejected
+        both = torch.utils._pytree.tree_map(
+            lambda s, t: torch.cat([s, t]), batch_for("mlp", model, a), batch_for("mlp", model, b)
+        )
+        mse_loss(ref, both).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        scheduler.step()
+    for steps, full in pool.run(_rejected_round, world=2):
+        assert steps == [0, 0, 0, 1, 1, 2]  # rounds applied, not calls
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _clip_grad_norm(group):
+    world, rank = group.size(), group.rank()
+    model, fn, params = _sharded_mlp(group)
+    _, grads = ff.value_and_grad(fn, mse_loss)(params, fn.buffers, local_part(batch_for("mlp", model, 0), rank, world))
+    with ff.comm_log() as log:
+        norm = ff.clip_grad_norm_(grads, 0.05)
+    return [c.op for c in log.records], float(norm), ff.unshard(grads, frozen=False)
+
+
+def test_clip_grad_norm_does_one_all_reduce_and_equals_torch(pool):
+    # Catches (issue 33): the norm computed twice (two all-reduces, not the documented one).
+    torch.manual_seed(0)
+    model = MLP()
+    mse_loss(model, batch_for("mlp", model, 0)).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+    for ops, norm, clipped in pool.run(_clip_grad_norm, world=2):
+        assert ops == ["all_reduce"]
+        assert norm == pytest.approx(want, rel=1e-6)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(clipped[name], p.grad, rtol=1e-5, atol=1e-7)
+
+
+def _key(c):
+    return (c.op, c.unit, c.numel, c.dtype)
+
+
+def _predicted(group):
+    from collections import Counter
+
+    world, rank = group.size(), group.rank()
+    opt = ff.apply_if_finite(ff.chain(ff.clip_by_global_norm(1.0), ff.adamw()))
+    model, fn, plan, step, state = _setup(group, opt)
+    out = []
+    for k in range(2):
+        with ff.comm_log() as log:
+            state, _ = step(state, local_part(batch_for("mlp", model, k), rank, world))
+        predicted = ff.predict_collectives(plan, world, ff.Schedule(), first_step=k == 0, optimizer=opt)
+        norms = [_key(c) for c in log.records if c.op == "all_reduce"]
+        out.append((Counter(map(_key, log.records)) == Counter(map(_key, predicted)), norms))
+    return out
+
+
+def test_the_optimizers_global_norms_are_predicted(pool):
+    # Catches: a norm computed twice (or taken from elsewhere) in the step, a prediction that leaves
+    # the optimizer's collectives out.
+    for steps in pool.run(_predicted, world=2):
+        for same, norms in steps:
+            assert same
+            assert norms == [("all_reduce", None, 1, torch.float64)] * 2  # apply_if_finite's, the clip's
+
+
+def _kept_input(group):
+    world, rank = group.size(), group.rank()
+    opt = ff.apply_if_finite(ff.accumulate(2, ff.adamw(lr=lambda k: 1e-2 / (k + 1))))
+    torch.manual_seed(0)
+    model = MLP()
+    fn = ff.functionalize(model)
+    step = ff.train_step(fn, mse_loss, opt, donate=False)
+    state = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group))
+    first = state
+    before = [t.clone() for t in ff.tree_leaves(state.opt_state) if isinstance(t, torch.Tensor)]
+    for k in range(4):
+        state, _ = step(state, local_part(batch_for("mlp", model, k), rank, world))
+    after = [t for t in ff.tree_leaves(first.opt_state) if isinstance(t, torch.Tensor)]
+    return all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), state.step, state.opt_state[-1][1]
+
+
+def test_donate_false_keeps_a_wrapped_state_with_counts(pool):
+    # Catches: donate=False cloning a state with plain counts (an int has no clone), or changing it.
+    for intact, applied, rounds in pool.run(_kept_input, world=2):
+        assert intact and applied == 2 and rounds == 2
+
+
+def _partial_unit_by_hand(group, optimizer):
+    """One unit holding head ``b``, which no loss reaches: ``update`` + ``apply_updates`` and the
+    step's in-place form, each from its own start."""
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model), group)  # one unit: b's parameters share it
+    opt = {
+        "adamw": ff.adamw(lr=1e-2, weight_decay=0.1),
+        "sgd": ff.sgd(lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.01),
+    }[optimizer]
+    in_place = ff.tree_map(torch.clone, params)
+    state, state_ip = opt.init(params), opt.init(in_place)
+    grad_fn = ff.value_and_grad(fn, mse_loss)
+    for k in range(3):
+        batch = local_part(batch_for("mlp", MLP(), k), rank, world)
+        _, grads = grad_fn(params, fn.buffers, batch)
+        assert not all(grads.received[""])
+        updates, state = opt.update(grads, state, params)
+        params = ff.apply_updates(params, updates)
+        _, grads = grad_fn(in_place, fn.buffers, batch)
+        state_ip = ff.update_in_place(opt, grads, state_ip, in_place)
+    return ff.unshard(params), ff.unshard(in_place)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_update_by_hand_skips_unreached_parameters_of_a_unit_as_torch(pool, optimizer):
+    # Catches: the functional form stepping (or decaying) the parameters of a unit no loss reached,
+    # a per-parameter count or momentum's first step lost in an element mask.
+    torch.manual_seed(0)
+    ref = _TwoHeads()
+    opt = {
+        "adamw": torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1),
+        "sgd": torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.01),
+    }[optimizer]
+    for k in range(3):
+        mse_loss(ref, batch_for("mlp", MLP(), k)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for functional, fused in pool.run(_partial_unit_by_hand, optimizer, world=2):
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(functional[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(fused[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)

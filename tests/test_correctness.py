@@ -515,9 +515,10 @@ def test_small_bf16_parameters_off_the_word_grid_train_like_one_process(pool):
         assert worst < 2e-2  # bf16: a rank's half-batch gradient rounds differently from the whole batch's
 
 
-def _trainable_changed(group, change):
-    """Plan with ``inp`` frozen, step, then change ``requires_grad``: the step refuses; a new
-    plan built after the change trains from the same parameters, as torch does."""
+def _unfrozen_after_the_plan(group):
+    """Plan with ``inp`` frozen, step, then unfreeze it: the step refuses (the plan holds it
+    outside the gradient buffers); a new plan built after the change trains from the same
+    parameters, as torch does."""
     world, rank = group.size(), group.rank()
     torch.manual_seed(0)
     module = Net()
@@ -529,10 +530,7 @@ def _trainable_changed(group, change):
     step = ff.train_step(fn, loss, ff.adamw(lr=0.05, weight_decay=0.1))
     state = step.init(ff.shard(fn.params, ff.make_plan(module, ff.layer_policy([Block])), group))
     state, _ = step(state, local[0])
-    if change == "unfreeze":
-        module.inp.requires_grad_(True)
-    else:
-        module.blocks[0].requires_grad_(False)
+    module.inp.requires_grad_(True)
     errors = []
     for attempt in (
         lambda: step(state, local[1]),
@@ -550,37 +548,90 @@ def _trainable_changed(group, change):
     return errors, ff.unshard(state.params)
 
 
-@pytest.mark.parametrize("change", ["unfreeze", "freeze"])
-def test_changing_requires_grad_after_the_plan_raises_and_a_new_plan_trains(pool, change):
-    """The plan fixes which parameters train; torch follows ``requires_grad`` at every step.
-    A change after the plan raises, naming the parameter (before: silently kept as planned),
-    in the train step and in ``value_and_grad``."""
+def test_unfreezing_a_parameter_the_plan_holds_frozen_raises_and_a_new_plan_trains(pool):
+    """The plan holds a parameter frozen at plan time outside the gradient buffers; unfreezing it
+    raises, naming it and the way out, in the train step and in ``value_and_grad``."""
     torch.manual_seed(0)
     module = Net()
     module.inp.requires_grad_(False)
     ref = copy.deepcopy(module)
-    batches = _batches(2, 2)
-    for i, b in enumerate(batches):  # torch: an optimizer over the parameters that train now
+    for i, b in enumerate(_batches(2, 2)):  # torch: an optimizer over the parameters that train now
         if i == 1:
-            if change == "unfreeze":
-                ref.inp.requires_grad_(True)
-            else:
-                ref.blocks[0].requires_grad_(False)
+            ref.inp.requires_grad_(True)
         opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=0.05, weight_decay=0.1)
         make_loss(["plain"])(ref, b).backward()
         opt.step()
         ref.zero_grad(set_to_none=True)
-    want = {
-        "unfreeze": "parameter 'inp.weight' of unit (root) is trainable now (requires_grad=True) but was frozen "
-        "when the plan was made, and steps follow the plan: it would not be trained",
-        "freeze": "parameter 'blocks.0.unused' of unit 'blocks.0' is frozen now (requires_grad=False) but was "
-        "trainable when the plan was made, and steps follow the plan: it would still be trained",
-    }[change]
-    for errors, full in pool.run(_trainable_changed, change, world=2):
+    want = (
+        "parameter 'inp.weight' of unit (root) is trainable now (requires_grad=True) but was frozen when the plan "
+        "was made: the plan holds it outside the unit's gradient buffer and optimizer state, so it would not be "
+        "trained. Make the plan while it is trainable and freeze it after"
+    )
+    for errors, full in pool.run(_unfrozen_after_the_plan, world=2):
         for error in errors:  # the train step, then value_and_grad
             assert want in error, error
         for name, p in ref.named_parameters():
             torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+FREEZES = {  # step -> (module path, requires_grad) set before it
+    "freeze": {1: ("blocks.0", False)},
+    "freeze_then_unfreeze": {1: ("blocks.0", False), 3: ("blocks.0", True)},
+    "part_of_a_unit": {1: ("blocks.1.fc.bias", False), 2: ("inp", False), 3: ("inp", True)},
+}
+
+
+def _set(module, path, flag):
+    target = module.get_parameter(path) if path.endswith(("weight", "bias")) else module.get_submodule(path)
+    target.requires_grad_(flag)
+
+
+def _frozen_mid_training(group, change, optimizer, update_in_backward):
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    module = Net()
+    fn = ff.functionalize(module)
+    opt = {"adamw": ff.adamw(lr=0.05, weight_decay=0.1), "sgd": ff.sgd(lr=0.05, momentum=0.9)}[optimizer]
+    schedule = ff.Schedule(update_in_backward=update_in_backward)
+    step = ff.train_step(fn, make_loss(["plain"]), opt, schedule=schedule)
+    state = step.init(ff.shard(fn.params, ff.make_plan(module, ff.layer_policy([Block])), group))
+    norms = []
+    for k, b in enumerate(_batches(world, 5)):
+        if k in FREEZES[change]:
+            _set(module, *FREEZES[change][k])
+        state, metrics = step(state, tuple(t.chunk(world)[rank] for t in b))
+        norms.append(float(metrics["grad_norm"]))
+    return ff.unshard(state.params), norms
+
+
+@pytest.mark.parametrize("update_in_backward", [False, True], ids=["default", "update_in_backward"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("change", list(FREEZES))
+def test_freezing_and_unfreezing_after_the_plan_trains_like_torch(pool, change, optimizer, update_in_backward):
+    """``requires_grad_(False)`` between steps (as FSDP2's tests do) on a parameter the plan holds
+    trainable: it reaches no gradient, keeps its value and optimizer state (torch.optim skips a
+    ``None`` gradient) and leaves the gradient norm; ``requires_grad_(True)`` trains it again with
+    the state it kept. Before, the step refused any change after the plan."""
+    torch.manual_seed(0)
+    ref = Net()
+    make = {
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    }[optimizer]
+    opt = make(list(ref.parameters()))  # built once: a frozen parameter keeps its state
+    norms = []
+    for k, b in enumerate(_batches(2, 5)):
+        if k in FREEZES[change]:
+            _set(ref, *FREEZES[change][k])
+        make_loss(["plain"])(ref, b).backward()
+        grads = [p.grad for p in ref.parameters() if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+        opt.step()
+        ref.zero_grad(set_to_none=True)
+    for full, got in pool.run(_frozen_mid_training, change, optimizer, update_in_backward, world=2):
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        assert got == pytest.approx(norms, rel=1e-5)
 
 
 def _losses_that_change(group, per_step, optimizer, update_in_backward):

@@ -234,7 +234,7 @@ def test_train_step_arguments():
         ff.train_step(m, mse_loss, ff.adamw())
     with pytest.raises(TypeError, match="loss_fn must be callable"):
         ff.train_step(fn, 3, ff.adamw())
-    with pytest.raises(TypeError, match="optimizer must be an fsdp_fn Optimizer"):
+    with pytest.raises(TypeError, match="optimizer must be an fsdp_fn GradientTransformation"):
         ff.train_step(fn, mse_loss, torch.optim.SGD(m.parameters(), lr=1))
 
 

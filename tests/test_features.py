@@ -97,8 +97,10 @@ def _train_with(
         "on_demand": on_demand,
         "state_bytes": sum(  # the sharded moments (AdamW) or momentum (SGD), not the step counts
             t.numel() * t.element_size()
-            for name, f in state.opt_state._asdict().items()
-            if name != "steps" and isinstance(f, ff.Sharded)
+            for link in state.opt_state
+            if hasattr(link, "_asdict")
+            for name, f in link._asdict().items()
+            if name != "count" and isinstance(f, ff.Sharded)
             for t in f.values()
         ),
         "shard_bytes": sum(t.numel() * t.element_size() for t in state.params.values()),

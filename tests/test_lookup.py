@@ -79,7 +79,7 @@ def _train_fetching(group, rows: bool, scale: bool):
     ops = {(c.op, c.unit) for c in log.records if c.unit in ("tokens", "tags")}
     return {
         "params": ff.unshard(state.params),
-        "moments": [ff.unshard(s) for s in state.opt_state[1:]],
+        "moments": [ff.unshard(s) for s in state.opt_state[0][1:]],
         "metrics": metrics,
         "ops": ops,
         "gathered": meter.category_peaks()["gathered"],

@@ -1,0 +1,323 @@
+"""The gradient-transformation protocol, as optax has it, over sharded pytrees.
+
+A ``GradientTransformation`` is a value: ``init(params) -> state`` and
+``update(grads, state, params) -> (updates, state)``; ``apply_updates(params, updates)``
+adds the updates. ``update`` changes nothing it is given. State is a plain pytree: named
+tuples of ``Sharded`` trees (sharded like the parameters) and Python numbers (counts).
+
+What the train step needs to know about a transformation is a typed field of the value:
+whether its own work needs every unit's gradient at once (``needs_whole_gradient``), what
+its last update did when it may apply nothing (``outcome``), and how to run it in place on
+buffers the step donates (``fused``: torch's own optimizer kernels, so a step moves no
+more memory than the kernels do).
+
+Per unit, ``grads.received`` (part of the tree's structure) says which parameters got a
+gradient; every transformation here leaves the others' state as it was and gives them a
+zero update, as torch.optim skips a parameter whose ``.grad`` is ``None``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import optree
+import torch
+
+from fsdp_fn._plan import Unit
+from fsdp_fn._shard import Layout, Sharded
+from fsdp_fn._tree import NAMESPACE
+
+__all__ = [
+    "EmptyState",
+    "GradientTransformation",
+    "Outcome",
+    "apply_updates",
+    "chain",
+    "identity",
+    "update_in_place",
+]
+
+Params = Sharded
+Updates = Sharded
+State = Any
+
+
+class Outcome(enum.Enum):
+    """What a transformation's last ``update`` did, for the step (read by ``outcome(state)``)."""
+
+    APPLIED = "applied"  # the update was applied
+    DEFERRED = "deferred"  # nothing applied yet: the call counts toward a round (``accumulate``)
+    REJECTED = "rejected"  # nothing applied: the gradient was not finite, the step undoes what its forward moved
+
+
+class InitFn(Protocol):
+    def __call__(self, params: Params) -> State: ...
+
+
+class UpdateFn(Protocol):
+    def __call__(self, grads: Updates, state: State, params: Params | None = None) -> tuple[Updates, State]: ...
+
+
+class FusedFn(Protocol):
+    """``update`` then ``apply_updates``, in place: ``params`` and the state's tensors are
+    donated (changed and reused); returns the new state (the same tensors)."""
+
+    def __call__(self, grads: Updates, state: State, params: Params) -> State: ...
+
+
+class GradientTransformation(NamedTuple):
+    """``init(params) -> state``; ``update(grads, state, params) -> (updates, state)``.
+
+    ``name``: for messages. ``needs_whole_gradient``: its own work reads every unit's
+    gradient (a global norm, a sum over calls), so it cannot run unit by unit during
+    backward (``Schedule(update_in_backward=True)``); a transformation made by hand is
+    assumed to. ``outcome(state)``: for one that may apply nothing, what its last update
+    did. ``fused``: the in-place form the train step runs on donated buffers (``None``:
+    ``update``, then the updates added in place). ``inner``: the transformations it wraps
+    or chains. ``global_norms``: global norms its own update computes (one all-reduce of one
+    number each, two with replicas; ``predict_collectives(..., optimizer=)`` counts them).
+    ``update_donated``: ``update`` that may write its result into the gradients it is given
+    (the step's own, donated): what a chain runs before its last link in a train step, so a
+    clip adds no gradient-sized buffer (``None``: ``update``).
+
+    >>> t = GradientTransformation(lambda params: (), lambda grads, state, params=None: (grads, state))
+    >>> t.needs_whole_gradient, t.outcome is None
+    (True, True)
+    """
+
+    init: InitFn
+    update: UpdateFn
+    name: str = "transformation"
+    needs_whole_gradient: bool = True
+    outcome: Callable[[State], Outcome] | None = None
+    fused: FusedFn | None = None
+    inner: tuple[GradientTransformation, ...] = ()
+    global_norms: int = 0
+    update_donated: UpdateFn | None = None
+
+
+class EmptyState(NamedTuple):
+    """The state of a transformation that keeps none."""
+
+
+def _empty(params: Params) -> EmptyState:
+    return EmptyState()
+
+
+def identity() -> GradientTransformation:
+    """Pass the gradients through unchanged (optax's ``identity``).
+
+    >>> identity().init(None)
+    EmptyState()
+    """
+
+    def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+        return grads, state
+
+    return GradientTransformation(_empty, update, "identity", needs_whole_gradient=False)
+
+
+def whole_gradient_links(t: GradientTransformation) -> list[str]:
+    """The names of the links of ``t`` (itself included) whose own work needs the whole gradient."""
+    own = [t.name] if t.needs_whole_gradient else []
+    return own + [name for link in t.inner for name in whole_gradient_links(link)]
+
+
+def count_global_norms(t: GradientTransformation) -> int:
+    """Global norms an applying update of ``t`` computes, its links' included."""
+    return t.global_norms + sum(count_global_norms(link) for link in t.inner)
+
+
+def _check(t: Any, where: str) -> GradientTransformation:
+    if not isinstance(t, GradientTransformation):
+        raise TypeError(f"{where} takes GradientTransformations (ff.adamw(), ff.scale(...), ...), got {t!r}")
+    return t
+
+
+# --- applying updates -------------------------------------------------------------------
+
+
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """``params + updates``, unit by unit, as new tensors (optax's ``apply_updates``).
+
+    Units no parameter of which got an update are the same tensors as in ``params``.
+    Memory: one new shard per updated unit; no communication.
+    """
+    out = {}
+    for unit in params.plan.units:
+        p = params[unit.name]
+        out[unit.name] = (p + updates[unit.name].to(p.dtype)) if any(updates.mask(unit)) else p
+    return params.replace(out)
+
+
+def apply_updates_(params: Params, updates: Updates) -> Params:
+    """``apply_updates`` in place on ``params``' shards (donated); returns ``params``."""
+    for unit in params.plan.units:
+        if any(updates.mask(unit)):
+            params[unit.name].add_(updates[unit.name].to(params[unit.name].dtype))
+    return params
+
+
+def update_in_place(t: GradientTransformation, grads: Updates, state: State, params: Params) -> State:
+    """One step of ``t`` in place: ``params``, ``state``'s tensors and ``grads`` are donated
+    (changed and reused); returns the new state. What the train step runs.
+
+    ``t.fused`` when it has one (torch's kernels: no memory beyond theirs); otherwise
+    ``t.update`` (new updates and state tensors, freed here), the updates added in place and
+    every new state tensor copied into the old one it replaces, so the old state's tensors
+    stay the state's.
+    """
+    if t.fused is not None:
+        return t.fused(grads, state, params)
+    updates, new = t.update(grads, state, params)
+    apply_updates_(params, updates)
+    return copy_into(state, new)
+
+
+def copy_into(old: State, new: State) -> State:
+    """``new`` with each of its tensors that replaces a different one of ``old`` copied into it."""
+    leaves_old, spec = optree.tree_flatten(old, namespace=NAMESPACE, none_is_leaf=True)
+    leaves_new = spec.flatten_up_to(new)
+    out = []
+    for a, b in zip(leaves_old, leaves_new, strict=True):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a is not b and a.shape == b.shape:
+            a.copy_(b)
+            out.append(a)
+        else:
+            out.append(b)
+    return optree.tree_unflatten(spec, out)
+
+
+# --- chain ------------------------------------------------------------------------------
+
+
+def chain(*links: GradientTransformation) -> GradientTransformation:
+    """Apply ``links`` in order, each to the previous one's updates (optax's ``chain``).
+
+    State: the tuple of the links' states. In place (the train step), every link but the
+    last runs as ``update`` on the gradients (the step's own, freed after), the last one
+    fused when it can be.
+
+    >>> from fsdp_fn import adamw, clip_by_global_norm
+    >>> chain(clip_by_global_norm(1.0), adamw()).needs_whole_gradient
+    False
+    """
+    links = tuple(_check(t, "chain") for t in links)
+
+    def init(params: Params) -> tuple[Any, ...]:
+        return tuple(t.init(params) for t in links)
+
+    def update(grads: Updates, state: tuple[Any, ...], params: Params | None = None) -> tuple[Updates, tuple[Any, ...]]:
+        new = []
+        for t, s in zip(links, state, strict=True):
+            grads, s = t.update(grads, s, params)
+            new.append(s)
+        return grads, tuple(new)
+
+    def outcome(state: tuple[Any, ...]) -> Outcome:
+        found = [t.outcome(s) for t, s in zip(links, state, strict=True) if t.outcome is not None]
+        for kind in (Outcome.REJECTED, Outcome.DEFERRED):
+            if kind in found:
+                return kind
+        return Outcome.APPLIED
+
+    def fused(grads: Updates, state: tuple[Any, ...], params: Params) -> tuple[Any, ...]:
+        if not links:
+            return state
+        new = []
+        for t, old in zip(links[:-1], state[:-1], strict=True):
+            grads, s = (t.update_donated or t.update)(grads, old, params)
+            new.append(copy_into(old, s))
+        new.append(update_in_place(links[-1], grads, state[-1], params))
+        return tuple(new)
+
+    name = "chain(" + ", ".join(t.name for t in links) + ")"
+    return GradientTransformation(
+        init,
+        update,
+        name,
+        needs_whole_gradient=False,
+        outcome=outcome if any(t.outcome is not None for t in links) else None,
+        fused=fused,
+        inner=links,
+    )
+
+
+# --- unit-by-unit helpers ---------------------------------------------------------------
+
+
+def no_update(unit: Unit, like: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """A unit's update where none of its parameters got a gradient: zeros that own no memory."""
+    return torch.zeros((), dtype=like.dtype, device=like.device).expand(unit.shard_numel(layout.world))
+
+
+def element_mask(unit: Unit, mask: Sequence[bool], layout: Layout, device: torch.device) -> torch.Tensor:
+    """This rank's shard of ``unit`` as booleans: True where the element is a parameter that ``mask`` marks."""
+    out = torch.zeros(unit.shard_numel(layout.world), dtype=torch.bool, device=device)
+    for i, lo, hi in unit.local_ranges(layout.world, layout.rank):
+        if mask[i] and lo < hi:
+            out[lo:hi] = True
+    return out
+
+
+def per_element(unit: Unit, values: torch.Tensor, layout: Layout, fill: float = 1.0) -> torch.Tensor:
+    """One value per parameter (shape ``(P,)``) spread over this rank's shard's elements (``fill`` on padding)."""
+    out = torch.full((unit.shard_numel(layout.world),), fill, dtype=values.dtype, device=values.device)
+    for i, lo, hi in unit.local_ranges(layout.world, layout.rank):
+        if lo < hi:
+            out[lo:hi] = values[i]
+    return out
+
+
+def drop_frozen(
+    unit: Unit, grad: torch.Tensor | None, mask: Sequence[bool], frozen: frozenset[str], layout: Layout
+) -> tuple[bool, ...]:
+    """``mask`` without the parameters frozen since the plan (``Plan.check_trainable``); their
+    elements of ``grad`` (a step's own gradient shard) are zeroed in place, so no norm counts
+    them, as torch counts no ``None`` gradient."""
+    keep = tuple(got and spec.name not in frozen for spec, got in zip(unit.params, mask, strict=True))
+    if grad is not None and keep != tuple(mask):
+        gone = [got and not k for got, k in zip(mask, keep, strict=True)]
+        grad.masked_fill_(element_mask(unit, gone, layout, grad.device), 0)
+    return keep
+
+
+def received_units(grads: Updates) -> list[Unit]:
+    """The units at least one parameter of which got a gradient."""
+    return [u for u in grads.plan.units if any(grads.mask(u))]
+
+
+def map_units(
+    fn: Callable[..., tuple[torch.Tensor, ...]],
+    grads: Updates,
+    states: Sequence[Sharded],
+) -> tuple[Updates, list[Sharded]]:
+    """``fn(unit, mask, grad, *state_tensors) -> (update, *new_state_tensors)`` for each unit
+    that got a gradient (``mask``: which of its parameters did); the other units keep their
+    state tensors and get ``no_update``. In a unit only some of whose parameters got one,
+    the others' elements keep their old state and get a zero update (per-parameter state,
+    such as step counts, is ``fn``'s to count). Returns the updates (``grads``' structure)
+    and the new states. Memory: new tensors for what ``fn`` computes; no communication."""
+    layout = grads.layout
+    updates: dict[str, torch.Tensor] = {}
+    new: list[dict[str, torch.Tensor]] = [{} for _ in states]
+    for unit in grads.plan.units:
+        g = grads[unit.name]
+        mask = grads.mask(unit)
+        olds = [s[unit.name] for s in states]
+        if not unit.params or not any(mask):
+            updates[unit.name] = no_update(unit, g, layout)
+            for k, old in enumerate(olds):
+                new[k][unit.name] = old
+            continue
+        update, *out = fn(unit, mask, g, *olds)
+        if not all(mask):
+            keep = element_mask(unit, mask, layout, g.device)
+            update = torch.where(keep, update, torch.zeros((), dtype=update.dtype, device=g.device))
+            out = [torch.where(keep, o, old) if o.shape == g.shape else o for o, old in zip(out, olds, strict=True)]
+        updates[unit.name] = update
+        for k, o in enumerate(out):
+            new[k][unit.name] = o
+    return grads.replace(updates), [s.replace(n) for s, n in zip(states, new, strict=True)]

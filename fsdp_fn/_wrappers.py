@@ -1,0 +1,447 @@
+"""Transformations that wrap others, as optax's: skip a non-finite step, accumulate over
+calls, apply to some parameters, one transformation per label, hyper-parameters in the state.
+
+Each wrapper keeps its counters in its state (plain Python numbers) beside its inner
+state, and says what its last update did through ``outcome`` (``_base.Outcome``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from fsdp_fn._base import (
+    GradientTransformation,
+    Outcome,
+    Params,
+    Updates,
+    _check,
+    element_mask,
+    no_update,
+    update_in_place,
+)
+from fsdp_fn._plan import Unit
+from fsdp_fn._shard import Sharded
+from fsdp_fn._transforms import ParamMask, global_norm, zeros_like
+
+__all__ = [
+    "AccumulateState",
+    "ApplyIfFiniteState",
+    "InjectHyperparamsState",
+    "MaskedState",
+    "MultiTransformState",
+    "accumulate",
+    "apply_if_finite",
+    "inject_hyperparams",
+    "masked",
+    "multi_transform",
+]
+
+
+def _nothing(grads: Updates) -> Updates:
+    """Zero updates for every unit, marked as reaching no parameter."""
+    layout = grads.layout
+    return grads.replace({u.name: no_update(u, grads[u.name], layout) for u in grads.plan.units}).with_received({})
+
+
+def _inner_outcome(inner: GradientTransformation, state: Any) -> Outcome:
+    return inner.outcome(state) if inner.outcome is not None else Outcome.APPLIED
+
+
+# --- apply_if_finite --------------------------------------------------------------------
+
+
+class ApplyIfFiniteState(NamedTuple):
+    notfinite_count: int  # non-finite gradients in a row
+    last_finite: bool  # whether the last gradient was finite
+    total_notfinite: int
+    inner_state: Any
+
+
+def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int | None = None) -> GradientTransformation:
+    """Apply ``inner`` only when the gradients' global norm is finite (no NaN or inf on any
+    rank); otherwise the updates are zero and ``inner``'s state stays as it was (optax's
+    ``apply_if_finite``). After more than ``max_consecutive_errors`` non-finite gradients in a
+    row the update is applied anyway, as optax does; ``None`` (the default) never applies one.
+    In a train step a rejected update leaves everything as it was, buffers included.
+
+    The decision is the same on every rank. Communication: one all-reduce of one number.
+
+    >>> from fsdp_fn import adamw
+    >>> apply_if_finite(adamw(), max_consecutive_errors=5).outcome is not None
+    True
+    """
+    inner = _check(inner, "apply_if_finite")
+    if max_consecutive_errors is not None and (
+        isinstance(max_consecutive_errors, bool)
+        or not isinstance(max_consecutive_errors, int)
+        or max_consecutive_errors < 0
+    ):
+        raise ValueError(
+            "apply_if_finite: max_consecutive_errors must be a whole number >= 0 or None, "
+            f"got {max_consecutive_errors!r}"
+        )
+
+    def init(params: Params) -> ApplyIfFiniteState:
+        return ApplyIfFiniteState(0, True, 0, inner.init(params))
+
+    def decide(grads: Updates, state: ApplyIfFiniteState) -> tuple[bool, int, bool]:
+        finite = bool(torch.isfinite(global_norm(grads)))
+        count = 0 if finite else state.notfinite_count + 1
+        applies = finite or (max_consecutive_errors is not None and count > max_consecutive_errors)
+        return finite, count, applies
+
+    def new_state(state: ApplyIfFiniteState, finite: bool, count: int, inner_state: Any) -> ApplyIfFiniteState:
+        return ApplyIfFiniteState(count, finite, state.total_notfinite + (not finite), inner_state)
+
+    def update(
+        grads: Updates, state: ApplyIfFiniteState, params: Params | None = None
+    ) -> tuple[Updates, ApplyIfFiniteState]:
+        finite, count, applies = decide(grads, state)
+        if not applies:
+            return _nothing(grads), new_state(state, finite, count, state.inner_state)
+        updates, inner_state = inner.update(grads, state.inner_state, params)
+        return updates, new_state(state, finite, count, inner_state)
+
+    def fused(grads: Updates, state: ApplyIfFiniteState, params: Params) -> ApplyIfFiniteState:
+        finite, count, applies = decide(grads, state)
+        inner_state = update_in_place(inner, grads, state.inner_state, params) if applies else state.inner_state
+        return new_state(state, finite, count, inner_state)
+
+    def outcome(state: ApplyIfFiniteState) -> Outcome:
+        applied = state.last_finite or (
+            max_consecutive_errors is not None and state.notfinite_count > max_consecutive_errors
+        )
+        return _inner_outcome(inner, state.inner_state) if applied else Outcome.REJECTED
+
+    return GradientTransformation(
+        init, update, "apply_if_finite", outcome=outcome, fused=fused, inner=(inner,), global_norms=1
+    )
+
+
+# --- accumulate -------------------------------------------------------------------------
+
+
+class AccumulateState(NamedTuple):
+    mini_step: int  # calls accumulated so far in this round
+    gradient_step: int  # rounds completed (updates the inner transformation got)
+    inner_opt_state: Any
+    acc_grads: Sharded  # the round's mean (or sum) so far; its ``received``: what any call reached
+
+
+def accumulate(
+    every: int | Callable[[int], int], inner: GradientTransformation, *, use_grad_mean: bool = True
+) -> GradientTransformation:
+    """Accumulate the gradients of ``every`` calls and give ``inner`` their mean (their sum
+    with ``use_grad_mean=False``) on the last one (optax's ``MultiSteps``); the other calls'
+    updates are zero and ``inner``'s state stays as it was. ``every`` may be a schedule of
+    the rounds completed (optax's ``every_k_schedule``). A parameter counts as reached if
+    any call of the round reached it. Memory: one gradient shard per unit; no communication
+    of its own. In a train step, ``TrainState.step`` counts rounds, not calls.
+
+    >>> from fsdp_fn import sgd
+    >>> accumulate(4, sgd()).needs_whole_gradient
+    True
+    """
+    inner = _check(inner, "accumulate")
+    if not callable(every):
+        _every_ok(every)
+
+    def k_at(gradient_step: int) -> int:
+        return _every_ok(every(gradient_step)) if callable(every) else every
+
+    def init(params: Params) -> AccumulateState:
+        return AccumulateState(0, 0, inner.init(params), zeros_like(params).with_received({}))
+
+    def summed(grads: Updates, acc: Sharded, n: int, out_of_place: bool) -> Sharded:
+        shards, received = {}, {}
+        for unit in grads.plan.units:
+            a, got = acc[unit.name], grads.mask(unit)
+            if any(got):
+                g = grads[unit.name].to(a.dtype)
+                if use_grad_mean:
+                    a = a.lerp(g, 1 / (n + 1)) if out_of_place else a.lerp_(g, 1 / (n + 1))
+                else:
+                    a = a + g if out_of_place else a.add_(g)
+            elif use_grad_mean and n and any(acc.mask(unit)):  # this call's gradient is zero here
+                a = a * (n / (n + 1)) if out_of_place else a.mul_(n / (n + 1))
+            shards[unit.name] = a
+            received[unit.name] = tuple(x or y for x, y in zip(acc.mask(unit), got, strict=True))
+        return Sharded(shards, acc.layout, received)
+
+    def update(grads: Updates, state: AccumulateState, params: Params | None = None) -> tuple[Updates, AccumulateState]:
+        acc = summed(grads, state.acc_grads, state.mini_step, out_of_place=True)
+        if state.mini_step + 1 < k_at(state.gradient_step):
+            return _nothing(grads), state._replace(mini_step=state.mini_step + 1, acc_grads=acc)
+        updates, inner_state = inner.update(acc, state.inner_opt_state, params)
+        fresh = zeros_like(acc).with_received({})
+        return updates, AccumulateState(0, state.gradient_step + 1, inner_state, fresh)
+
+    def fused(grads: Updates, state: AccumulateState, params: Params) -> AccumulateState:
+        acc = summed(grads, state.acc_grads, state.mini_step, out_of_place=False)
+        if state.mini_step + 1 < k_at(state.gradient_step):
+            return state._replace(mini_step=state.mini_step + 1, acc_grads=acc)
+        inner_state = update_in_place(inner, acc, state.inner_opt_state, params)
+        for t in acc.values():
+            t.zero_()
+        return AccumulateState(0, state.gradient_step + 1, inner_state, acc.with_received({}))
+
+    def outcome(state: AccumulateState) -> Outcome:
+        return Outcome.DEFERRED if state.mini_step else _inner_outcome(inner, state.inner_opt_state)
+
+    name = f"accumulate({every if not callable(every) else 'schedule'})"
+    return GradientTransformation(init, update, name, outcome=outcome, fused=fused, inner=(inner,))
+
+
+def _every_ok(every: Any) -> int:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"accumulate: every must be a whole number of calls >= 1, got {every!r}")
+    return every
+
+
+# --- masked and multi_transform ---------------------------------------------------------
+
+
+def _as_select(
+    mask: Callable[[str, tuple[int, ...]], Any] | Mapping[str, Any], where: str
+) -> Callable[[str, tuple[int, ...]], Any]:
+    if isinstance(mask, Mapping):
+        table = dict(mask)
+
+        def select(name: str, shape: tuple[int, ...]) -> Any:
+            if name not in table:
+                raise KeyError(f"{where}: parameter {name!r} is not in the mapping")
+            return table[name]
+
+        return select
+    if not callable(mask):
+        raise TypeError(f"{where}: takes a callable (name, shape) -> value or a mapping by name, got {mask!r}")
+    return mask
+
+
+def _restricted(grads: Updates, keep: Callable[[Unit], tuple[bool, ...]]) -> Updates:
+    """``grads`` marked as reaching only the received parameters ``keep`` selects."""
+    return grads.with_received(
+        {u.name: tuple(a and b for a, b in zip(grads.mask(u), keep(u), strict=True)) for u in grads.plan.units}
+    )
+
+
+class MaskedState(NamedTuple):
+    inner_state: Any
+
+
+def masked(inner: GradientTransformation, mask: ParamMask | Mapping[str, bool]) -> GradientTransformation:
+    """Apply ``inner`` to the parameters ``mask(name, shape)`` selects (or a mapping name ->
+    bool); the others' updates pass through unchanged (optax's ``masked``). ``inner``'s state
+    covers every parameter (a unit is one flat shard); the unselected ones' stays as it was.
+
+    >>> from fsdp_fn import scale
+    >>> masked(scale(0.5), lambda name, shape: len(shape) > 1).name
+    'masked(scale(0.5))'
+    """
+    inner = _check(inner, "masked")
+    select = _as_select(mask, "masked")
+    cache: dict[str, tuple[bool, ...]] = {}
+
+    def chosen(unit: Unit) -> tuple[bool, ...]:
+        if unit.name not in cache:
+            cache[unit.name] = tuple(bool(select(p.name, p.shape)) for p in unit.params)
+        return cache[unit.name]
+
+    def init(params: Params) -> MaskedState:
+        return MaskedState(inner.init(params))
+
+    def update(grads: Updates, state: MaskedState, params: Params | None = None) -> tuple[Updates, MaskedState]:
+        inner_updates, inner_state = inner.update(_restricted(grads, chosen), state.inner_state, params)
+        out = {}
+        for unit in grads.plan.units:
+            mine = [a and b for a, b in zip(grads.mask(unit), chosen(unit), strict=True)]
+            if not any(mine):
+                out[unit.name] = grads[unit.name]
+            elif all(chosen(unit)):
+                out[unit.name] = inner_updates[unit.name]
+            else:
+                where = element_mask(unit, chosen(unit), grads.layout, grads[unit.name].device)
+                out[unit.name] = torch.where(where, inner_updates[unit.name], grads[unit.name])
+        return grads.replace(out), MaskedState(inner_state)
+
+    return GradientTransformation(
+        init,
+        update,
+        f"masked({inner.name})",
+        needs_whole_gradient=False,
+        outcome=(lambda s: _inner_outcome(inner, s.inner_state)) if inner.outcome is not None else None,
+        inner=(inner,),
+    )
+
+
+class MultiTransformState(NamedTuple):
+    inner_states: dict[str, Any]
+
+
+def multi_transform(
+    transforms: Mapping[str, GradientTransformation],
+    param_labels: Callable[[str, tuple[int, ...]], str] | Mapping[str, str],
+) -> GradientTransformation:
+    """One transformation per label, each on the parameters ``param_labels(name, shape)``
+    gives its label (or a mapping name -> label), as optax's ``multi_transform``:
+    ``multi_transform({"adam": ff.adamw(), "frozen": ff.scale(0.0)}, labels)``.
+
+    Each transformation's state covers every parameter; the other labels' stay as they
+    were. In a train step each label's transformation runs in place on its own parameters.
+
+    >>> from fsdp_fn import adamw, sgd
+    >>> multi_transform({"a": adamw(), "b": sgd()}, lambda name, shape: "a").name
+    'multi_transform(a: adamw, b: sgd)'
+    """
+    links = {label: _check(t, "multi_transform") for label, t in transforms.items()}
+    select = _as_select(param_labels, "multi_transform")
+    cache: dict[str, tuple[str, ...]] = {}
+
+    def labels(unit: Unit) -> tuple[str, ...]:
+        if unit.name not in cache:
+            found = tuple(select(p.name, p.shape) for p in unit.params)
+            unknown = [(p.name, label) for p, label in zip(unit.params, found, strict=True) if label not in links]
+            if unknown:
+                raise KeyError(
+                    f"multi_transform: parameter {unknown[0][0]!r} has label {unknown[0][1]!r}, which names no "
+                    f"transformation (labels: {sorted(links)})"
+                )
+            cache[unit.name] = found
+        return cache[unit.name]
+
+    def only(label: str) -> Callable[[Unit], tuple[bool, ...]]:
+        return lambda unit: tuple(x == label for x in labels(unit))
+
+    def init(params: Params) -> MultiTransformState:
+        for unit in params.plan.units:
+            labels(unit)
+        return MultiTransformState({label: t.init(params) for label, t in links.items()})
+
+    def update(
+        grads: Updates, state: MultiTransformState, params: Params | None = None
+    ) -> tuple[Updates, MultiTransformState]:
+        results = {
+            label: t.update(_restricted(grads, only(label)), state.inner_states[label], params)
+            for label, t in links.items()
+        }
+        out = {}
+        for unit in grads.plan.units:
+            mine = labels(unit)
+            if not any(grads.mask(unit)) or not mine:
+                out[unit.name] = grads[unit.name]
+            elif len(set(mine)) == 1:
+                out[unit.name] = results[mine[0]][0][unit.name]
+            else:
+                value = torch.zeros_like(grads[unit.name])
+                for label in dict.fromkeys(mine):
+                    where = element_mask(unit, only(label)(unit), grads.layout, value.device)
+                    value = torch.where(where, results[label][0][unit.name], value)
+                out[unit.name] = value
+        return grads.replace(out), MultiTransformState({label: r[1] for label, r in results.items()})
+
+    def fused(grads: Updates, state: MultiTransformState, params: Params) -> MultiTransformState:
+        out, last = {}, list(links)[-1]
+        for label, t in links.items():
+            mine = _restricted(grads, only(label))
+            if label != last:  # a link may write into the gradients it is given: not into another label's
+                mine = mine.replace(
+                    {u.name: mine[u.name].clone() if any(mine.mask(u)) else mine[u.name] for u in mine.plan.units}
+                )
+            out[label] = update_in_place(t, mine, state.inner_states[label], params)
+        return MultiTransformState(out)
+
+    def outcome(state: MultiTransformState) -> Outcome:
+        found = [_inner_outcome(t, state.inner_states[label]) for label, t in links.items()]
+        return next((k for k in (Outcome.REJECTED, Outcome.DEFERRED) if k in found), Outcome.APPLIED)
+
+    name = "multi_transform(" + ", ".join(f"{label}: {t.name}" for label, t in links.items()) + ")"
+    return GradientTransformation(
+        init,
+        update,
+        name,
+        needs_whole_gradient=False,
+        outcome=outcome if any(t.outcome is not None for t in links.values()) else None,
+        fused=fused,
+        inner=tuple(links.values()),
+    )
+
+
+# --- inject_hyperparams -----------------------------------------------------------------
+
+
+class InjectHyperparamsState(NamedTuple):
+    # updates applied before the next one: what scheduled hyper-parameters read (optax's name: it shadows tuple.count)
+    count: int  # type: ignore[assignment]
+    hyperparams: dict[str, float]  # their values at the last update; replace one to change it
+    inner_state: Any
+
+
+def inject_hyperparams(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
+    """Make ``factory``'s numeric hyper-parameters part of the state (optax's
+    ``inject_hyperparams``): ``inject_hyperparams(ff.adamw)(lr=1e-3, weight_decay=0.1)``.
+
+    A number is kept in ``state.hyperparams`` and can be changed between steps
+    (``state._replace(hyperparams={**state.hyperparams, "lr": 1e-4})``); a callable is a
+    schedule of ``state.count`` (the updates applied before), evaluated at each update.
+    Other arguments are passed as they are. The inner transformation is rebuilt from the
+    values at each update (cheap: closures), so its fused form still runs in a train step.
+
+    >>> from fsdp_fn import scale
+    >>> inject_hyperparams(scale)(step_size=0.5).init(None)
+    InjectHyperparamsState(count=0, hyperparams={'step_size': 0.5}, inner_state=EmptyState())
+    """
+
+    def build(*args: Any, **kwargs: Any) -> GradientTransformation:
+        numeric = {k: v for k, v in kwargs.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        scheduled = {k: v for k, v in kwargs.items() if callable(v) and k not in numeric}
+        static = {k: v for k, v in kwargs.items() if k not in numeric and k not in scheduled}
+
+        def values(count: int, current: Mapping[str, float]) -> dict[str, float]:
+            out = {k: float(current.get(k, v)) for k, v in numeric.items()}
+            for k, fn in scheduled.items():
+                try:
+                    out[k] = float(fn(count))
+                except (TypeError, ValueError, RuntimeError):
+                    raise TypeError(
+                        f"inject_hyperparams: the schedule for {k!r} did not return a number at count {count}"
+                    ) from None
+            return out
+
+        def inner(hyperparams: Mapping[str, float]) -> GradientTransformation:
+            return _check(factory(*args, **static, **hyperparams), "inject_hyperparams")
+
+        probe = inner(values(0, {}))
+
+        def init(params: Params) -> InjectHyperparamsState:
+            hyperparams = values(0, {})
+            return InjectHyperparamsState(0, hyperparams, inner(hyperparams).init(params))
+
+        def update(
+            grads: Updates, state: InjectHyperparamsState, params: Params | None = None
+        ) -> tuple[Updates, InjectHyperparamsState]:
+            hyperparams = values(state.count, state.hyperparams)
+            updates, inner_state = inner(hyperparams).update(grads, state.inner_state, params)
+            return updates, InjectHyperparamsState(state.count + 1, hyperparams, inner_state)
+
+        def fused(grads: Updates, state: InjectHyperparamsState, params: Params) -> InjectHyperparamsState:
+            hyperparams = values(state.count, state.hyperparams)
+            inner_state = update_in_place(inner(hyperparams), grads, state.inner_state, params)
+            return InjectHyperparamsState(state.count + 1, hyperparams, inner_state)
+
+        def outcome(state: InjectHyperparamsState) -> Outcome:
+            return _inner_outcome(probe, state.inner_state)
+
+        return GradientTransformation(
+            init,
+            update,
+            f"inject_hyperparams({probe.name})",
+            needs_whole_gradient=False,
+            outcome=outcome if probe.outcome is not None else None,
+            fused=fused,
+            inner=(probe,),
+        )
+
+    return build
