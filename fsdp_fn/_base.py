@@ -321,3 +321,39 @@ def map_units(
         for k, o in enumerate(out):
             new[k][unit.name] = o
     return grads.replace(updates), [s.replace(n) for s, n in zip(states, new, strict=True)]
+
+
+def state_kinds(state: State) -> Any:
+    """The shape of an optimizer state without its values: each named tuple's type and fields,
+    tuples, dicts' keys, and leaves by kind (sharded, tensor, number, None). Two states of one
+    transformation have the same kinds; another transformation's state does not."""
+    if isinstance(state, Sharded):
+        return "Sharded"
+    if isinstance(state, torch.Tensor):
+        return "tensor"
+    if isinstance(state, tuple):
+        kids = tuple(state_kinds(s) for s in state)
+        fields = getattr(state, "_fields", None)
+        return (type(state).__name__, tuple(fields), kids) if fields is not None else kids
+    if isinstance(state, dict):
+        return tuple((k, state_kinds(v)) for k, v in state.items())
+    if state is None or isinstance(state, bool | int | float):
+        return type(state).__name__
+    return type(state).__name__
+
+
+def describe_kinds(kinds: Any) -> str:
+    """The named tuples of a state's kinds, outermost first: how a message names a state."""
+    names: list[str] = []
+
+    def visit(k: Any) -> None:
+        if isinstance(k, tuple) and len(k) == 3 and isinstance(k[0], str) and isinstance(k[1], tuple):
+            names.append(k[0])
+            for kid in k[2]:
+                visit(kid)
+        elif isinstance(k, tuple):
+            for kid in k:
+                visit(kid[1] if isinstance(kid, tuple) and len(kid) == 2 and isinstance(kid[0], str) else kid)
+
+    visit(kinds)
+    return ", ".join(dict.fromkeys(names)) or "no named state"

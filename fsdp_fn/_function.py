@@ -16,6 +16,23 @@ def plain_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
     small, with a function per parameter. Outside every transform an old-style twin of
     ``cls`` (``forward(ctx, ...)`` running ``cls.forward`` then ``cls.setup_context``, the same
     ``backward``, the same name) is applied instead; inside one, ``cls.apply`` as it is.
+
+    >>> class Double(torch.autograd.Function):
+    ...     @staticmethod
+    ...     def forward(x):
+    ...         return 2 * x
+    ...     @staticmethod
+    ...     def setup_context(ctx, inputs, output):
+    ...         pass
+    ...     @staticmethod
+    ...     def backward(ctx, grad):
+    ...         return 2 * grad
+    >>> double = plain_apply(Double)
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> double(x).grad_fn.name()  # the same name as Double.apply's node
+    'DoubleBackward'
+    >>> torch.func.grad(lambda t: double(t).sum())(torch.ones(2))  # under a transform: Double.apply
+    tensor([2., 2.])
     """
 
     def forward(ctx: Any, *inputs: Any) -> Any:

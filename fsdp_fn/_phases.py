@@ -131,6 +131,16 @@ def phased(name: str) -> Callable[[F], F]:
 
 @contextlib.contextmanager
 def phase_clock() -> Iterator[PhaseClock]:
-    """Sum the host time of every phase on this thread's steps inside the block."""
+    """Sum the host time of every phase run inside the block (``PhaseClock``).
+
+    >>> with phase_clock() as clock:
+    ...     with phase("optimizer"):
+    ...         with phase("wait"):
+    ...             pass
+    >>> clock.calls["optimizer"], clock.calls["wait"]
+    (1, 1)
+    >>> clock.inclusive["optimizer"] >= clock.seconds["optimizer"]  # exclusive: the wait is its own
+    True
+    """
     with PhaseClock() as clock:
         yield clock

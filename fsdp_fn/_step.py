@@ -12,7 +12,15 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
 
-from fsdp_fn._base import GradientTransformation, Outcome, drop_frozen, update_in_place, whole_gradient_links
+from fsdp_fn._base import (
+    GradientTransformation,
+    Outcome,
+    describe_kinds,
+    drop_frozen,
+    state_kinds,
+    update_in_place,
+    whole_gradient_links,
+)
 from fsdp_fn._collectives import all_gather_into, all_reduce_, broadcast_
 from fsdp_fn._functional import Functional
 from fsdp_fn._grad import LossFn, lean_pass
@@ -135,6 +143,7 @@ class TrainStep:
             dict(compile) if isinstance(compile, Mapping) else ({} if compile else None)
         )
         self.fn, self.loss_fn, self.optimizer, self.donate = fn, loss_fn, optimizer, donate
+        self._kinds: Any = None  # the kinds of this optimizer's state (``state_kinds``), at the first call
         self.has_aux = has_aux
         self.schedule = schedule
         self.remat = Remat.of(remat)
@@ -208,6 +217,7 @@ class TrainStep:
                 "the torch optimizer object, which every step changes; use donate=True with from_torch, or "
                 "ff.adamw / ff.sgd"
             )
+        self._check_state_kinds(state)
         self.calls += 1
         check = self._check_next
         self._check_next = self.check_schedule == "always"
@@ -328,6 +338,27 @@ class TrainStep:
             params.replace(params.shards), _fresh(opt_state), buffers, state.step + int(outcome is Outcome.APPLIED)
         )
         return new, metrics
+
+    def _check_state_kinds(self, state: TrainState) -> None:
+        """The optimizer state must be of this step's optimizer (its ``init``'s kinds: worked out
+        once, on meta tensors), or its update would fail on a field it does not have."""
+        if isinstance(state.opt_state, torch.optim.Optimizer):
+            return
+        if self._kinds is None:
+            meta = state.params.replace({k: torch.empty_like(v, device="meta") for k, v in state.params.shards.items()})
+            try:
+                self._kinds = state_kinds(self.optimizer.init(meta))
+            except Exception:  # an init that reads values: no check
+                self._kinds = False
+        if self._kinds is False:
+            return
+        got = state_kinds(state.opt_state)
+        if got != self._kinds:
+            raise TypeError(
+                f"the optimizer state given to this step is not {self.optimizer.name}'s: it holds "
+                f"{describe_kinds(got)} where {self.optimizer.name} keeps {describe_kinds(self._kinds)}. Make the "
+                "state with this step's init (step.init(params)), or load a checkpoint into a state it made"
+            )
 
     def _micro_batches(self, batch: Any) -> Sequence[Any]:
         n = self.schedule.micro_batches

@@ -798,10 +798,21 @@ def _meta(path: Path, own: Mapping[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def _check_values(path: Path, saved: Mapping[str, Any], template: Mapping[str, Any]) -> None:
-    """The optimizer's plain values in the checkpoint are of the template's kinds (a chain's counters)."""
+    """The optimizer's plain values in the checkpoint are the template's, of the same kinds (a chain's
+    counters): a chain that wraps its links otherwise would silently restart their counts."""
+    # (which parameters a round reached is data, there only once some are: not the chain's shape)
+    counters, wanted = ({k for k in names if not k.endswith(".received")} for names in (saved, template))
+    if counters != wanted:
+        only_saved, only_here = sorted(counters - wanted), sorted(wanted - counters)
+        raise CheckpointError(
+            f"{path}: its optimizer state was saved by another chain of links: it holds "
+            f"{', '.join(map(repr, only_saved)) or 'nothing more'} where the target's optimizer keeps "
+            f"{', '.join(map(repr, only_here)) or 'nothing more'} (an accumulate's or apply_if_finite's counters "
+            "under another path). Load it into a state made by the same optimizer, its links wrapped the same way"
+        )
     for name, value in saved.items():
         if name not in template:
-            continue  # another chain: _rebuild takes only what the template has
+            continue  # (a round's reached parameters)
         like = template[name]
         same = type(value) is type(like)
         if same and isinstance(value, torch.Tensor):

@@ -1432,3 +1432,34 @@ def test_the_demo_reads_on_from_the_same_sample_at_any_world_size():
     straight = torch.cat(run(4, 3, 0)[0])
     assert torch.equal(resumed, straight)
     assert len({tuple(w.tolist()) for w in resumed}) == 24
+
+
+def _accumulation_into_another_chain(group, directory, phase):
+    """``accumulate(2, adamw)`` saved mid-round; loaded into a chain that clips before it."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([Block]))
+    inner = ff.accumulate(2, ff.adamw(lr=LR))
+    opt = inner if phase == "save" else ff.chain(ff.clip_by_global_norm(1e6), inner)
+    step = ff.train_step(fn, lm_loss, opt)
+    state = step.init(ff.shard(fn.params, plan, group))
+    if phase == "save":
+        state, _ = _train(model, step, state, group, 0, 3)  # the third gradient waits in the round
+        ckpt.save(directory, state)
+        return ""
+    try:
+        ckpt.load(directory, state)
+    except ckpt.CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_an_accumulation_loaded_into_a_chain_that_wraps_it_otherwise_is_refused(pool, tmp_path):
+    # Catches: the summed gradient loading while the round's counter restarted at 0 under the
+    # other chain's path, so the next update averaged k+1 gradients over k (2.2e-2 off torch).
+    d = str(tmp_path / "acc")
+    pool.run(_accumulation_into_another_chain, d, "save", world=2)
+    for message in pool.run(_accumulation_into_another_chain, d, "load", world=2):
+        assert "its optimizer state was saved by another chain of links" in message, message
+        assert "mini_step" in message, message

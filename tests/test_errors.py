@@ -304,3 +304,23 @@ def test_meta_model_given_to_shard(pool):
     msg = pool.run(_meta_model_to_shard, world=2)[0]
     assert "ValueError: parameter 'net.0.weight' is on the meta device and holds no values" in msg
     assert "init_shards" in msg
+
+
+def _state_of_another_optimizer(group):
+    _, fn, plan, params, loss_fn = _setup(group)
+    adamw_state = ff.train_step(fn, loss_fn, ff.adamw()).init(params)
+    sgd_step = ff.train_step(fn, loss_fn, ff.sgd(lr=0.1, momentum=0.9))
+    batch = (torch.randn(4, 7), torch.randn(4, 3))
+    message = _error(sgd_step, adamw_state, batch)
+    _, metrics = sgd_step(sgd_step.init(params), batch)  # its own state trains
+    return message, bool(torch.isfinite(metrics["loss"]))
+
+
+def test_the_state_of_another_optimizer_is_named(pool):
+    # Catches: AdamW's state handed to an SGD step failing deep in the update with a raw
+    # AttributeError (before), or a check that refuses the step's own state.
+    for message, trains in pool.run(_state_of_another_optimizer, world=2):
+        assert message.startswith("TypeError: the optimizer state given to this step is not sgd's"), message
+        assert "ScaleByAdamState" in message and "TraceState" in message, message
+        assert "step.init(params)" in message
+        assert trains

@@ -341,8 +341,9 @@ def test_frozen_units_kept_gathered_for_backward(pool):
     plan = out["plan"]
     assert plan.unit("blocks.2").params == () and plan.unit("head").params == ()
     gathers = Counter(c.unit for c in out["logs"][1] if c.op == "all_gather" and c.unit)
-    # the kept tail once (forward), the blocks before it twice (forward, backward)
-    assert gathers == {"blocks.0": 2, "blocks.1": 2, "blocks.2": 1, "ln_f": 1, "head": 1}
+    # the kept tail once (forward), the blocks before it twice (forward, backward); the small
+    # embedding tables once (gathered, not fetched by rows, and never again for their backward)
+    assert gathers == {"blocks.0": 2, "blocks.1": 2, "blocks.2": 1, "ln_f": 1, "head": 1, "wte": 1, "wpe": 1}
 
 
 def test_refills_pass_over_a_kept_frozen_unit(pool):
