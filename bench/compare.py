@@ -190,27 +190,30 @@ class CommMeter(TorchDispatchMode):
     def __init__(self, world: int) -> None:
         super().__init__()
         self.world, self.collective_bytes, self.sent_bytes = world, 0.0, 0
-        self._isend: Any = None
+        self._send: Any = None
 
     @property
     def bytes(self) -> float:
         return self.collective_bytes + self.sent_bytes
 
-    # fsdp_fn's sends leave from its sender thread, out of this (thread-local) mode's sight:
-    # they are counted where they are issued, in ``dist.isend``, on whichever thread.
+    # fsdp_fn's sends leave from the step's thread or its sender thread, through the process
+    # group's own send, out of this dispatch mode's sight: they are counted where every
+    # point-to-point send passes, ``ProcessGroup.send``, on whichever thread.
     def __enter__(self) -> CommMeter:
-        self._isend = dist.isend
+        group_class = torch._C._distributed_c10d.ProcessGroup
+        self._send = group_class.__dict__["send"]  # (the descriptor: put back as it was, it binds again)
+        call = group_class.send
 
-        def isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if self.world > 1:  # sends are issued on one thread: this sum has one writer
-                self.sent_bytes += self._nbytes(tensor)
-            return self._isend(tensor, *args, **kwargs)
+        def send(group: Any, tensors: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+            if self.world > 1:
+                self.sent_bytes += self._nbytes(tensors)
+            return call(group, tensors, *args, **kwargs)
 
-        dist.isend = isend
+        group_class.send = send
         return cast(CommMeter, super().__enter__())
 
     def __exit__(self, *exc: Any) -> None:
-        dist.isend = self._isend
+        torch._C._distributed_c10d.ProcessGroup.send = self._send
         super().__exit__(*exc)
 
     @staticmethod
@@ -224,7 +227,7 @@ class CommMeter(TorchDispatchMode):
         if not name.startswith("c10d.") or self.world == 1:
             return out
         share = (self.world - 1) / self.world
-        if name.startswith("c10d.send") or "recv" in name or "barrier" in name:  # sends: counted in isend
+        if name.startswith("c10d.send") or "recv" in name or "barrier" in name:  # sends: counted in ProcessGroup.send
             pass
         elif "reduce_scatter" in name:
             self.collective_bytes += share * self._nbytes(args[1])

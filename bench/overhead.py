@@ -291,7 +291,9 @@ def summarise(
 
 def print_report(report: dict[str, Any], cfg: Config, args: Any) -> None:
     rows = report["rows"]
-    print(f"# host cost, {report['platform']}, tiny GPT (d {cfg.d_model}, vocab {cfg.vocab}, seq {cfg.seq} x {cfg.batch})")
+    print(
+        f"# host cost, {report['platform']}, tiny GPT (d {cfg.d_model}, vocab {cfg.vocab}, seq {cfg.seq} x {cfg.batch})"
+    )
     print(f"{'system':10} {'blocks':>6} {'step ms':>9} {'per rep':>22} {'thread cpu ms':>14}")
     for row in sorted(rows.values(), key=lambda r: (r["layers"], r["system"])):
         reps = ", ".join(f"{m:.1f}" for m in row["step_ms_reps"])

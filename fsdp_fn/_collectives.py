@@ -179,8 +179,8 @@ def _exchange(
     process's sender thread (``_send``). A waiter thread blocks on them all from now on."""
     works: list[Any] = []
     for j, into in enumerate(recvs):
-        if into is not None:
-            works.append(dist.irecv(into, group=group, group_src=j, tag=TAG))
+        if into is not None:  # (the process group's own receive: dist.irecv's checks cost as much again)
+            works.append(group.recv([into], j, TAG))
     works += [_send(out, group, j) for j, out in enumerate(sends) if out is not None]
     kept = tuple(t for t in (*sends, *recvs) if t is not None)
     return Pending(works, what, kept, watch=True)
@@ -200,7 +200,7 @@ def _send(tensor: torch.Tensor, group: dist.ProcessGroup, peer: int) -> Any:
     to copy than to hand over (``python bench/overhead.py``), so it is issued here, unless
     a queued send has not left yet (it would be overtaken: gloo matches messages in order)."""
     if tensor.numel() * tensor.element_size() < SENDER_BYTES and (_last is None or _last.issued.is_set()):
-        return dist.isend(tensor, group=group, group_dst=peer, tag=TAG)
+        return group.send([tensor], peer, TAG)
     return _QueuedSend(tensor, group, peer)
 
 
@@ -218,7 +218,7 @@ class _QueuedSend:
 
     def issue(self) -> None:
         try:
-            self.work = dist.isend(self.tensor, group=self.group, group_dst=self.peer, tag=TAG)
+            self.work = self.group.send([self.tensor], self.peer, TAG)
         except BaseException as e:  # raised again by wait(), on the thread that waits
             self.error = e
         self.issued.set()

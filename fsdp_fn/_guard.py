@@ -27,6 +27,7 @@ import os
 import queue
 import threading
 import time
+from _thread import allocate_lock as _allocate_lock
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -261,17 +262,17 @@ class Guard:
         else watch them, the store and the clock until they are, raising on a remote error, a
         broken connection or the timeout. Abandoned on a failure, the waiter stays blocked (a
         daemon; another takes its place): the group is unusable then."""
-        if watched.finished.is_set():
+        if watched.done:
             self._result(watched, what)
             return
         started = time.monotonic()
         deadline = started + self.timeout
         # Wakes the moment the works finish; every 50 ms looks for other ranks' errors.
-        while not watched.finished.wait(timeout=max(0.0, min(0.05, deadline - time.monotonic()))):
+        while not watched.wait(timeout=max(0.0, min(0.05, deadline - time.monotonic()))):
             remote = self._remote_error()
             # A rank that failed just after its part of this collective: let it complete,
             # so this rank goes on to meet the failure itself (the same error on every rank).
-            if remote is not None and not watched.finished.wait(timeout=0.25):
+            if remote is not None and not watched.wait(timeout=0.25):
                 _abandoned()
                 raise RankFailure(f"{remote}; rank {self.rank} stopped waiting for the {what()}")
             self._check_calls()
@@ -365,10 +366,14 @@ class Watched:
     works cannot be polled, and a blocked wait cannot be interrupted): when the step's thread
     comes to wait for them they are often done already, and it only reads a flag."""
 
+    __slots__ = ("_held", "done", "error", "works")
+
     def __init__(self, works: Sequence[Any]) -> None:
         self.works = works
         self.error: BaseException | None = None
-        self.finished = threading.Event()
+        self.done = False
+        self._held = _allocate_lock()  # held until the works are done: waiting is acquiring it
+        self._held.acquire()
         _waiters().put(self)
 
     def run(self) -> None:
@@ -378,7 +383,17 @@ class Watched:
         except BaseException as e:
             self.error = e
         self.works = ()
-        self.finished.set()
+        self.done = True
+        self._held.release()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the works are done, waiting up to ``timeout`` seconds for them."""
+        if self.done:
+            return True
+        if self._held.acquire(timeout=timeout):
+            self._held.release()  # (for any other wait on it)
+            return True
+        return False
 
     def result(self) -> None:
         if self.error is not None:
@@ -458,7 +473,7 @@ def wait(works: Sequence[Any], what: Callable[[], str], watched: Watched | None 
         if guard is not None:
             guard.wait_watched(watched, what)
         else:
-            watched.finished.wait()
+            watched.wait(timeout=-1)
             watched.result()
     elif guard is not None and polled:
         guard.wait_polled(works, what)

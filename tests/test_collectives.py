@@ -124,17 +124,21 @@ def test_collective_records_count_ring_bytes():
     assert (log.bytes(), log.bytes("all_reduce"), log.ring_bytes()) == (192, 96, 216.0)
 
 
+PG = torch._C._distributed_c10d.ProcessGroup  # every point-to-point send passes its send
+
+
 def _sends_on_the_sender_thread(group):
     world, rank = group.size(), group.rank()
     seen = []
-    isend = dist.isend
+    send = PG.__dict__["send"]  # (the descriptor: put back as it was, it binds again)
+    call = PG.send
 
-    def spy(tensor, *args, **kwargs):
-        seen.append((threading.current_thread().name, kwargs.get("tag"), tensor.numel() * tensor.element_size()))
-        return isend(tensor, *args, **kwargs)
+    def spy(pg, tensors, peer, tag=0):
+        seen.append((threading.current_thread().name, tag, tensors[0].numel() * tensors[0].element_size()))
+        return call(pg, tensors, peer, tag)
 
     big = C.SENDER_BYTES // 4  # float32 elements per shard: a send this large leaves from the sender thread
-    dist.isend = spy
+    PG.send = spy
     try:
         shard = torch.arange(float(big)) + 10 * rank
         out = torch.empty(big * world)
@@ -155,14 +159,14 @@ def _sends_on_the_sender_thread(group):
         seen.clear()
         again = C.reduce_scatter(torch.ones(6 * world) * (rank + 1), group, "u")
     finally:
-        dist.isend = isend
+        PG.send = send
     ours_small = [s for s in seen if s[1] == C.TAG]
 
     # A send whose issue fails reaches the thread that waits on it.
     def refuse(*args, **kwargs):
         raise RuntimeError("refused")
 
-    dist.isend = refuse
+    PG.send = refuse
     try:
         failed = C._QueuedSend(torch.ones(1), group, (rank + 1) % world)
         failed.wait()
@@ -170,7 +174,7 @@ def _sends_on_the_sender_thread(group):
     except RuntimeError as e:
         raised = str(e) == "refused"
     finally:
-        dist.isend = isend
+        PG.send = send
     expected = (torch.arange(float(big)) + 10 * torch.arange(world)[:, None]).view(-1)
     return (
         len(ours_small) == world - 1 and all(name == "MainThread" for name, _, _ in ours_small),
@@ -186,20 +190,21 @@ def _sends_on_the_sender_thread(group):
 def _large_sends_leave_from_the_sender_thread(group):
     world, rank = group.size(), group.rank()
     names = []
-    isend = dist.isend
+    send = PG.__dict__["send"]  # (the descriptor: put back as it was, it binds again)
+    call = PG.send
 
-    def spy(tensor, *args, **kwargs):
-        if kwargs.get("tag") == C.TAG:
+    def spy(pg, tensors, peer, tag=0):
+        if tag == C.TAG:
             names.append(threading.current_thread().name)
-        return isend(tensor, *args, **kwargs)
+        return call(pg, tensors, peer, tag)
 
-    dist.isend = spy
+    PG.send = spy
     try:
         big = C.SENDER_BYTES // 4
         out = torch.empty(big * world)
         C.all_gather_into(out, torch.full((big,), float(rank)), group, "u")
     finally:
-        dist.isend = isend
+        PG.send = send
     return names == ["fsdp_fn-send"] * (world - 1) and torch.equal(
         out, torch.arange(world).repeat_interleave(big).float()
     )
