@@ -79,3 +79,46 @@ def test_alternate_runs_both_arms():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     for arm in ("on ", "off"):
         assert re.search(rf"{arm}: median .* over 2 steps", done.stdout), done.stdout
+
+
+def test_overhead_runs_and_its_phase_clock_agrees_with_torchs_profiler():
+    # The phases a step reports are the ranges a user's torch.profiler trace shows (fsdp_fn::<phase>),
+    # and the phase clock counts the same calls of each: two instruments over the same steps.
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "overhead.py"),
+            "--layers",
+            "1,2",
+            "--reps",
+            "1",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--check",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    out = done.stdout
+    assert re.search(r"^2 blocks: fsdp_fn [0-9.]+x FSDP2, [0-9.]+x DDP", out, re.M), out
+    assert "one more block, us per step: fsdp_fn" in out, out
+    rows = re.findall(r"^\s{4}(\w+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)$", out, re.M)
+    phases = {name for name, *_ in rows}
+    assert {
+        "pre_forward",
+        "post_forward",
+        "all_gather",
+        "wait",
+        "post_backward",
+        "reduce_scatter",
+        "graph_walk",
+        "metrics",
+        "optimizer",
+    } <= phases, out
+    for name, _, _, clock_calls, profiler_calls in rows:
+        assert float(clock_calls) == float(profiler_calls) > 0, (name, out)
