@@ -748,9 +748,14 @@ class Runtime:
                 return
             if unit.name in self.lookups and not self.composable:  # (a bad index names the unit, as a fetch does)
                 check_indices(_indices(args, kwargs), unit, in_range=True)
-            rec, views = self._gather(unit)
             upcoming = self.forward_order.advance(unit.name)
-            if self.schedule.forward_prefetch:
+            # The units after it are issued before this one's gather is waited for, when its own
+            # buffer is counted already (prefetched); else after it, so they never pass the limit.
+            early = self.schedule.forward_prefetch and unit.name in self.prefetched
+            if early:
+                self._prefetch(upcoming)
+            rec, views = self._gather(unit)
+            if self.schedule.forward_prefetch and not early:
                 self._prefetch(upcoming)
             for owner, attr, name in self.slots[key]:
                 swapped.append((owner, attr, owner._parameters[attr]))
