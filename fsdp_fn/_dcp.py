@@ -12,7 +12,6 @@ a checkpoint at another world size, another plan, or from torch FSDP2's DTensors
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,12 +143,3 @@ class LoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         found = _lookup(self.state_dict, index)
         return super().lookup_tensor(index) if found is None else found
-
-
-def ranges(offsets: tuple[int, ...], numels: list[int], lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
-    """For items laid out at ``offsets`` in a flat buffer, the part of each inside ``[lo, hi)``:
-    ``(item index, first element within the item, end within the item)``, non-empty ones only."""
-    for i, (at, n) in enumerate(zip(offsets, numels, strict=True)):
-        a, b = max(lo, at), min(hi, at + n)
-        if a < b:
-            yield i, a - at, b - at

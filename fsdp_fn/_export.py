@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_fn._agree import failures
-from fsdp_fn._dcp import boxes, ranges
+from fsdp_fn._dcp import boxes
 from fsdp_fn._errors import RankFailure
 from fsdp_fn._integrity import CheckpointError, confined
 from fsdp_fn._plan import ParamSpec, Unit, unit_label
@@ -52,11 +52,8 @@ def _parts(params: Sharded) -> Iterator[tuple[Unit, Unit, torch.Tensor]]:
 
 def _local(part: Unit, flat: torch.Tensor, layout: Layout) -> Iterator[tuple[ParamSpec, int, int, torch.Tensor]]:
     """(parameter, first, end, its elements [first, end) in ``flat``) for each parameter this rank holds part of."""
-    n = part.shard_numel(layout.world)
-    lo = layout.rank * n
-    for i, a, b in ranges(part.offsets, [p.numel for p in part.params], lo, lo + n):
-        at = part.offsets[i] + a - lo
-        yield part.params[i], a, b, flat[at : at + b - a]
+    for i, first, end, at in part.held(layout.world, layout.rank):
+        yield part.params[i], first, end, flat[at : at + end - first]
 
 
 # --- export ------------------------------------------------------------------------------

@@ -116,22 +116,35 @@ class Unit:
     def padded_numel(self, world: int) -> int:
         return self.shard_numel(world) * world
 
+    def held(self, world: int, rank: int) -> tuple[tuple[int, int, int, int], ...]:
+        """``(i, first, end, at)`` for each parameter ``i`` of ``params`` that rank ``rank`` holds
+        part of: its elements ``[first, end)`` (counted within the parameter) lie in that rank's
+        shard from ``at`` on. The one place the shard arithmetic lives: gathering, checkpoints,
+        export and the optimizer's per-parameter steps read it."""
+        memo: dict[tuple[int, int], tuple[tuple[int, int, int, int], ...]] = self.__dict__.setdefault("_held", {})
+        key = (world, rank)
+        if key not in memo:
+            n = self.shard_numel(world)
+            start, out = rank * n, []
+            for i, (spec, at) in enumerate(zip(self.params, self.offsets, strict=True)):
+                first, end = max(at, start), min(at + spec.numel, start + n)
+                if first < end:
+                    out.append((i, first - at, end - at, first - start))
+            memo[key] = tuple(out)
+        return memo[key]
+
     def local_ranges(self, world: int, rank: int) -> tuple[tuple[int, int, int], ...]:
         """``(i, lo, hi)`` for every parameter ``i`` of ``params``: the elements ``[lo, hi)`` of
         rank ``rank``'s shard that hold part of it (``lo == hi`` when the rank holds none)."""
         memo: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = self.__dict__.setdefault("_ranges", {})
         key = (world, rank)
         if key not in memo:
-            memo[key] = self._local_ranges(world, rank)
+            n = self.shard_numel(world)
+            held = {i: (at, at + end - first) for i, first, end, at in self.held(world, rank)}
+            # (a parameter the rank holds none of: an empty range where it would start or end)
+            edge = [min(max(at - rank * n, 0), n) for at in self.offsets]
+            memo[key] = tuple((i, *held.get(i, (edge[i], edge[i]))) for i in range(len(self.params)))
         return memo[key]
-
-    def _local_ranges(self, world: int, rank: int) -> tuple[tuple[int, int, int], ...]:
-        n = self.shard_numel(world)
-        start, out = rank * n, []
-        for i, (spec, at) in enumerate(zip(self.params, self.offsets, strict=True)):
-            lo, hi = max(at, start), min(at + spec.numel, start + n)
-            out.append((i, lo - start, max(lo, hi) - start))
-        return tuple(out)
 
     def gather_bytes(self, world: int = 1, dtype: torch.dtype | None = None) -> int:
         """Bytes of the gathered flat buffers (padding included, frozen part too) on one rank."""

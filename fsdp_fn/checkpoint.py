@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from fsdp_fn._agree import failures, gather_objects
-from fsdp_fn._dcp import LoadPlanner, Pieces, SavePlanner, ranges
+from fsdp_fn._dcp import LoadPlanner, Pieces, SavePlanner
 from fsdp_fn._document import decode, encode
 from fsdp_fn._errors import DivergenceError, RankFailure
 from fsdp_fn._export import export_safetensors, export_state_dict, import_safetensors, import_state_dict
@@ -174,14 +174,10 @@ def _parts(unit: Unit, layout: Layout, shards: Sharded) -> list[tuple[Unit, torc
 
 def _pieces(part: Unit, flat: torch.Tensor, layout: Layout) -> list[tuple[ParamSpec, Pieces]]:
     """Each parameter of ``part`` with its elements in this rank's shard ``flat``, as DCP chunks."""
-    n = part.shard_numel(layout.world)
-    lo = layout.rank * n
-    numels = [p.numel for p in part.params]
-    out = []
-    for i, a, b in ranges(part.offsets, numels, lo, lo + n):
-        at = part.offsets[i] + a - lo
-        out.append((part.params[i], Pieces(part.params[i].shape, flat[at : at + b - a], a, b)))
-    return out
+    return [
+        (part.params[i], Pieces(part.params[i].shape, flat[at : at + end - first], first, end))
+        for i, first, end, at in part.held(layout.world, layout.rank)
+    ]
 
 
 def _is_step(name: str) -> bool:
