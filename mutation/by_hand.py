@@ -22,8 +22,8 @@ MUTANTS = [
     (
         "standin_noop",
         "fsdp_fn/_standin.py",
-        "            m._parameters[attr] = standins[id(p)]  # type: ignore[assignment]",
-        "            pass",
+        "        owner._parameters[attr] = known[1]  # type: ignore[assignment]",
+        "        pass",
         (
             "tests/test_correctness.py::test_the_modules_own_parameters_read_in_the_loss_raise_naming_one "
             "tests/test_errors.py::test_a_loss_reading_the_modules_own_parameters_in_value_and_grad"
@@ -49,15 +49,15 @@ MUTANTS = [
     (
         "no_check_trainable_step",
         "fsdp_fn/_step.py",
-        "            state.params.plan.check_trainable(self.fn.module)",
-        "            pass",
-        "tests/test_correctness.py::test_changing_requires_grad_after_the_plan_raises_and_a_new_plan_trains",
+        "                frozen = state.params.plan.check_trainable(self.fn.module)",
+        "                frozen = frozenset()",
+        "tests/test_correctness.py::test_freezing_and_unfreezing_after_the_plan_trains_like_torch",
     ),
     (
         "no_check_trainable_grad",
         "fsdp_fn/_grad.py",
-        "        params.plan.check_trainable(fn.module)",
-        "        pass",
+        "        frozen = params.plan.check_trainable(fn.module)  # since the plan: reach no gradient",
+        "        frozen = frozenset()",
         "tests/test_correctness.py tests/test_errors.py",
     ),
     (
@@ -87,15 +87,15 @@ MUTANTS = [
     (
         "sparse_overwrite",
         "fsdp_fn/_unit.py",
-        "                into.zero_().add_(grad)",
-        "                into.copy_(grad.coalesce().to_dense())",
+        "            into.zero_().add_(grad)",
+        "            into.copy_(grad.coalesce().to_dense())",
         "tests/test_lookup.py::test_a_sparse_embedding_trains_like_one_process",
     ),
     (
         "sparse_no_zero",
         "fsdp_fn/_unit.py",
-        "                into.zero_().add_(grad)",
-        "                into.add_(grad)",
+        "            into.zero_().add_(grad)",
+        "            into.add_(grad)",
         "tests/test_lookup.py::test_a_sparse_embedding_trains_like_one_process",
     ),
     (
@@ -252,8 +252,8 @@ MUTANTS = [
     (
         "per_rank_buffers_not_saved",
         "fsdp_fn/checkpoint.py",
-        '    if own:\n        entries[f"buffers.{dist.get_rank()}"] = own',
-        '    if False:\n        entries[f"buffers.{dist.get_rank()}"] = own',
+        '    if own:\n        entries.update(_document(f"buffers.{dist.get_rank()}", own, "the per-rank buffers"))',
+        '    if False:\n        entries.update(_document(f"buffers.{dist.get_rank()}", own, "the per-rank buffers"))',
         "tests/test_checkpoint.py::test_buffers_that_differ_between_ranks_are_saved_per_rank",
     ),
     (
@@ -413,6 +413,41 @@ MUTANTS = [
         '        raise _converted(e, f"cannot write {final}") from e',
         "        raise",
         "tests/test_checkpoint.py::test_a_save_failing_on_one_rank_fails_on_every_rank_and_keeps_the_last",
+    ),
+    (
+        "state_kinds_unchecked",
+        "fsdp_fn/_step.py",
+        "        self._check_state_kinds(state)",
+        "        pass",
+        "tests/test_errors.py::test_the_state_of_another_optimizer_is_named",
+    ),
+    (
+        "chain_paths_unchecked",
+        "fsdp_fn/checkpoint.py",
+        "    if counters != wanted:",
+        "    if False:",
+        "tests/test_checkpoint.py::test_an_accumulation_loaded_into_a_chain_that_wraps_it_otherwise_is_refused",
+    ),
+    (
+        "gathered_lookup_range_unchecked",
+        "fsdp_fn/_runtime.py",
+        "                check_indices(_indices(args, kwargs), unit, in_range=True)",
+        "                pass",
+        "tests/test_lookup.py::test_bad_indices_name_the_lookup_and_leave_the_state_usable",
+    ),
+    (
+        "compiled_remat_recomputes_with_the_modules_own",
+        "fsdp_fn/_runtime.py",
+        "                with _installed(slots, state), warnings.catch_warnings():  # (recomputed in backward too)",
+        "                with warnings.catch_warnings():  # (recomputed in backward too)",
+        "tests/test_compile.py",
+    ),
+    (
+        "small_send_overtakes_a_queued_one",
+        "fsdp_fn/_collectives.py",
+        "and (_last is None or _last.issued.is_set()):",
+        ":",
+        "tests/test_collectives.py::test_sends_leave_from_the_sender_thread",
     ),
 ]
 
