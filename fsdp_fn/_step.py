@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
@@ -37,6 +39,8 @@ from fsdp_fn._shard import Layout, Sharded, ensure_live, sharded_in
 from fsdp_fn._sink import GradSink
 from fsdp_fn._transforms import global_norm
 from fsdp_fn._tree import NAMESPACE, tree_map
+
+logger = logging.getLogger("fsdp_fn")
 
 BufferSync = Literal["broadcast", "mean"] | None
 CheckSchedule = Literal["first", "always", "never"]
@@ -187,7 +191,31 @@ class TrainStep:
             )
         with label("optimizer"):
             opt_state = self.optimizer.init(params)
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("%s", self.summary(params))
         return TrainState(params, opt_state, copies, 0)
+
+    def summary(self, params: Sharded) -> str:
+        """One line: the plan, the schedule, remat and compilation this step runs with (what
+        ``init`` logs at INFO to the ``fsdp_fn`` logger; Python's logging shows it once configured,
+        e.g. ``logging.basicConfig(level=logging.INFO)``)."""
+        plan, layout = params.plan, params.layout
+        blocks = [u for u in plan.units if u.name and u.params]
+        largest = max((u.gather_bytes(layout.world) for u in plan.units), default=0)
+        changed = {
+            f.name: getattr(self.schedule, f.name)
+            for f in dataclasses.fields(self.schedule)
+            if getattr(self.schedule, f.name) != f.default
+        }
+        remat = "off" if self.remat is None else f"{self.remat.policy.name}, every {self.remat.every}"
+        return (
+            f"fsdp_fn: {len(plan.units)} units ({len(blocks)} trainable non-root), "
+            f"{sum(u.numel + u.frozen_part.numel for u in plan.units):,} parameters, the largest gathered "
+            f"{largest / 2**20:.1f} MiB; world {layout.world}"
+            + (f" x {layout.replicas} replicas" if layout.replicas > 1 else "")
+            + f"; schedule: {changed or 'defaults'}; remat: {remat}; "
+            f"compile: {'off' if self.compile is None else self.compile or 'on'}; optimizer: {self.optimizer.name}"
+        )
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         """One step on this rank's part of the global batch.

@@ -6,7 +6,7 @@ import torch
 
 import fsdp_fn as ff
 from examples.gpt import GPT, Block, GPTConfig
-from tests.helpers import gpt_state, local_part
+from tests.helpers import gpt_state, local_part, make
 
 # A language model whose embedding and head (2 x 512 x 32) outweigh a block (~12.7k parameters).
 WIDE_VOCAB = GPTConfig(vocab=512, seq=16, d_model=32, n_layers=4, n_heads=2)
@@ -45,3 +45,46 @@ def _peak(group, split_root):
 def test_splitting_a_large_root_lowers_the_peak(pool):
     kept, split = (pool.run(_peak, split_root, world=2)[0] for split_root in (False, True))
     assert split < kept
+
+
+def _logged_summary(group):
+    import logging
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("fsdp_fn")
+    handler, level = Keep(), logger.level
+    logger.addHandler(handler)
+    try:
+        model, policy, loss_fn = make("gpt")
+        fn = ff.functionalize(model)
+        plan = ff.make_plan(model, policy)
+        params = ff.shard(fn.params, plan, group)
+        quiet = ff.train_step(fn, loss_fn, ff.adamw())
+        quiet.init(params)  # the logger's level is not set: INFO is not logged
+        silent = list(records)
+        logger.setLevel(logging.INFO)
+        step = ff.train_step(
+            fn, loss_fn, ff.adamw(), schedule=ff.Schedule(update_in_backward=True), remat=True, compile=True
+        )
+        step.init(params)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return silent, records, len(plan.units)
+
+
+def test_init_logs_a_one_line_summary_when_asked(pool):
+    # Catches: a summary printed by default (a library stays quiet unless configured), or one that
+    # leaves out the plan, the schedule's choices, remat or compilation.
+    for silent, records, units in pool.run(_logged_summary, world=2):
+        assert silent == []
+        assert len(records) == 1 and "\n" not in records[0], records
+        line = records[0]
+        assert line.startswith(f"fsdp_fn: {units} units") and "world 2" in line, line
+        assert "'update_in_backward': True" in line and "remat: save_nothing, every 1" in line, line
+        assert "compile: on" in line and "optimizer: adamw" in line, line
