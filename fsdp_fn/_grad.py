@@ -20,8 +20,8 @@ import torch.autograd.forward_ad as fwAD
 import torch.utils._pytree as torch_pytree
 from torch.func import grad_and_value
 
+from fsdp_fn import _reached as reached
 from fsdp_fn._base import drop_frozen
-from fsdp_fn._collectives import all_reduce_
 from fsdp_fn._errors import DivergenceError, RankFailure
 from fsdp_fn._functional import Functional, index_of
 from fsdp_fn._guard import guarded
@@ -202,7 +202,7 @@ def value_and_grad(
             runtime = Runtime(fn, params, schedule=schedule, sink=sink, remat=rematerialise)
             with guarded(params.group, "value_and_grad", timeout):
                 loss, aux = lean_pass(runtime, params, buffers, batch, loss_fn, has_aux)
-                masks = _all_ranks(sink.received_masks(), params)
+                masks = reached.merge(sink.received_masks(), params.layout)
             grads = {u.name: sink.totals.get(u.name) for u in params.plan.units}
             if frozen:
                 masks = {
@@ -214,23 +214,6 @@ def value_and_grad(
         return ((loss, aux) if has_aux else loss), out
 
     return run
-
-
-def _all_ranks(masks: Mapping[str, tuple[bool, ...]], params: Sharded) -> dict[str, tuple[bool, ...]]:
-    """A parameter got a gradient if it did on any rank (the global batch reached it)."""
-    plan, layout = params.plan, params.layout
-    flat = torch.tensor(
-        [float(bit) for u in plan.units for bit in masks.get(u.name, (False,) * len(u.params))], dtype=torch.float32
-    )
-    if flat.numel() and layout.world > 1:
-        all_reduce_(flat, layout.group)
-    if flat.numel() and layout.replicate is not None:  # or on another replica's
-        all_reduce_(flat, layout.replicate)
-    out, at = {}, 0
-    for u in plan.units:
-        out[u.name] = tuple(bool(b > 0) for b in flat[at : at + len(u.params)])
-        at += len(u.params)
-    return out
 
 
 def _composable(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fsdp_fn import _reached as reached
 from fsdp_fn._base import GradientTransformation, count_global_norms
 from fsdp_fn._collectives import Collective
 from fsdp_fn._lookup import rows_fit
@@ -16,7 +17,7 @@ def metrics_words(plan: Plan) -> int:
     """Float64 numbers each rank contributes to a step's one metrics all-gather: loss, squared
     gradient norm, two for the collective fingerprint, then which parameters got a gradient
     (48 bits per number)."""
-    return 4 + -(-sum(len(u.params) for u in plan.units) // 48)
+    return 4 + reached.words(plan)
 
 
 def predict_collectives(

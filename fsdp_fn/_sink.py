@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from fsdp_fn._collectives import all_reduce_, all_reduce_start, reduce_scatter_start
+from fsdp_fn import _reached as reached
+from fsdp_fn._collectives import all_reduce_, reduce_scatter_start
 from fsdp_fn._labels import label
 from fsdp_fn._plan import Unit
 from fsdp_fn._policy import Schedule
@@ -74,7 +75,9 @@ class GradSink:
             mask[i] = mask[i] or got
         self.pushed[unit.name] += 1
         if self.on_unit is not None and self.pushed[unit.name] == self.expected.get(unit.name, 0):
-            self.reached[unit.name] = _merge_reached(self.params, unit.name, tuple(mask), device, self.unsettled)
+            self.reached[unit.name] = reached.merge_start(
+                self.params.layout, unit.name, tuple(mask), device, self.unsettled
+            )
 
     def push_reduced(self, unit: Unit, finish: Callable[[], torch.Tensor], received: Sequence[bool]) -> None:
         """A reduction already issued (a lookup's rows' gradient on its way): ``finish()`` waits
@@ -174,29 +177,5 @@ def reduce_unit(params: Sharded, unit: Unit, full: torch.Tensor, schedule: Sched
         if layout.replicate is not None:
             all_reduce_(out, layout.replicate, unit.name).div_(layout.replicas)
         return out.to(dtype=shard.dtype, device=shard.device)
-
-    return result
-
-
-def _merge_reached(
-    params: Sharded, unit: str, mask: tuple[bool, ...], device: torch.device, unsettled: list[Callable[[], Any]]
-) -> Callable[[], tuple[bool, ...]]:
-    """Issue the merge of a unit's reached-parameter mask over the ranks (and replicas); the
-    result gives which parameters any rank reached. One message of a number per parameter to
-    each peer, issued now (beside the unit's reduce-scatter). When this rank reached them all
-    (the usual case) the answer is known: the result waits for nothing (no host sync on a
-    GPU) and leaves the messages to ``unsettled``; with replicas it waits, as the replica
-    group's merge needs this group's."""
-    layout = params.layout
-    finish = all_reduce_start(torch.tensor(mask, dtype=torch.float32, device=device), layout.group, unit)
-
-    def result() -> tuple[bool, ...]:
-        if all(mask) and layout.replicate is None:
-            unsettled.append(finish)
-            return mask
-        flags = finish()
-        if layout.replicate is not None:
-            all_reduce_(flags, layout.replicate, unit)
-        return tuple(bool(f) for f in (flags > 0).tolist())
 
     return result

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
 
+from fsdp_fn import _reached as reached
 from fsdp_fn._base import (
     GradientTransformation,
     Outcome,
@@ -30,7 +30,7 @@ from fsdp_fn._guard import Guard, guarded
 from fsdp_fn._labels import label
 from fsdp_fn._norms import square_norm
 from fsdp_fn._phases import phase, phased
-from fsdp_fn._plan import Plan, Policy, unit_label
+from fsdp_fn._plan import Policy, unit_label
 from fsdp_fn._policy import Schedule
 from fsdp_fn._predict import metrics_words
 from fsdp_fn._remat import Remat
@@ -423,44 +423,21 @@ class TrainStep:
         zero = torch.zeros((), dtype=torch.float64, device=loss.device)
         square = sum((n.to(loss.device) for n in square_norms), zero)
         lo, hi = guard.fingerprint()
-        words = _pack_masks(masks, plan)
-        mine = torch.cat([torch.stack([loss.double(), square, zero + lo, zero + hi]), words.to(loss.device)])
+        packed = reached.pack(masks, plan)
+        mine = torch.cat([torch.stack([loss.double(), square, zero + lo, zero + hi]), packed.to(loss.device)])
         width = metrics_words(plan)
         everyone = torch.empty(layout.world * width, dtype=torch.float64, device=loss.device)
         all_gather_into(everyone, mine, layout.group, None)
         everyone = everyone.view(layout.world, width)
         guard.compare(everyone[:, 2:4].cpu(), consequence or "the units' updates were already applied")
-        bits = everyone[:, 4:].cpu().to(torch.int64)
-        same = bool((bits == bits[0]).all())
-        merged = _unpack_masks(functools.reduce(torch.bitwise_or, bits.unbind(0)), plan)
-        stats = everyone[:, :2].sum(0)
-        if layout.replicate is not None:  # replicas hold the same gradient shards: count them once
-            # and a parameter only another replica's batch reached is stepped here too
-            reached = torch.tensor([b for u in plan.units for b in merged[u.name]], dtype=stats.dtype)
-            both = all_reduce_(torch.cat([stats, reached.to(stats.device)]), layout.replicate)
-            stats, flags = both[:2], iter((both[2:] > 0).tolist())
-            merged = {u.name: tuple(next(flags) for _ in u.params) for u in plan.units}
+        merged, same = reached.unpack_any(everyone[:, 4:], plan)
+        # (replicas hold the same gradient shards: their norms are counted once)
+        merged, stats = reached.over_replicas(merged, layout, everyone[:, :2].sum(0))
+        assert stats is not None
+        if layout.replicate is not None:
             stats[1] /= layout.replicas
         stats[0] /= layout.world * layout.replicas
         return stats, merged, same
-
-
-_BITS = 48  # per float64 number: exact as an integer
-
-
-def _pack_masks(masks: Mapping[str, tuple[bool, ...]], plan: Plan) -> torch.Tensor:
-    bits = [b for u in plan.units for b in masks.get(u.name, (False,) * len(u.params))]
-    words = [sum(1 << k for k, b in enumerate(bits[at : at + _BITS]) if b) for at in range(0, len(bits), _BITS)]
-    return torch.tensor(words, dtype=torch.float64)
-
-
-def _unpack_masks(words: torch.Tensor, plan: Plan) -> dict[str, tuple[bool, ...]]:
-    values = [int(w) for w in words]
-    out, at = {}, 0
-    for u in plan.units:
-        out[u.name] = tuple(bool(values[(at + i) // _BITS] >> ((at + i) % _BITS) & 1) for i in range(len(u.params)))
-        at += len(u.params)
-    return out
 
 
 def _clone(x: Any) -> Any:
