@@ -25,7 +25,7 @@ lint: $(READY)
 	$(BIN)/mypy
 
 docs: $(READY)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict  # (not --quiet: it hides the warnings strict turns into errors)
 
 test: lint docs
 	$(BIN)/python -m pytest -q

@@ -75,7 +75,14 @@ def _markdown_blocks(group, path):
 
 
 @pytest.mark.parametrize(
-    "page", ["docs/api.md", "docs/features.md", "docs/testing-your-model.md", "docs/checkpoints.md"]
+    "page",
+    [
+        "docs/getting-started.md",
+        "docs/api.md",
+        "docs/features.md",
+        "docs/testing-your-model.md",
+        "docs/checkpoints.md",
+    ],
 )
 def test_documentation_examples_run(solo, page):
     assert solo.run(_markdown_blocks, page)[0] > 3
