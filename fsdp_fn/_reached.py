@@ -58,7 +58,14 @@ def pack(masks: Masks, plan: Plan) -> torch.Tensor:
 
 def unpack_any(rows: torch.Tensor, plan: Plan) -> tuple[dict[str, tuple[bool, ...]], bool]:
     """The ranks' packed masks (one row each) OR'd: which parameters any rank reached, and
-    whether every rank reached the same."""
+    whether every rank reached the same.
+
+    >>> from fsdp_fn._plan import ParamSpec, Plan, Unit
+    >>> plan = Plan((Unit("a", (ParamSpec("a.w", (2,), torch.float32), ParamSpec("a.b", (1,), torch.float32))),))
+    >>> rows = torch.stack([pack({"a": (True, False)}, plan), pack({"a": (False, False)}, plan)])
+    >>> unpack_any(rows, plan)
+    ({'a': (True, False)}, False)
+    """
     bits = rows.cpu().to(torch.int64)
     same = bool((bits == bits[0]).all())
     merged = [int(w) for w in functools.reduce(torch.bitwise_or, bits.unbind(0))]
