@@ -220,6 +220,27 @@ def test_three_d_mesh(pool):
     assert "ValueError: a 3-D DeviceMesh was given" in pool.run(_two_d_mesh, world=4)[0]
 
 
+def _shard_over_a_group_without_this_rank(group):
+    """Ranks 0 and 1 form a group (``new_group([0, 1])``, made on every rank as torch requires);
+    rank 2 passes it to ``shard`` too. torch hands a rank outside the group ``NON_GROUP_MEMBER``
+    (the int -100): before, ``shard`` raised ``TypeError: ... got int``."""
+    from fsdp_fn.testing import _groups
+
+    if group.rank() != 2:
+        return None
+    model, policy, _ = make("mlp")
+    fn = ff.functionalize(model)
+    return _error(ff.shard, fn.params, ff.make_plan(model, policy), _groups[2])
+
+
+def test_shard_over_a_group_this_rank_is_not_in(pool):
+    msg = pool.run(_shard_over_a_group_without_this_rank, world=3)[2]
+    assert msg.startswith(
+        "ValueError: this rank (2) is not a member of the process group given: torch.distributed.new_group returns "
+        "GroupMember.NON_GROUP_MEMBER on the ranks it leaves out"
+    ), msg
+
+
 def test_process_group_not_initialised():
     m = MLP()
     fn = ff.functionalize(m)
