@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_fn._plan import ROOT, Plan, Policy, unit_label
+from fsdp_fn._standin import StandIn
 from fsdp_fn._tree import flatten, unflatten
 
 aten = torch.ops.aten
@@ -463,7 +464,8 @@ class _CapturedCheck(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         for t in torch_pytree.tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t.requires_grad and not self._input(t):
+            # (a stand-in's shape or device may be read; any other use raises its own error)
+            if isinstance(t, torch.Tensor) and t.requires_grad and not isinstance(t, StandIn) and not self._input(t):
                 raise RematError(
                     f"remat({self.where}): {getattr(func, '__name__', func)} uses a tensor of shape "
                     f"{tuple(t.shape)} ({t.dtype}) that requires grad but is not an argument of the region, "
@@ -770,8 +772,8 @@ def _state_slots(modules: Sequence[nn.Module]) -> tuple[list[torch.Tensor], list
         for m in root.modules():
             for table, is_param in ((m._parameters, True), (m._buffers, False)):
                 for attr, t in table.items():
-                    # meta: a stand-in for a parameter that is not there (another unit's, not gathered)
-                    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or (id(m), attr) in seen:
+                    # a stand-in for a parameter that is not there (another unit's, not gathered)
+                    if not isinstance(t, torch.Tensor) or isinstance(t, StandIn) or (id(m), attr) in seen:
                         continue
                     seen.add((id(m), attr))
                     k = index.setdefault(id(t), len(tensors))
