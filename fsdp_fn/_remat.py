@@ -32,6 +32,7 @@ from torch.autograd.function import FunctionCtx
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsdp_fn import _guard
 from fsdp_fn._plan import ROOT, Plan, Policy, unit_label
 from fsdp_fn._standin import StandIn
 from fsdp_fn._tree import flatten, unflatten
@@ -446,6 +447,22 @@ class _SkipTail(_Checked):
         return torch_pytree.tree_map_only(_Empty, _Empty.make, self.ops[at][1])
 
 
+def _wrapped(t: torch.Tensor) -> bool:
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
+def _digest(t: torch.Tensor) -> torch.Tensor | None:
+    """Three float64 numbers that move when ``t``'s values do: its sum, the sum of its
+    magnitudes, and a sum weighted by position (a permutation). ``None``: no values (an empty
+    tensor). Reads ``t`` once; on checked steps only."""
+    if t.numel() == 0 or t.is_complex():
+        return None
+    with torch.no_grad():
+        x = t.detach().reshape(-1).double()
+        ramp = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device) / x.numel()
+        return torch.stack([x.sum(), x.abs().sum(), (x * ramp).sum()]).cpu()
+
+
 def _versions(out: Any) -> tuple[int, ...]:
     return tuple(t._version for t in torch_pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
 
@@ -520,6 +537,9 @@ class _Call:
         # told (``mark_dirty``), so each is an output too, after the region's own if it returns no alias.
         self.dirty: list[int] = []
         self.extra: list[int] = []  # the dirty inputs the region does not return: outputs after its own
+        # On a train step's checked steps: what each output's values came to, for the recomputation
+        # to match (a module's own torch.Generator, a counter the forward bumps: values, not shapes).
+        self.digests: list[torch.Tensor | None] | None = None
 
     def keep(self, kept: list[tuple[Any, Any, tuple[int, ...]]]) -> None:
         for op, out, versions in kept:
@@ -567,6 +587,27 @@ class _Call:
         for i, value in (self.forward.before if self.forward is not None else {}).items():
             out[i] = value.clone()
         return out
+
+    def check_values(self, outs: Sequence[torch.Tensor], which: Sequence[int]) -> None:
+        """A checked step's recomputation: outputs ``which`` (``outs``) must come to the forward's
+        values (up to rounding: a kernel may change once inputs require grad), or ``RematError``."""
+        assert self.digests is not None
+        for j, out in zip(which, outs, strict=True):
+            want, got = self.digests[j], _digest(out)
+            if want is None or got is None or want.shape != got.shape:
+                continue
+            scale = float(want[1]) + 1e-30
+            if float((got - want).abs().max()) > 1e-4 * scale + 1e-12:
+                raise RematError(
+                    f"remat({self.where}): the recomputation's output #{j} has other values than the forward's "
+                    f"(sum {float(got[0]):.7g} against {float(want[0]):.7g}) though it ran the same operators on "
+                    "the same shapes: the region must compute the same when it is recomputed, or its gradients "
+                    "would be wrong. The global random generators are replayed; a generator of the region's own "
+                    "(torch.randn(..., generator=g)) and Python state its forward changes (a counter) are not: "
+                    "draw from the global generator, pass such state in as an argument, or leave this unit out "
+                    "of remat. (Compared on the train step's checked steps: the first, every step with "
+                    'check_schedule="always", or after step.check_next_step())'
+                )
 
     def refuse_writes_to(self, differentiated: Sequence[int]) -> None:
         """Under a ``torch.func`` transform or forward-mode derivatives, the region may not change
@@ -621,23 +662,29 @@ class _Remat(torch.autograd.Function):
         call.reached = record.reached(outs)
         call.dirty = record.written_needing_grad()
         call.extra = [i for i in call.dirty if not any(o is tensors[i] for o in outs)]
+        guard = _guard.current()
+        checked = guard is not None and guard.check and not any(map(_wrapped, outs))
         if isinstance(record, _Record):
             call.keep(record.kept)
             record.kept = []  # (autograd holds them now: the recomputation's own reference would outlive its)
         else:
             kept, before = record.tail()
             record.ops, record.producer = [], {}
-            # FSDP_FN_REMAT_EARLY_STOP=0: recompute the tail too (checked all the same)
-            call.skip = (kept, before if os.environ.get("FSDP_FN_REMAT_EARLY_STOP", "1") == "1" else len(kept))
+            # FSDP_FN_REMAT_EARLY_STOP=0, or a checked step: recompute the tail too
+            early = os.environ.get("FSDP_FN_REMAT_EARLY_STOP", "1") == "1" and not checked
+            call.skip = (kept, before if early else len(kept))
         call.forward = record
         inputs = {id(t) for t in tensors}
         dirty = {id(tensors[i]) for i in call.dirty}
         # An input returned as-is cannot be both returned and saved: return a view of it (a
         # dirty one is returned itself, as autograd wants, and saved as it was before).
-        return (
+        results = (
             *(o if id(o) in dirty else o.view_as(o) if id(o) in inputs else o for o in outs),
             *(tensors[i] for i in call.extra),
         )
+        if checked:
+            call.digests = [_digest(o) for o in results]
+        return results
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: Any) -> None:
@@ -698,6 +745,8 @@ class _Remat(torch.autograd.Function):
                     inputs[i] if create and i not in call.dirty else inputs[i].detach().requires_grad_() for i in wanted
                 ]
                 outs = region(*diff)
+                if call.digests is not None:
+                    call.check_values(outs, used)
                 reached = [(o, grads[j]) for o, j in zip(outs, used, strict=True) if o.requires_grad]
                 if not reached:
                     return tuple(result)
