@@ -418,9 +418,11 @@ MUTANTS = [
     (
         "store_error_raw",
         "fsdp_fn/_guard.py",
-        "            return bool(self.store.check([key]))\n        except RuntimeError as e:  # (DistNetworkError, DistStoreError)\n"
+        "            return bool(self.store.check([key]))\n"
+        "        except RuntimeError as e:  # (DistNetworkError, DistStoreError)\n"
         "            raise _StoreUnreachable(e) from e",
-        "            return bool(self.store.check([key]))\n        except RuntimeError as e:  # (DistNetworkError, DistStoreError)\n"
+        "            return bool(self.store.check([key]))\n"
+        "        except RuntimeError as e:  # (DistNetworkError, DistStoreError)\n"
         "            raise",
         "tests/test_reliability.py::test_the_store_hosts_death_is_named_by_the_survivors",
     ),
