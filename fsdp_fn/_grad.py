@@ -12,7 +12,7 @@ parameters it reached. (Autograd's own result is then zeros that own no memory.)
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -57,6 +57,26 @@ def split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
     if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(f"has_aux=True: loss_fn must return a pair (loss, aux), got {type(out).__name__}")
     return out
+
+
+def micro_batches(schedule: Schedule, batch: Any) -> Sequence[Any]:
+    """``batch`` as the list of micro-batches ``schedule`` asks for (one batch: ``[batch]``);
+    a clear error when it is not that many."""
+    n = schedule.micro_batches
+    if n == 1:
+        return [batch]
+    if isinstance(batch, tuple):  # (x, y) is one batch to a loss that unpacks it, not two micro-batches
+        raise ValueError(
+            f"with Schedule(micro_batches={n}) the batch must be a list of {n} micro-batches, got a tuple of "
+            f"{len(batch)}: a tuple is read as one batch (x, y), so its items are not split into micro-batches; "
+            "pass [micro_batch_1, ...]"
+        )
+    if not isinstance(batch, Sequence) or len(batch) != n:
+        got = f"{len(batch)} items" if isinstance(batch, Sequence) else type(batch).__name__
+        raise ValueError(
+            f"with Schedule(micro_batches={n}) the batch must be a list of that many micro-batches, got {got}"
+        )
+    return batch
 
 
 def _detached(aux: Any) -> Any:
@@ -164,6 +184,8 @@ def value_and_grad(
     the mean over ranks of their losses (averaged across replicas with a hybrid mesh),
     with ``grads.received`` marking which parameters the loss reached (the others are
     zero, and optimizers skip them as torch.optim skips a ``None`` ``.grad``).
+    ``schedule`` is the train step's: with ``micro_batches=N`` the batch is a list of N,
+    run one after the other, and the loss and gradient are their means (``aux``: a list).
 
     Called plainly it runs the train step's lean pass: each unit is gathered just before
     it runs, freed after, gathered again for its backward, and its reduce-scatter runs
@@ -191,17 +213,28 @@ def value_and_grad(
     def run(params: Sharded, buffers: Mapping[str, torch.Tensor], batch: Any) -> tuple[Any, Sharded]:
         ensure_live(params, "value_and_grad")
         frozen = params.plan.check_trainable(fn.module)  # since the plan: reach no gradient
+        micro = micro_batches(schedule, batch)
         if _differentiated_outside(params):
-            loss, aux, out = _composable(fn, loss_fn, schedule, rematerialise, params, buffers, batch, has_aux)
+            loss, aux, out = _composable(fn, loss_fn, schedule, rematerialise, params, buffers, micro, has_aux)
             if frozen:
                 out = out.with_received(
                     {u.name: drop_frozen(u, None, out.mask(u), frozen, out.layout) for u in out.plan.units}
                 )
         else:
-            sink = GradSink(params, schedule)
-            runtime = Runtime(fn, params, schedule=schedule, sink=sink, remat=rematerialise)
+            # micro-batches reduced once at the end (torch's no_sync) sum their full gradients first
+            deferred: dict[str, torch.Tensor] | None = (
+                {} if len(micro) > 1 and not schedule.reduce_each_micro_batch else None
+            )
+            sink = GradSink(params, schedule, defer=deferred)
+            losses, auxes = [], []
             with guarded(params.group, "value_and_grad", timeout):
-                loss, aux = lean_pass(runtime, params, buffers, batch, loss_fn, has_aux)
+                for mb in micro:
+                    runtime = Runtime(fn, params, schedule=schedule, sink=sink, remat=rematerialise)
+                    loss, aux = lean_pass(runtime, params, buffers, mb, loss_fn, has_aux)
+                    losses.append(loss)
+                    auxes.append(aux)
+                if deferred is not None:
+                    sink.reduce_deferred()
                 masks = reached.merge(sink.received_masks(), params.layout)
             grads = {u.name: sink.totals.get(u.name) for u in params.plan.units}
             if frozen:
@@ -210,7 +243,13 @@ def value_and_grad(
                     for u in params.plan.units
                 }
             shards = {u: g if g is not None else torch.zeros_like(params[u]) for u, g in grads.items()}
+            if len(micro) > 1:
+                for g in grads.values():
+                    if g is not None:
+                        g.div_(len(micro))
             out = params.replace(shards).with_received(masks)
+            loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
+            aux = auxes if len(micro) > 1 else auxes[0]
         return ((loss, aux) if has_aux else loss), out
 
     return run
@@ -223,22 +262,29 @@ def _composable(
     remat: Remat | None,
     params: Sharded,
     buffers: Mapping[str, torch.Tensor],
-    batch: Any,
+    micro: Sequence[Any],
     has_aux: bool,
 ) -> tuple[torch.Tensor, Any, Sharded]:
+    """The composable path over ``micro`` (micro-batches): the mean of their losses, differentiated
+    at once (every micro-batch's graph lives until then)."""
     aux_leaves: list[Any] = []
     aux_spec: Any = None
 
     def objective(shards: dict[str, torch.Tensor]) -> Any:
         nonlocal aux_leaves, aux_spec
-        runtime = Runtime(fn, params.replace(shards), schedule=schedule, composable=True, remat=remat)
-        with module_parameters_hidden(fn.module):
-            loss, aux = split_aux(loss_fn(functools.partial(runtime.run, buffers), batch), has_aux)
+        losses, auxes = [], []
+        for batch in micro:
+            runtime = Runtime(fn, params.replace(shards), schedule=schedule, composable=True, remat=remat)
+            with module_parameters_hidden(fn.module):
+                loss, aux = split_aux(loss_fn(functools.partial(runtime.run, buffers), batch), has_aux)
+            losses.append(checked_loss(loss))
+            auxes.append(aux)
+        loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         if not has_aux:
-            return checked_loss(loss)
+            return loss
         # torch.func takes only tensors in an aux; the other leaves (a step count, a name) ride outside.
-        aux_leaves, aux_spec = torch_pytree.tree_flatten(aux)
-        return checked_loss(loss), [t for t in aux_leaves if isinstance(t, torch.Tensor)]
+        aux_leaves, aux_spec = torch_pytree.tree_flatten(auxes[0] if len(auxes) == 1 else auxes)
+        return loss, [t for t in aux_leaves if isinstance(t, torch.Tensor)]
 
     # Without an aux, none is returned: an outer jvp takes only tensors in its outputs.
     grads, value = grad_and_value(objective, has_aux=has_aux)(params.shards)

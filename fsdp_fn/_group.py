@@ -29,11 +29,20 @@ def resolve_group(group: Group) -> dist.ProcessGroup:
                 "sharding takes a 1-D mesh (or a ProcessGroup)"
             )
         return group.get_group()
+    # torch's new_group hands the ranks it leaves out NON_GROUP_MEMBER (an int), not a group
+    if (isinstance(group, dist.ProcessGroup) and group.rank() < 0) or _not_a_member(group):
+        raise ValueError(
+            f"this rank ({dist.get_rank()}) is not a member of the process group given: torch.distributed.new_group "
+            "returns GroupMember.NON_GROUP_MEMBER on the ranks it leaves out; call fsdp_fn only on the ranks of "
+            "the group (every rank of it, the same calls), and on the others with a group of their own"
+        )
     if isinstance(group, dist.ProcessGroup):
-        if group.rank() < 0:
-            raise ValueError(f"this rank ({dist.get_rank()}) is not a member of the group given")
         return group
     raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {_kind(group)}")
+
+
+def _not_a_member(group: Any) -> bool:
+    return isinstance(group, int) and not isinstance(group, bool) and group == dist.GroupMember.NON_GROUP_MEMBER
 
 
 def _kind(x: Any) -> str:

@@ -13,7 +13,12 @@ often looks in the store for what other ranks reported:
   for it forever;
 * a rank that entered another call than this one is named with that call;
 * a rank that is gone (killed: its connections break) or silent past ``timeout`` is
-  found by asking every rank to sign in: the ranks that do not are named;
+  found by asking every rank to sign in: the ranks that do not are named; the store
+  itself gone (its host, rank 0, died) names that rank;
+* after a call that failed on this rank, the next call on its group first meets every
+  rank: what the failed call left in flight either finished by then or never will (its
+  peers gave up on it), and then the group is out of step and every rank says so, before
+  anything is sent (the common case, no failure, costs nothing more);
 * in check mode, before each collective the ranks compare what they are about to issue
   (op, unit, elements, dtype): one small all-gather; a difference raises
   ``DivergenceError`` on every rank, naming the unit and the ranks, before anything hangs.
@@ -21,7 +26,9 @@ often looks in the store for what other ranks reported:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import datetime
 import hashlib
 import os
 import queue
@@ -29,6 +36,7 @@ import threading
 import time
 from _thread import allocate_lock as _allocate_lock
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +57,21 @@ _steps: dict[str, int] = {}  # guarded calls run so far, per group name
 _lost_ranks: dict[int, str] = {}
 _lost_groups: dict[str, str] = {}
 _heard_of_failure = False  # a RankFailure was raised here: look in the store once, at the next call
+_SETTLE = 2.0  # seconds the call after a failure waits for what the failed one left in flight
+
+
+@dataclass
+class _Failure:
+    """A guarded call that failed on this rank, and what it left in flight (see ``Guard.settle``)."""
+
+    prefix: str  # its keys in the store
+    call: str
+    works: list[Watched]  # its exchanges not finished when it failed
+    gave_up: str | None  # the collective whose wait it gave up, if any
+
+
+_failed: dict[str, _Failure] = {}  # group name -> this rank's last guarded call on it, if it failed
+_left_in_flight: list[Watched] = []  # works failed calls left in flight (a waiter may still block on them)
 
 
 def _lost(group: dist.ProcessGroup, missing: Sequence[int], why: str) -> None:
@@ -94,15 +117,31 @@ def ensure_usable(group: dist.ProcessGroup) -> None:
         _look_in_store(group)
     if not (_lost_ranks or _lost_groups):
         return
-    why = _lost_groups.get(group.group_name)
+    why = _lost_groups.get(group.group_name) or _lost_groups.get(_ANY)
     if why is None:
         why = next((_lost_ranks[r] for r in dist.get_process_group_ranks(group) if r in _lost_ranks), None)
     if why is not None:
-        raise RankFailure(
-            f"process group {group.group_name!r} cannot communicate any more: {why}. Its connections to that "
-            "rank are closed, so no collective on it can complete; restart every rank (torchrun --max-restarts "
-            "restarts them) and resume from the last checkpoint (fsdp_fn.checkpoint)"
-        )
+        raise RankFailure(_unusable(group, why))
+
+
+_ANY = "*"  # in _lost_groups: every group (the store is gone and torchrun's agent hosted it)
+
+
+def _unusable(group: dist.ProcessGroup, why: str) -> str:
+    return (
+        f"process group {group.group_name!r} cannot communicate any more: {why}; restart every rank "
+        "(torchrun --max-restarts restarts them) and resume from the last checkpoint (fsdp_fn.checkpoint)"
+    )
+
+
+def _store_host() -> int | None:
+    """The global rank whose process hosts the default store: rank 0, where torch's rendezvous
+    (``tcp://``, ``env://``) starts it; ``None`` when torchrun's agent hosts it."""
+    return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
+
+
+class _StoreUnreachable(Exception):
+    """A call to the process group's store failed (its host is gone): ``Guard`` names the host."""
 
 
 def current() -> Guard | None:
@@ -139,6 +178,52 @@ class Guard:
         self.prefix = f"fsdp_fn/{group.group_name}/guarded{serial}"
         self.issued: list[tuple[str, str | None, int, torch.dtype]] = []  # (op, unit, numel, dtype) this call, in order
         self._agreed: set[int] = set()  # ranks seen to have entered the same call
+        self.watched: list[Watched] = []  # the exchanges issued in this call (what a failure leaves in flight)
+        self.gave_up: str | None = None  # the collective whose wait this call gave up on
+        self.after = _failed.pop(group.group_name, None)  # this rank's call before, if it failed
+
+    # --- the store: a failure to reach it is the failure of its host ---------------------------------
+
+    def _has(self, key: str) -> bool:
+        try:
+            return bool(self.store.check([key]))
+        except RuntimeError as e:  # (DistNetworkError, DistStoreError)
+            raise _StoreUnreachable(e) from e
+
+    def _read(self, key: str) -> str:
+        try:
+            return str(self.store.get(key).decode())
+        except RuntimeError as e:
+            raise _StoreUnreachable(e) from e
+
+    def _write(self, key: str, value: str) -> None:
+        try:
+            self.store.set(key, value)
+        except RuntimeError as e:
+            raise _StoreUnreachable(e) from e
+
+    def _store_gone(self, error: _StoreUnreachable, what: str) -> RankFailure:
+        """The process group's store cannot be reached: its host (rank 0's process, or torchrun's
+        agent) is gone, and with it the way ranks tell each other what happened. Remembered, so
+        every later call on a group with that rank raises at once."""
+        cause = error.__cause__ or error
+        how = f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0][:200]}"
+        host = _store_host()
+        if host is None:
+            why = f"torchrun's agent, which hosts the process group's store, stopped answering ({how})"
+            _lost_groups.setdefault(_ANY, why)
+            return RankFailure(f"{why} in {self.call} while rank {self.rank} waited for {what}")
+        ranks = dist.get_process_group_ranks(self.group)
+        who = f"rank {ranks.index(host)} of group {self.group.group_name!r}" if host in ranks else f"rank {host}"
+        _lost_ranks.setdefault(
+            host,
+            f"rank {host} stopped answering in {self.call} (it hosts the process group's store, which cannot be "
+            f"reached: {how}); no rank can tell the others what happens any more",
+        )
+        return RankFailure(
+            f"{who} stopped answering ({self.call}): it hosts the process group's store, which cannot be reached "
+            f"({how}), while rank {self.rank} waited for {what}"
+        )
 
     def enter(self, *, rendezvous: bool) -> None:
         """Say which call this rank runs; with ``rendezvous``, wait until every rank of the group
@@ -146,16 +231,29 @@ class Guard:
         the ranks that did not join within the timeout)."""
         if self.store is None or self.world == 1:
             return
-        self.store.set(f"{self.prefix}/enter/{self.rank}", self.call)
-        if not rendezvous:
-            return
-        started = time.monotonic()
+        try:
+            self._write(f"{self.prefix}/enter/{self.rank}", self.call)
+            if not rendezvous and self.after is None:
+                return
+            self._meet()
+            if self.after is not None:
+                self.settle(self.after)
+        except _StoreUnreachable as e:
+            raise self._store_gone(e, f"every rank to join {self.call}") from e.__cause__
+
+    def _meet(self) -> None:
+        started = looked = time.monotonic()
         while len(self._agreed) < self.world - 1:
             self._check_calls()
             remote = self._remote_error()
             if remote is not None:
                 raise RankFailure(f"{remote}; rank {self.rank} was waiting for every rank to join {self.call}")
-            waited = time.monotonic() - started
+            now = time.monotonic()
+            if now - looked >= 0.05:  # a rank that found the group out of step does not come: it says so there
+                looked = now
+                _look_in_store(self.group)
+                ensure_usable(self.group)
+            waited = now - started
             if waited >= self.timeout:
                 missing = [r for r in range(self.world) if r != self.rank and r not in self._agreed]
                 error = RankFailure(
@@ -167,6 +265,67 @@ class Guard:
                 raise error
             time.sleep(0.01)
 
+    def settle(self, failure: _Failure) -> None:
+        """The first call after one that failed on this rank, once every rank has entered it: is
+        the group still in step? Every rank is past the failed call now, so each exchange it left
+        in flight has either finished (its peers did their part) or never will (a peer gave up on
+        it, or never issued it: the rank that raised), and would pair with this call's. Each rank
+        that failed says which; if any is stuck, every rank raises ``RankFailure`` and the group
+        is remembered unusable. On failure paths only: a few store round trips."""
+        deadline = time.monotonic() + min(_SETTLE, self.timeout)
+        for w in failure.works:
+            w.wait(max(0.0, deadline - time.monotonic()))
+        stuck = [w for w in failure.works if not w.done]
+        self._write(f"{self.prefix}/settled/{self.rank}", "" if not stuck else failure.gave_up or "exchanges")
+        failed = [r for r in range(self.world) if r == self.rank or self._has(f"{failure.prefix}/failed/{r}")]
+        reports: dict[int, str] = {}
+        started = time.monotonic()
+        while len(reports) < len(failed):
+            remote = self._remote_error()  # (a rank that raises here said what it found first)
+            for r in failed:
+                if r not in reports and self._has(f"{self.prefix}/settled/{r}"):
+                    reports[r] = self._read(f"{self.prefix}/settled/{r}")
+            if len(reports) < len(failed):
+                if remote is not None:
+                    raise RankFailure(f"{remote}; rank {self.rank} was waiting for every rank to join {self.call}")
+                _look_in_store(self.group)
+                ensure_usable(self.group)
+                if time.monotonic() - started >= self.timeout:
+                    missing = ", ".join(str(r) for r in failed if r not in reports)
+                    raise RankFailure(
+                        f"ranks {missing} of group {self.group.group_name!r} entered {self.call} but did not say "
+                        f"whether {failure.call} left collectives in flight within {self.timeout:g} s"
+                    )
+                time.sleep(0.01)
+        stuck_on = {r: what for r, what in reports.items() if what}
+        if not stuck_on:
+            return
+        by_what: dict[str, list[int]] = {}
+        for r in sorted(stuck_on):
+            by_what.setdefault(stuck_on[r], []).append(r)
+        ranks = sorted(stuck_on)
+        where = "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: the {what}" for what, rs in by_what.items()
+        )
+        why = (
+            f"{self._origin(failure.prefix)} in {failure.call}, and the collectives "
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} had issued then never completed "
+            f"({where}): they stay in flight and would pair with later ones"
+        )
+        _lost(self.group, [], why)
+        raise RankFailure(_unusable(self.group, why))
+
+    def _origin(self, prefix: str) -> str:
+        """Who started a failure: the first rank whose own error it was (not one heard from another)."""
+        errors = {r: self._read(f"{prefix}/error/{r}") for r in range(self.world) if self._has(f"{prefix}/error/{r}")}
+        own = [r for r, e in errors.items() if not e.startswith(f"{RankFailure.__name__}:")]
+        if own:
+            return f"rank {own[0]} raised {errors[own[0]]}"
+        if errors:
+            r = min(errors)
+            return f"rank {r} raised {errors[r]}"
+        return "a rank failed"
+
     def _check_calls(self) -> None:
         """Raise if another rank entered a different call at this point of the program."""
         if self.store is None:
@@ -175,9 +334,9 @@ class Guard:
             if r == self.rank or r in self._agreed:
                 continue
             key = f"{self.prefix}/enter/{r}"
-            if not self.store.check([key]):
+            if not self._has(key):
                 continue
-            theirs = self.store.get(key).decode()
+            theirs = self._read(key)
             if theirs != self.call:
                 raise DivergenceError(
                     f"ranks diverge: rank {self.rank} of group {self.group.group_name!r} is in {self.call} while "
@@ -198,9 +357,22 @@ class Guard:
             if isinstance(e, RankFailure):
                 global _heard_of_failure
                 _heard_of_failure = True
+            self._remember_failure()
             raise
         finally:
             _local.guard = previous
+
+    def _remember_failure(self) -> None:
+        """This call failed: the next one on the group meets the others and settles what it left in flight."""
+        if self.world == 1:
+            return
+        earlier = self.after.works if self.after is not None else []  # (finished, if it was settled)
+        pending = [w for w in (*earlier, *self.watched) if not w.done]
+        _failed[self.group.group_name] = _Failure(self.prefix, self.call, pending, self.gave_up)
+        _left_in_flight.extend(w for w in self.watched if w in pending)
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.set(f"{self.prefix}/failed/{self.rank}", "1")
 
     # --- telling the others ---------------------------------------------------------------------
 
@@ -217,23 +389,29 @@ class Guard:
             return None
         for r in range(self.world):
             key = f"{self.prefix}/error/{r}"
-            if r != self.rank and self.store.check([key]):
-                return f"rank {r}: {self.store.get(key).decode()} ({self.call})"
+            if r != self.rank and self._has(key):
+                return f"rank {r}: {self._read(key)} ({self.call})"
         return None
 
     def _missing(self, grace: float) -> list[int]:
         """Ranks that do not sign in within ``grace`` seconds (every live rank signs in when it fails)."""
         if self.store is None:
             return []
-        self.store.set(f"{self.prefix}/alive/{self.rank}", "1")
+        self._write(f"{self.prefix}/alive/{self.rank}", "1")
         deadline = time.monotonic() + grace
         missing = [r for r in range(self.world) if r != self.rank]
         while missing and time.monotonic() < deadline:
-            missing = [r for r in missing if not self.store.check([f"{self.prefix}/alive/{r}"])]
+            missing = [r for r in missing if not self._has(f"{self.prefix}/alive/{r}")]
             time.sleep(0.02)
         return missing
 
     def _fail(self, what: str, cause: BaseException | None, started: float) -> RankFailure:
+        try:
+            return self._failure(what, cause, started)
+        except _StoreUnreachable as e:
+            return self._store_gone(e, f"the {what}")
+
+    def _failure(self, what: str, cause: BaseException | None, started: float) -> RankFailure:
         remote = self._remote_error()
         if remote is not None:
             return RankFailure(f"{remote}; rank {self.rank} stopped waiting for the {what}")
@@ -252,7 +430,12 @@ class Guard:
             f"{who} of group {self.group.group_name!r} stopped answering ({self.call}): the connection {how} "
             f"while rank {self.rank} waited for the {what}"
         )
-        _lost(self.group, missing, f"{who} stopped answering in {self.call} (the connection {how})")
+        _lost(
+            self.group,
+            missing,
+            f"{who} stopped answering in {self.call} (the connection {how}); the connections to "
+            f"{'them' if len(missing) > 1 else 'it'} are closed, so no collective there can complete",
+        )
         return error
 
     # --- waiting ------------------------------------------------------------------------------------
@@ -267,19 +450,28 @@ class Guard:
             return
         started = time.monotonic()
         deadline = started + self.timeout
-        # Wakes the moment the works finish; every 50 ms looks for other ranks' errors.
-        while not watched.wait(timeout=max(0.0, min(0.05, deadline - time.monotonic()))):
-            remote = self._remote_error()
-            # A rank that failed just after its part of this collective: let it complete,
-            # so this rank goes on to meet the failure itself (the same error on every rank).
-            if remote is not None and not watched.wait(timeout=0.25):
-                _abandoned()
-                raise RankFailure(f"{remote}; rank {self.rank} stopped waiting for the {what()}")
-            self._check_calls()
-            if time.monotonic() >= deadline:
-                _abandoned()
-                raise self._fail(what(), None, started)
+        try:
+            # Wakes the moment the works finish; every 50 ms looks for other ranks' errors.
+            while not watched.wait(timeout=max(0.0, min(0.05, deadline - time.monotonic()))):
+                remote = self._remote_error()
+                # A rank that failed just after its part of this collective: let it complete,
+                # so this rank goes on to meet the failure itself (the same error on every rank).
+                if remote is not None and not watched.wait(timeout=0.25):
+                    self._give_up(what)
+                    raise RankFailure(f"{remote}; rank {self.rank} stopped waiting for the {what()}")
+                self._check_calls()
+                if time.monotonic() >= deadline:
+                    self._give_up(what)
+                    raise self._fail(what(), None, started)
+        except _StoreUnreachable as e:
+            self._give_up(what)
+            raise self._store_gone(e, f"the {what()}") from e.__cause__
         self._result(watched, what, started)
+
+    def _give_up(self, what: Callable[[], str]) -> None:
+        _abandoned()
+        if self.gave_up is None:
+            self.gave_up = what()
 
     def _result(self, watched: Watched, what: Callable[[], str], started: float | None = None) -> None:
         try:
@@ -374,6 +566,9 @@ class Watched:
         self.done = False
         self._held = _allocate_lock()  # held until the works are done: waiting is acquiring it
         self._held.acquire()
+        guard = getattr(_local, "guard", None)
+        if guard is not None:  # (what a failure of the call leaves in flight)
+            guard.watched.append(self)
         _waiters().put(self)
 
     def run(self) -> None:
@@ -425,6 +620,28 @@ def _abandoned() -> None:
 def _serve(jobs: queue.SimpleQueue[Watched]) -> None:
     while True:
         jobs.get().run()
+
+
+def _end_waits_at_exit() -> None:
+    """At exit, end the waits failed calls left blocked, while Python still runs threads.
+
+    Otherwise the process group is torn down while Python finalizes, the blocked wait returns,
+    and its waiter thread, taking the GIL back, is ended by CPython (3.11) with ``pthread_exit``
+    through pybind11's ``noexcept`` GIL guard: ``std::terminate``, a process that aborts after
+    it has finished. Destroying the groups now fails those waits at once; only after a failure."""
+    blocked = [w for w in _left_in_flight if not w.done]
+    for w in blocked:
+        for work in w.works:
+            # gloo's timed wait on a point-to-point work that times out closes every pair of the
+            # group: the blocked wait fails at once (the group is unusable already)
+            with contextlib.suppress(Exception):
+                work.wait(datetime.timedelta(milliseconds=1))
+    deadline = time.monotonic() + 2.0
+    for w in blocked:
+        w.wait(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_end_waits_at_exit)
 
 
 def _forget_waiters() -> None:

@@ -32,7 +32,9 @@ from torch.autograd.function import FunctionCtx
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsdp_fn import _guard
 from fsdp_fn._plan import ROOT, Plan, Policy, unit_label
+from fsdp_fn._standin import StandIn
 from fsdp_fn._tree import flatten, unflatten
 
 aten = torch.ops.aten
@@ -163,10 +165,13 @@ class _Forward(TorchDispatchMode):
     """Forward of a region: the checked operators' signatures; the tensors it makes from its
     inputs that require grad (held weakly), so that the recomputation can tell when it reads
     one of them (a tensor the forward kept outside its outputs, in state); and a copy of each
-    input that needs no gradient taken just before the forward first changes it in place
-    (a BatchNorm's running statistics), for the recomputation to start from."""
+    input taken just before the forward first changes it in place (a BatchNorm's running
+    statistics; an argument the region writes, ``x += ...``), for the recomputation to start
+    from. The first ``state`` inputs are a module's parameters and buffers: of those, only
+    the ones needing no gradient are copied (a parameter changed in place is an error the
+    step reports itself)."""
 
-    def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
+    def __init__(self, inputs: Sequence[torch.Tensor], state: int = 0) -> None:
         super().__init__()
         self.signatures: list[Any] = []
         # (by the plain tensor: a vmap hands the region batched ones, its operators see what is under them)
@@ -176,11 +181,9 @@ class _Forward(TorchDispatchMode):
         # tensors made from inputs, held weakly, with the indices of the inputs they come from
         self.made: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int]]] = {}
         self.written: dict[int, frozenset[int]] = {}  # storage -> inputs an in-place write there came from
-        self.constants: dict[
-            int, list[tuple[int, torch.Tensor]]
-        ] = {}  # storage -> (index, input) of those needing no grad
+        self.constants: dict[int, list[tuple[int, torch.Tensor]]] = {}  # storage -> (index, input) copied on write
         for i, t in enumerate(inputs):
-            if not t.requires_grad and (where := _storage(t)):
+            if (i >= state or not t.requires_grad) and (where := _storage(t)):
                 self.constants.setdefault(where, []).append((i, t))
         self.before: dict[int, torch.Tensor] = {}  # input index -> its value before the forward changed it
 
@@ -211,6 +214,10 @@ class _Forward(TorchDispatchMode):
                     self.made[id(t)] = (weakref.ref(t), sources)
                     if func._schema.is_mutable and (where := _storage(t)):  # written in place: so is every view
                         self.written[where] = self.written.get(where, frozenset()) | sources
+
+    def written_needing_grad(self) -> list[int]:
+        """The inputs needing a gradient that the forward changed in place (``x += ...``)."""
+        return sorted(i for i in self.before if i in self.needing)
 
     def carries_grad(self, t: torch.Tensor) -> bool:
         """Whether ``t`` was made by the forward from an input that needs a gradient."""
@@ -267,8 +274,8 @@ class _Forward(TorchDispatchMode):
 class _Record(_Forward):
     """Forward: keep the outputs of the policy's operators, in the order they ran."""
 
-    def __init__(self, policy: SavePolicy, inputs: Sequence[torch.Tensor]) -> None:
-        super().__init__(inputs)
+    def __init__(self, policy: SavePolicy, inputs: Sequence[torch.Tensor], state: int = 0) -> None:
+        super().__init__(inputs, state)
         self.policy = policy
         self.kept: list[tuple[Any, Any, tuple[int, ...]]] = []  # (op, output, versions)
 
@@ -363,8 +370,8 @@ class _Trace(_Forward):
     """Forward of a fully rematerialised region: each operator, which earlier operators its
     tensor inputs came from, and its outputs' layout (no tensor is held)."""
 
-    def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
-        super().__init__(inputs)
+    def __init__(self, inputs: Sequence[torch.Tensor], state: int = 0) -> None:
+        super().__init__(inputs, state)
         self.ops: list[tuple[Any, list[list[int]], Any]] = []  # (op, producers of each input, output layout)
         self.producer: dict[int, int] = {}  # id(tensor) -> index of the op that made it (the latest with that id)
 
@@ -440,6 +447,22 @@ class _SkipTail(_Checked):
         return torch_pytree.tree_map_only(_Empty, _Empty.make, self.ops[at][1])
 
 
+def _wrapped(t: torch.Tensor) -> bool:
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
+def _digest(t: torch.Tensor) -> torch.Tensor | None:
+    """Three float64 numbers that move when ``t``'s values do: its sum, the sum of its
+    magnitudes, and a sum weighted by position (a permutation). ``None``: no values (an empty
+    tensor). Reads ``t`` once; on checked steps only."""
+    if t.numel() == 0 or t.is_complex():
+        return None
+    with torch.no_grad():
+        x = t.detach().reshape(-1).double()
+        ramp = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device) / x.numel()
+        return torch.stack([x.sum(), x.abs().sum(), (x * ramp).sum()]).cpu()
+
+
 def _versions(out: Any) -> tuple[int, ...]:
     return tuple(t._version for t in torch_pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
 
@@ -463,7 +486,8 @@ class _CapturedCheck(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         for t in torch_pytree.tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t.requires_grad and not self._input(t):
+            # (a stand-in's shape or device may be read; any other use raises its own error)
+            if isinstance(t, torch.Tensor) and t.requires_grad and not isinstance(t, StandIn) and not self._input(t):
                 raise RematError(
                     f"remat({self.where}): {getattr(func, '__name__', func)} uses a tensor of shape "
                     f"{tuple(t.shape)} ({t.dtype}) that requires grad but is not an argument of the region, "
@@ -491,8 +515,11 @@ _TENSOR = object()  # where a kept result has a tensor
 class _Call:
     """One call of a rematerialised region: the function, its non-tensor inputs, RNG states, kept results."""
 
-    def __init__(self, fn: Callable[..., Any], policy: SavePolicy, leaves: list[Any], spec: Any, where: str) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], policy: SavePolicy, leaves: list[Any], spec: Any, where: str, state: int = 0
+    ) -> None:
         self.fn, self.policy, self.where = fn, policy, where
+        self.state = state  # how many of the tensor inputs, first, are a module's parameters and buffers
         self.spec = spec
         self.slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         self.constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -506,6 +533,13 @@ class _Call:
         self.skip: tuple[list[Any], int] | None = None  # full remat: the forward's operators, where the tail starts
         self.forward: _Forward | None = None  # what the forward ran and made, to check the recomputation against
         self.reached: frozenset[int] = frozenset()  # the inputs the forward's outputs were computed from
+        # Inputs needing a gradient that the forward changed in place (``x += ...``): autograd is
+        # told (``mark_dirty``), so each is an output too, after the region's own if it returns no alias.
+        self.dirty: list[int] = []
+        self.extra: list[int] = []  # the dirty inputs the region does not return: outputs after its own
+        # On a train step's checked steps: what each output's values came to, for the recomputation
+        # to match (a module's own torch.Generator, a counter the forward bumps: values, not shapes).
+        self.digests: list[torch.Tensor | None] | None = None
 
     def keep(self, kept: list[tuple[Any, Any, tuple[int, ...]]]) -> None:
         for op, out, versions in kept:
@@ -539,6 +573,7 @@ class _Call:
 
     def outputs(self, tensors: Sequence[torch.Tensor]) -> Any:
         """The function's result: its constants, and ``tensors`` where it returned tensors."""
+        tensors = tensors[: len(self.out_slots)]  # (the dirty inputs it does not return come after)
         leaves = list(self.out_constants)
         for i, t in zip(self.out_slots, tensors, strict=True):
             leaves[i] = t
@@ -552,6 +587,44 @@ class _Call:
         for i, value in (self.forward.before if self.forward is not None else {}).items():
             out[i] = value.clone()
         return out
+
+    def check_values(self, outs: Sequence[torch.Tensor], which: Sequence[int]) -> None:
+        """A checked step's recomputation: outputs ``which`` (``outs``) must come to the forward's
+        values (up to rounding: a kernel may change once inputs require grad), or ``RematError``."""
+        assert self.digests is not None
+        for j, out in zip(which, outs, strict=True):
+            want, got = self.digests[j], _digest(out)
+            if want is None or got is None or want.shape != got.shape:
+                continue
+            scale = float(want[1]) + 1e-30
+            if float((got - want).abs().max()) > 1e-4 * scale + 1e-12:
+                raise RematError(
+                    f"remat({self.where}): the recomputation's output #{j} has other values than the forward's "
+                    f"(sum {float(got[0]):.7g} against {float(want[0]):.7g}) though it ran the same operators on "
+                    "the same shapes: the region must compute the same when it is recomputed, or its gradients "
+                    "would be wrong. The global random generators are replayed; a generator of the region's own "
+                    "(torch.randn(..., generator=g)) and Python state its forward changes (a counter) are not: "
+                    "draw from the global generator, pass such state in as an argument, or leave this unit out "
+                    "of remat. (Compared on the train step's checked steps: the first, every step with "
+                    'check_schedule="always", or after step.check_next_step())'
+                )
+
+    def refuse_writes_to(self, differentiated: Sequence[int]) -> None:
+        """Under a ``torch.func`` transform or forward-mode derivatives, the region may not change
+        an input they differentiate in place (plain autograd is told of it; they are not)."""
+        written = [i for i in differentiated if self.forward is not None and i in self.forward.before]
+        if written and written[0] >= self.state:
+            raise RematError(
+                f"remat({self.where}): the region changes its input #{written[0] - self.state} in place, which "
+                "under a torch.func transform (or forward-mode derivatives) a rematerialised region cannot do: "
+                "compute it out of place (x = x * s, not x.mul_(s); nn.ReLU(), not nn.ReLU(inplace=True))"
+            )
+
+    def saved_inputs(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """What the backward keeps of the inputs: each dirty one as it was before the forward
+        changed it (the input itself holds the changed values now, and may change again)."""
+        assert self.forward is not None or not self.dirty
+        return [self.forward.before[i] if self.forward and i in self.dirty else t for i, t in enumerate(tensors)]
 
     def save_rng(self) -> None:
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
@@ -582,31 +655,46 @@ class _Remat(torch.autograd.Function):
     @staticmethod
     def forward(call: _Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         call.save_rng()
-        record = _Record(call.policy, tensors) if call.policy.ops else _Trace(tensors)
+        record = _Record(call.policy, tensors, call.state) if call.policy.ops else _Trace(tensors, call.state)
         with _CapturedCheck(tensors, call.where), record:
             outs = call.run(tensors)
         record.check_nothing_kept(outs, call.where)
         call.reached = record.reached(outs)
+        call.dirty = record.written_needing_grad()
+        call.extra = [i for i in call.dirty if not any(o is tensors[i] for o in outs)]
+        guard = _guard.current()
+        checked = guard is not None and guard.check and not any(map(_wrapped, outs))
         if isinstance(record, _Record):
             call.keep(record.kept)
             record.kept = []  # (autograd holds them now: the recomputation's own reference would outlive its)
         else:
             kept, before = record.tail()
             record.ops, record.producer = [], {}
-            # FSDP_FN_REMAT_EARLY_STOP=0: recompute the tail too (checked all the same)
-            call.skip = (kept, before if os.environ.get("FSDP_FN_REMAT_EARLY_STOP", "1") == "1" else len(kept))
+            # FSDP_FN_REMAT_EARLY_STOP=0, or a checked step: recompute the tail too
+            early = os.environ.get("FSDP_FN_REMAT_EARLY_STOP", "1") == "1" and not checked
+            call.skip = (kept, before if early else len(kept))
         call.forward = record
         inputs = {id(t) for t in tensors}
-        # An input returned as-is cannot be both returned and saved: return a view of it.
-        return tuple(o.view_as(o) if id(o) in inputs else o for o in outs)
+        dirty = {id(tensors[i]) for i in call.dirty}
+        # An input returned as-is cannot be both returned and saved: return a view of it (a
+        # dirty one is returned itself, as autograd wants, and saved as it was before).
+        results = (
+            *(o if id(o) in dirty else o.view_as(o) if id(o) in inputs else o for o in outs),
+            *(tensors[i] for i in call.extra),
+        )
+        if checked:
+            call.digests = [_digest(o) for o in results]
+        return results
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: Any) -> None:
         call: _Call = inputs[0]
         ctx.call = call  # type: ignore[attr-defined]
         ctx.n_inputs = len(inputs) - 1  # type: ignore[attr-defined]
+        if call.dirty:  # changed in place: their history is this region's now, as without remat
+            ctx.mark_dirty(*(inputs[1 + i] for i in call.dirty))
         # By reference: autograd frees them after this backward; nothing is copied.
-        ctx.save_for_backward(*inputs[1:], *call.kept_tensors)
+        ctx.save_for_backward(*call.saved_inputs(inputs[1:]), *call.kept_tensors)
         ctx.set_materialize_grads(False)
         ctx.primals = inputs[1:]  # type: ignore[attr-defined]  # for jvp; dropped by backward or jvp
         ctx.mark_non_differentiable(*(o for o in output if not (o.is_floating_point() or o.is_complex())))
@@ -626,7 +714,8 @@ class _Remat(torch.autograd.Function):
         def region(*diff: torch.Tensor) -> tuple[torch.Tensor, ...]:
             tensors = call.as_before(inputs)
             for i, t in zip(wanted, diff, strict=True):
-                tensors[i] = t
+                tensors[i] = t.clone() if i in call.dirty else t  # (changed in place again: not the leaf)
+            extra = [tensors[i] for i in call.extra]
             # Under a transform the recomputation runs more products than the forward (a jvp's
             # tangents pass through this mode too): checked under plain autograd only.
             forward = None if transformed else call.forward
@@ -639,7 +728,7 @@ class _Remat(torch.autograd.Function):
                 else _Replay(call.policy, [] if _tangents_pushed() else kept, forward, call.where)
             )
             with mode:
-                outs = call.run(tensors)
+                outs = [*call.run(tensors), *extra]
             return tuple(outs[j] for j in used)
 
         wrapped = torch._C._functorch.is_functorch_wrapped_tensor
@@ -652,8 +741,12 @@ class _Remat(torch.autograd.Function):
             # gradients stay differentiable through them.
             create = torch.is_grad_enabled()
             with call.replay_rng(), torch.enable_grad():
-                diff = [inputs[i] if create else inputs[i].detach().requires_grad_() for i in wanted]
+                diff = [
+                    inputs[i] if create and i not in call.dirty else inputs[i].detach().requires_grad_() for i in wanted
+                ]
                 outs = region(*diff)
+                if call.digests is not None:
+                    call.check_values(outs, used)
                 reached = [(o, grads[j]) for o, j in zip(outs, used, strict=True) if o.requires_grad]
                 if not reached:
                     return tuple(result)
@@ -661,6 +754,7 @@ class _Remat(torch.autograd.Function):
                     [o for o, _ in reached], diff, [g for _, g in reached], allow_unused=True, create_graph=create
                 )
         else:
+            call.refuse_writes_to(wanted)
             with call.replay_rng():
                 _, pull = torch.func.vjp(region, *(inputs[i] for i in wanted))[:2]
             pulled = pull(tuple(grads[j] for j in used))
@@ -676,6 +770,7 @@ class _Remat(torch.autograd.Function):
         # Forward mode keeps nothing for later: push the tangents through the function once more.
         primals, ctx.primals = ctx.primals, ()
         live = [i for i, t in enumerate(tangents) if t is not None]
+        ctx.call.refuse_writes_to(live)
 
         def region(*diff: torch.Tensor) -> tuple[torch.Tensor, ...]:
             tensors = ctx.call.as_before(primals)
@@ -744,12 +839,18 @@ def remat(fn: Callable[..., Any], policy: SavePolicy = save_nothing) -> Callable
     owner = fn.__self__ if isinstance(fn, types.MethodType) else fn
     if isinstance(owner, nn.Module):
         return _remat_with_state(fn, [owner], policy, _describe(fn))
-    where = _describe(fn)
+    return _rematerialised(fn, policy, _describe(fn))
+
+
+def _rematerialised(
+    fn: Callable[..., Any], policy: SavePolicy, where: str, state: Callable[..., int] | None = None
+) -> Callable[..., Any]:
+    """``remat(fn)``; ``state(*args)``: how many of its tensor inputs, first, are module state."""
 
     @functools.wraps(fn)
     def rematerialised(*args: Any, **kwargs: Any) -> Any:
         leaves, spec = flatten((args, kwargs))
-        call = _Call(fn, policy, leaves, spec, where)
+        call = _Call(fn, policy, leaves, spec, where, state(*args) if state is not None else 0)
         outs = _Remat.apply(call, *(leaves[i] for i in call.slots))
         call.kept_tensors = []  # autograd holds them now (every level's context has been set up)
         return call.outputs(outs)
@@ -770,8 +871,8 @@ def _state_slots(modules: Sequence[nn.Module]) -> tuple[list[torch.Tensor], list
         for m in root.modules():
             for table, is_param in ((m._parameters, True), (m._buffers, False)):
                 for attr, t in table.items():
-                    # meta: a stand-in for a parameter that is not there (another unit's, not gathered)
-                    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or (id(m), attr) in seen:
+                    # a stand-in for a parameter that is not there (another unit's, not gathered)
+                    if not isinstance(t, torch.Tensor) or isinstance(t, StandIn) or (id(m), attr) in seen:
                         continue
                     seen.add((id(m), attr))
                     k = index.setdefault(id(t), len(tensors))
@@ -808,7 +909,7 @@ def _remat_with_state(
             return fn(*args, **kwargs)
 
     region.__qualname__ = where
-    inner = remat(region, policy)
+    inner = _rematerialised(region, policy, where, state=lambda state, *_: len(state))
 
     @functools.wraps(fn)
     def rematerialised(*args: Any, **kwargs: Any) -> Any:

@@ -67,15 +67,17 @@ def _lift(buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
-def _not_gathered(spec: ParamSpec, unit: str) -> StandIn:
-    """Stands in for a unit's parameter outside that unit's forward; any use raises."""
+def _not_gathered(spec: ParamSpec, unit: str, device: torch.device) -> StandIn:
+    """Stands in for a unit's parameter outside that unit's forward: what it is (shape, dtype, the
+    device the unit runs on, requires_grad) can be read, as ``x.to(w.device)`` does; any use raises."""
     return StandIn(
         spec.shape,
         spec.dtype,
-        torch.device("meta"),
+        device,
         f"parameter {spec.name!r} of unit {unit_label(unit)} was used outside that unit's forward ({{op}}); "
         "a unit's parameters exist only while its module runs: call the module (not .forward directly) "
         "or put this use in the same unit",
+        requires_grad=spec.requires_grad,
     )
 
 
@@ -153,7 +155,13 @@ class Wiring:
         self.inflight_limit = inflight_limit(self.unit_bytes, schedule)
         self.lookups = frozenset(u.name for u in plan.units if u.lookup)
         # Outside its forward each non-root unit's parameter is a stand-in that raises if read.
-        self.standins = {p.name: _not_gathered(p, u.name) for u in plan.units if u.name != ROOT for p in u.all_params}
+        offload = schedule.cpu_offload
+        self.standins = {
+            p.name: _not_gathered(p, u.name, offload.compute_device() if offload else params[u.name].device)
+            for u in plan.units
+            if u.name != ROOT
+            for p in u.all_params
+        }
         # Where each tensor of a call goes, what ``functional_call`` would work out at every call:
         # (owner, attribute, the tensor's name, a parameter?) for every name of every parameter the
         # plan knows (tied aliases included) and of every buffer (tied ones by their first name).

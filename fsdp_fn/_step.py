@@ -25,7 +25,7 @@ from fsdp_fn._base import (
 )
 from fsdp_fn._collectives import all_gather_into, all_reduce_, broadcast_
 from fsdp_fn._functional import Functional
-from fsdp_fn._grad import LossFn, lean_pass
+from fsdp_fn._grad import LossFn, lean_pass, micro_batches
 from fsdp_fn._guard import Guard, guarded
 from fsdp_fn._labels import label
 from fsdp_fn._norms import square_norm
@@ -389,21 +389,7 @@ class TrainStep:
             )
 
     def _micro_batches(self, batch: Any) -> Sequence[Any]:
-        n = self.schedule.micro_batches
-        if n == 1:
-            return [batch]
-        if isinstance(batch, tuple):  # (x, y) is one batch to a loss that unpacks it, not two micro-batches
-            raise ValueError(
-                f"with Schedule(micro_batches={n}) the batch must be a list of {n} micro-batches, got a tuple of "
-                f"{len(batch)}: a tuple is read as one batch (x, y), so its items are not split into micro-batches; "
-                "pass [micro_batch_1, ...]"
-            )
-        if not isinstance(batch, Sequence) or len(batch) != n:
-            got = f"{len(batch)} items" if isinstance(batch, Sequence) else type(batch).__name__
-            raise ValueError(
-                f"with Schedule(micro_batches={n}) the batch must be a list of that many micro-batches, got {got}"
-            )
-        return batch
+        return micro_batches(self.schedule, batch)  # (shared with value_and_grad)
 
     @staticmethod
     @phased("metrics")

@@ -148,6 +148,7 @@ class RankPool:
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         self.last_pids: list[int] = []  # the processes of the pool closed last (to check none is left)
+        self.last_exitcodes: list[int | None] = []  # and how they ended (negative: killed by that signal)
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
@@ -233,6 +234,8 @@ class RankPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        if self._procs:
+            self.last_exitcodes = [p.exitcode for p in self._procs]
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []

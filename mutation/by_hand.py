@@ -286,25 +286,22 @@ MUTANTS = [
     ),
     (
         "replica_mask_step",
-        "fsdp_fn/_step.py",
-        "            merged = {u.name: tuple(next(flags) for _ in u.params) for u in plan.units}\n",
-        "",
+        "fsdp_fn/_reached.py",
+        "    return from_flags((both[n:] > 0).tolist(), plan), (both[:n] if carry is not None else None)",
+        "    return dict(merged), (both[:n] if carry is not None else None)",
         "tests/test_correctness.py::test_an_expert_only_some_ranks_route_to_is_stepped_on_every_rank",
     ),
     (
         "replica_mask_grad",
-        "fsdp_fn/_grad.py",
-        (
-            "    if flat.numel() and layout.replicate is not None:  # or on another replica's\n"
-            "        all_reduce_(flat, layout.replicate)\n"
-        ),
+        "fsdp_fn/_reached.py",
+        "    if flat.numel() and layout.replicate is not None:\n        all_reduce_(flat, layout.replicate)\n",
         "",
         "tests/test_correctness.py::test_an_expert_only_some_ranks_route_to_is_stepped_on_every_rank",
     ),
     (
         "replica_mask_in_backward",
-        "fsdp_fn/_sink.py",
-        "        if layout.replicate is not None:\n            all_reduce_(flags, layout.replicate, unit)\n",
+        "fsdp_fn/_reached.py",
+        "        if layout.replicate is not None:\n            all_reduce_(got, layout.replicate, unit)\n",
         "",
         "tests/test_correctness.py::test_an_expert_only_some_ranks_route_to_is_stepped_on_every_rank",
     ),
@@ -331,7 +328,7 @@ MUTANTS = [
     ),
     (
         "merge_shortcut_always",
-        "fsdp_fn/_sink.py",
+        "fsdp_fn/_reached.py",
         "        if all(mask) and layout.replicate is None:",
         "        if layout.replicate is None:",
         "tests/test_correctness.py::test_an_expert_only_some_ranks_route_to_is_stepped_on_every_rank",
@@ -448,6 +445,84 @@ MUTANTS = [
         "and (_last is None or _last.issued.is_set()):",
         ":",
         "tests/test_collectives.py::test_sends_leave_from_the_sender_thread",
+    ),
+    # --- the ninth batch: issue 34 -------------------------------------------------------------
+    (
+        "store_error_raw",
+        "fsdp_fn/_guard.py",
+        "            return bool(self.store.check([key]))\n"
+        "        except RuntimeError as e:  # (DistNetworkError, DistStoreError)\n"
+        "            raise _StoreUnreachable(e) from e",
+        "            return bool(self.store.check([key]))\n"
+        "        except RuntimeError as e:  # (DistNetworkError, DistStoreError)\n"
+        "            raise",
+        "tests/test_reliability.py::test_the_store_hosts_death_is_named_by_the_survivors",
+    ),
+    (
+        "no_meeting_after_failure",
+        "fsdp_fn/_guard.py",
+        "            if not rendezvous and self.after is None:",
+        "            if not rendezvous:",
+        "tests/test_reliability.py::test_after_one_rank_raises_a_retry_and_unshard_fail_on_every_rank_at_once",
+    ),
+    (
+        "nothing_left_in_flight",
+        "fsdp_fn/_guard.py",
+        "        stuck = [w for w in failure.works if not w.done]",
+        "        stuck = []",
+        "tests/test_reliability.py::test_after_one_rank_raises_a_retry_and_unshard_fail_on_every_rank_at_once",
+    ),
+    (
+        "waits_left_blocked_at_exit",
+        "fsdp_fn/_guard.py",
+        "                work.wait(datetime.timedelta(milliseconds=1))",
+        "                pass",
+        "tests/test_reliability.py::test_after_one_rank_raises_a_retry_and_unshard_fail_on_every_rank_at_once",
+    ),
+    (
+        "non_member_as_int",
+        "fsdp_fn/_group.py",
+        " or _not_a_member(group):",
+        ":",
+        "tests/test_errors.py::test_shard_over_a_group_this_rank_is_not_in",
+    ),
+    (
+        "value_and_grad_one_batch",
+        "fsdp_fn/_grad.py",
+        "        micro = micro_batches(schedule, batch)",
+        "        micro = [batch]",
+        "tests/test_chain.py::test_value_and_grad_takes_micro_batches_as_the_step_does",
+    ),
+    (
+        "standin_on_meta",
+        "fsdp_fn/_runtime.py",
+        "offload.compute_device() if offload else params[u.name].device",
+        'torch.device("meta")',
+        "tests/test_errors.py::test_reading_what_another_units_parameter_is_works",
+    ),
+    (
+        "recompute_writes_the_leaf",
+        "fsdp_fn/_remat.py",
+        "                tensors[i] = t.clone() if i in call.dirty else t",
+        "                tensors[i] = t",
+        (
+            "tests/test_remat.py::test_a_region_that_writes_its_input_in_place_matches_plain_autograd "
+            "tests/test_remat_units.py::test_a_rematerialised_unit_that_writes_its_input_in_place_trains_like_torch"
+        ),
+    ),
+    (
+        "dirty_input_not_marked",
+        "fsdp_fn/_remat.py",
+        "        if call.dirty:  # changed in place",
+        "        if False:  # changed in place",
+        "tests/test_remat.py::test_a_region_that_writes_its_input_in_place_matches_plain_autograd",
+    ),
+    (
+        "values_not_digested",
+        "fsdp_fn/_remat.py",
+        "        if checked:\n            call.digests",
+        "        if False:\n            call.digests",
+        "tests/test_remat_units.py::test_a_recomputation_with_other_values_is_named_on_a_checked_step",
     ),
 ]
 

@@ -617,3 +617,49 @@ def test_update_by_hand_skips_unreached_parameters_of_a_unit_as_torch(pool, opti
         for name, p in ref.named_parameters():
             torch.testing.assert_close(functional[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
             torch.testing.assert_close(fused[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _value_and_grad_over_micro_batches(group):
+    """``value_and_grad(..., schedule=Schedule(micro_batches=2))`` takes a list of two
+    micro-batches and returns their mean loss and mean gradient, as the train step does: on
+    equal halves, the whole batch's. Before, the list went to ``loss_fn`` whole."""
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = MLP()
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group)
+    x, y = local_part(batch_for("mlp", model, 0), rank, world)
+    micro = [(x[:3], y[:3]), (x[3:], y[3:])]
+    loss, grads = ff.value_and_grad(fn, mse_loss)(params, fn.buffers, (x, y))
+    leaves = params.replace({k: v.detach().requires_grad_() for k, v in params.shards.items()})  # composable path
+    diffs = {}
+    for name, each, p in (("reduce_each", True, params), ("reduce_once", False, params), ("composable", True, leaves)):
+        schedule = ff.Schedule(micro_batches=2, reduce_each_micro_batch=each)
+        got_loss, got = ff.value_and_grad(fn, mse_loss, schedule=schedule)(p, fn.buffers, micro)
+        diffs[name] = (
+            abs(float(got_loss.detach()) - float(loss)),
+            max((got[u] - grads[u]).abs().max().item() for u in grads.plan.unit_names),
+            got.received == grads.received or p is leaves,  # (the composable path marks none)
+        )
+
+    def with_aux(m, batch):
+        out = m(batch[0])
+        return mse_loss(lambda _: out, batch), out.shape[0]
+
+    (_, aux), _ = ff.value_and_grad(fn, with_aux, schedule=ff.Schedule(micro_batches=2), has_aux=True)(
+        params, fn.buffers, micro
+    )
+    try:
+        ff.value_and_grad(fn, mse_loss, schedule=ff.Schedule(micro_batches=2))(params, fn.buffers, (x, y))
+        error = "no error"
+    except ValueError as e:
+        error = str(e)
+    return diffs, aux, error
+
+
+def test_value_and_grad_takes_micro_batches_as_the_step_does(pool):
+    for diffs, aux, error in pool.run(_value_and_grad_over_micro_batches, world=2):
+        for name, (loss, grad, received) in diffs.items():
+            assert loss < 1e-6 and grad < 1e-6 and received, (name, diffs[name])
+        assert aux == [3, 3]  # one aux per micro-batch
+        assert error.startswith("with Schedule(micro_batches=2) the batch must be a list of 2 micro-batches, got a")

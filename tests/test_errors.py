@@ -149,6 +149,50 @@ def test_parameter_used_outside_its_unit(pool):
     assert "parameter 'inner.weight' of unit 'inner' was used outside that unit's forward" in msg
 
 
+class _Peeks(nn.Module):
+    """A root whose own code reads what another unit's parameter is (``self.blocks[0].fc.weight.device``,
+    a common idiom) outside that unit's forward, and keeps what it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(3, 5)
+        self.body = nn.Sequential(nn.Linear(5, 5), nn.Tanh())
+        self.out = nn.Linear(5, 1)
+        self.seen: list[tuple] = []
+
+    def forward(self, x):
+        w = self.body[0].weight
+        self.seen.append((w.device, w.dtype, tuple(w.shape), w.numel(), w.requires_grad, w.is_floating_point()))
+        x = x.to(device=w.device, dtype=w.dtype)
+        offset = torch.zeros(w.shape[0], device=w.device, dtype=w.dtype)
+        return self.out(self.body(self.inp(x) + offset))
+
+
+def _metadata_of_another_units_parameter(group):
+    from fsdp_fn.testing import assert_matches_unsharded
+
+    torch.manual_seed(0)
+    model = _Peeks()
+    plain = model.body[0].weight
+    want = (plain.device, plain.dtype, tuple(plain.shape), plain.numel(), plain.requires_grad, True)
+    batches = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(2)]
+    policy = ff.layer_policy([nn.Sequential])
+    assert_matches_unsharded(model, mse_loss, batches[:1], group=group, policy=policy)  # value_and_grad
+    assert_matches_unsharded(
+        model, mse_loss, batches, group=group, policy=policy, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2)
+    )
+    fn = ff.functionalize(model)
+    ff.apply_sharded(fn, ff.shard(fn.params, ff.make_plan(model, policy), group), fn.buffers, torch.randn(2, 3))
+    return set(model.seen), want
+
+
+def test_reading_what_another_units_parameter_is_works(pool):
+    """Before: the stand-in sat on the meta device, so ``x.to(w.device)`` moved the input there and the
+    forward raised ``Tensor on device meta is not on the expected device``."""
+    for seen, want in pool.run(_metadata_of_another_units_parameter, world=2):
+        assert seen == {want}, seen
+
+
 def _module_read_in_value_and_grad(group):
     model, fn, plan, params, _ = _setup(group)
 
@@ -218,6 +262,27 @@ def _two_d_mesh(group):
 
 def test_three_d_mesh(pool):
     assert "ValueError: a 3-D DeviceMesh was given" in pool.run(_two_d_mesh, world=4)[0]
+
+
+def _shard_over_a_group_without_this_rank(group):
+    """Ranks 0 and 1 form a group (``new_group([0, 1])``, made on every rank as torch requires);
+    rank 2 passes it to ``shard`` too. torch hands a rank outside the group ``NON_GROUP_MEMBER``
+    (the int -100): before, ``shard`` raised ``TypeError: ... got int``."""
+    from fsdp_fn.testing import _groups
+
+    if group.rank() != 2:
+        return None
+    model, policy, _ = make("mlp")
+    fn = ff.functionalize(model)
+    return _error(ff.shard, fn.params, ff.make_plan(model, policy), _groups[2])
+
+
+def test_shard_over_a_group_this_rank_is_not_in(pool):
+    msg = pool.run(_shard_over_a_group_without_this_rank, world=3)[2]
+    assert msg.startswith(
+        "ValueError: this rank (2) is not a member of the process group given: torch.distributed.new_group returns "
+        "GroupMember.NON_GROUP_MEMBER on the ranks it leaves out"
+    ), msg
 
 
 def test_process_group_not_initialised():

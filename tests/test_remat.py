@@ -678,3 +678,38 @@ def test_hugging_face_gradient_checkpointing_inside_vjp() -> None:
         assert model.model.layers[0].gradient_checkpointing
         with ff.route_torch_checkpoint():
             assert equal(run(), expected)
+
+
+class _WritesItsInput(nn.Module):
+    def __init__(self, returns_it: bool) -> None:
+        super().__init__()
+        self.fc, self.returns_it = nn.Linear(4, 4), returns_it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(1.5)
+        x += self.fc(torch.tanh(x))
+        return x if self.returns_it else torch.sin(x)
+
+
+@pytest.mark.parametrize("returns_it", [True, False])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_region_that_writes_its_input_in_place_matches_plain_autograd(policy: ff.SavePolicy, returns_it) -> None:
+    """The caller sees its tensor changed, with that history, as without remat: it may read it
+    again after the region (here the loss does). Under a transform the write is refused by name."""
+    torch.manual_seed(0)
+    inp, block = nn.Linear(3, 4), _WritesItsInput(returns_it)
+    x = torch.randn(5, 3)
+
+    def gradients(region):
+        for p in (*inp.parameters(), *block.parameters()):
+            p.grad = None
+        h = inp(x)
+        out = region(h)
+        ((out * h).sum() + h.square().sum()).backward()  # h: the values the region left in it
+        return [p.grad for p in (*inp.parameters(), *block.parameters())]
+
+    want = gradients(block)
+    got = gradients(ff.remat(block, policy))
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    with pytest.raises(ff.RematError, match=r"changes its input #0 in place, which under a torch.func transform"):
+        torch.func.grad(lambda h: ff.remat(block, policy)(h.clone()).sum())(torch.randn(5, 4))
