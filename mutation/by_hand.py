@@ -524,6 +524,13 @@ MUTANTS = [
         "        if False:\n            call.digests",
         "tests/test_remat_units.py::test_a_recomputation_with_other_values_is_named_on_a_checked_step",
     ),
+    (
+        "from_torch_missing_called_foreign",
+        "fsdp_fn/_optim.py",
+        "        if missing:\n            units = ",
+        "        if False:\n            units = ",
+        "tests/test_errors.py::test_torch_optimizer_built_on_some_shards_only",
+    ),
 ]
 
 
