@@ -213,7 +213,7 @@ def adamw(
         A ``GradientTransformation`` named ``"adamw"`` with a ``fused`` form.
 
     Raises:
-        TypeError: if ``lr`` is neither a number nor a callable; from ``update``, if the
+        TypeError: if ``lr`` is neither a number nor a callable; at a step, if the
             schedule returns something that is not a number.
         ValueError: if ``lr``, ``eps`` or ``weight_decay`` is negative or a beta is not
             in ``[0, 1)``; at a step, if the schedule gives a learning rate that
@@ -293,7 +293,7 @@ def adam(
         A ``GradientTransformation`` named ``"adam"`` with a ``fused`` form.
 
     Raises:
-        TypeError: if ``lr`` is neither a number nor a callable; from ``update``, if the
+        TypeError: if ``lr`` is neither a number nor a callable; at a step, if the
             schedule returns something that is not a number.
         ValueError: if ``lr``, ``eps`` or ``weight_decay`` is negative or a beta is not
             in ``[0, 1)``; at a step, if the schedule gives a learning rate that
@@ -374,11 +374,12 @@ def sgd(
         A ``GradientTransformation`` named ``"sgd"`` with a ``fused`` form.
 
     Raises:
-        TypeError: if ``lr`` is neither a number nor a callable; from ``update``, if the
+        TypeError: if ``lr`` is neither a number nor a callable; at a step, if the
             schedule returns something that is not a number.
         ValueError: if ``lr``, ``momentum`` or ``weight_decay`` is negative, or
-            ``nesterov`` is asked without ``momentum > 0`` and ``dampening == 0``; at a step, if the schedule gives a learning rate that is not a finite
-            number >= 0 (nothing is applied).
+            ``nesterov`` is asked without ``momentum > 0`` and ``dampening == 0``; at a
+            step, if the schedule gives a learning rate that is not a finite number >= 0
+            (nothing is applied).
 
     Examples:
         >>> sgd(lr=0.1, momentum=0.9).name
@@ -456,10 +457,11 @@ def lion(
         A ``GradientTransformation`` named ``"lion"``.
 
     Raises:
-        TypeError: if ``lr`` is neither a number nor a callable; from ``update``, if the
+        TypeError: if ``lr`` is neither a number nor a callable; at a step, if the
             schedule returns something that is not a number.
-        ValueError: if ``weight_decay`` is negative or a beta is not in ``[0, 1]``; at a step, if the schedule gives a learning rate that is not a finite
-            number >= 0 (nothing is applied).
+        ValueError: if ``weight_decay`` is negative or a beta is not in ``[0, 1]``; at a
+            step, if the schedule gives a learning rate that is not a finite number >= 0
+            (nothing is applied).
 
     Examples:
         >>> lion().name
