@@ -37,10 +37,13 @@ class Collective:
     """One collective as issued by this rank (a record of a ``CommLog``).
 
     Attributes:
-        op: which collective: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` or
-            ``"broadcast"``.
+        op: which collective: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``,
+            ``"broadcast"``, or a lookup's ``"row_fetch"`` and ``"row_reduce"`` (pairwise
+            exchanges of the rows the indices name); ``"batch_size"`` is the small
+            all-gather that checks a vmapped batch.
         unit: the unit it moves, or ``None`` when it belongs to no unit (a metric, a norm).
-        numel: elements of the full (unsharded) buffer.
+        numel: elements of the full (unsharded) buffer (0 for a row exchange, whose size
+            follows the indices).
         dtype: the buffer's dtype.
         world: the size of the group it ran on.
     """
@@ -77,7 +80,7 @@ class CommLog:
         """The records of one kind of collective, in issue order.
 
         Args:
-            op: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``"broadcast"``.
+            op: a ``Collective.op``: ``"all_gather"``, ``"reduce_scatter"``, ...
 
         Returns:
             The records whose ``op`` is ``op`` (empty when none, or ``op`` is unknown).
