@@ -140,8 +140,8 @@ def chunked_cross_entropy(
 ) -> torch.Tensor:
     """Compute ``F.cross_entropy(head(hidden), targets)`` without the whole logits ever existing.
 
-    Loss and gradients equal the unchunked ones to float32 rounding (the sums run in another order); the logits are computed in the head's dtype
-    and reduced in float32.
+    Loss and gradients equal the unchunked ones to float32 rounding (the sums run in
+    another order); the logits are computed in the head's dtype and reduced in float32.
 
     Memory: the rows are split into ``chunks`` parts; forward and backward each hold one
     part's logits (``N / chunks x V``, float32) and its softmax at a time; the forward
