@@ -105,5 +105,16 @@ def apply_sharded(
             failed one, or a unit's forward changed its gathered parameters in place.
         ValueError: if ``params`` was made for another plan (a parameter's name or shape
             differs from ``fn``'s module), or a shard has the wrong length for the world size.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> from fsdp_fn import functionalize, make_plan, shard
+        >>> m = nn.Linear(3, 2)
+        >>> fn = functionalize(m)
+        >>> params = shard(fn.params, make_plan(m))
+        >>> x = torch.ones(4, 3)
+        >>> torch.allclose(apply_sharded(fn, params, fn.buffers, x), m(x))
+        True
     """
     return ComposableRuntime(fn, params).run(buffers, *args, **kwargs)
