@@ -498,9 +498,9 @@ def from_torch(optimizer: torch.optim.Optimizer) -> GradientTransformation:
     Raises:
         TypeError: if ``optimizer`` is not a ``torch.optim.Optimizer``; from ``update``,
             always (it has no functional form).
-        ValueError: from ``init`` or the in-place step, if the optimizer holds tensors other
-            than the shards (or misses one), or a unit got a gradient for only some of its
-            parameters.
+        ValueError: from ``init``, if the optimizer holds tensors other than the shards;
+            from ``init`` or a step, if it misses a unit's shard; from a step, if a unit got
+            a gradient for only some of its parameters.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"from_torch wants a torch.optim.Optimizer, got {type(optimizer).__name__}")
