@@ -442,7 +442,8 @@ def reduce_grads(grads: Mapping[str, torch.Tensor | None], like: Sharded, *, mea
 
     Raises:
         KeyError: if ``grads`` names a parameter that is not in the plan.
-        ValueError: if a gradient's shape differs from its parameter's.
+        ValueError: if a gradient's shape differs from its parameter's, or a tied parameter's
+            gradients under two of its names differ.
     """
     plan, world = like.plan, like.layout.world
     unknown = [n for n in grads if not any(n == p.name or n in p.aliases for p in plan.params)]
@@ -452,7 +453,15 @@ def reduce_grads(grads: Mapping[str, torch.Tensor | None], like: Sharded, *, mea
     for unit in plan.units:
         pieces = []
         for spec in unit.params:
-            g = grads.get(spec.name)
+            # A tied parameter's gradient may come under any of its names (once: a module's
+            # named gradients list the same tensor under each; different values are ambiguous).
+            named = [(n, grads[n]) for n in (spec.name, *spec.aliases) if grads.get(n) is not None]
+            if any(t is not named[0][1] and not torch.equal(t, named[0][1]) for _, t in named[1:]):
+                raise ValueError(
+                    f"gradients of tied parameter {spec.name!r} differ under its names {[n for n, _ in named]}: "
+                    "give it once, under any one of them (autograd's gradient of a tied weight is one tensor)"
+                )
+            g = named[0][1] if named else None
             if g is None:
                 pieces.append(torch.zeros(spec.numel, dtype=unit.dtype, device=like[unit.name].device))
             else:
