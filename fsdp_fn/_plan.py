@@ -580,8 +580,23 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
             f"policy must be callable as policy(module, recurse, unwrapped_params), "
             f"got {type(policy).__name__} {policy!r}"
         )
+    tensors, names_of = _parameters(module)
+    chosen = _chosen_units(module, policy, tensors) if policy is not None else set()
+    members, shared = _homes(tensors, names_of, chosen)
+    if split_root == "auto":
+        # A language model's embedding and head outweigh a block: kept gathered all step they
+        # set the peak (bench GPT, W=2: 355.7 MiB; split, 315.4 MiB; docs/memory.md).
+        size = {name: sum(spec.numel for spec in specs) for name, specs in members.items()}
+        others = [n for name, n in size.items() if name != ROOT]
+        split_root = bool(others) and size.get(ROOT, 0) > max(others)
+    if split_root:
+        _split_root(module, members, shared)
+    units = _units_in_order(module, members, shared)
+    return Plan(tuple(units), order=tuple(name for name, _ in module.named_parameters(remove_duplicate=False)))
 
-    # Every name a parameter is reachable by, grouped by tensor identity.
+
+def _parameters(module: nn.Module) -> tuple[dict[int, nn.Parameter], dict[int, list[str]]]:
+    """Every parameter by identity, and every name it is reachable by (a tied one has several)."""
     names_of: dict[int, list[str]] = {}
     tensors: dict[int, nn.Parameter] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -597,16 +612,19 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
                 "of a gathered copy that is freed after the call, so the change would be lost. Drop max_norm "
                 "(or renormalise the rows after each step, on the full parameters)"
             )
+    return tensors, names_of
 
+
+def _chosen_units(module: nn.Module, policy: Policy, tensors: dict[int, nn.Parameter]) -> set[str]:
+    """The module paths ``policy`` makes units, walking the tree as torch's auto-wrap does."""
     claimed: set[int] = set()
-    unit_paths: list[str] = []
+    chosen: set[str] = set()
 
     def unclaimed_numel(m: nn.Module) -> tuple[int, set[int]]:
         ids = {id(p) for p in m.parameters()} - claimed
         return sum(tensors[i].numel() for i in ids), ids
 
     def visit(m: nn.Module, path: str) -> None:
-        assert policy is not None
         total, _ = unclaimed_numel(m)
         if _ask(policy, m, path, True, total):
             for child_name, child in m.named_children():
@@ -622,10 +640,9 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
                     "choose the modules inside it instead"
                 )
             claimed.update(ids)
-            unit_paths.append(path)
+            chosen.add(path)
 
-    if policy is not None:
-        visit(module, ROOT)
+    visit(module, ROOT)
     wanted = getattr(policy, "layer_classes", None)
     if wanted and not any(isinstance(m, wanted) for m in module.modules()):
         raise ValueError(
@@ -633,15 +650,20 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
             "classes, so no unit would be made and the whole model would be gathered at once; "
             "pass the block class the model is built from (or policy=None for one unit on purpose)"
         )
+    return chosen
 
-    # Each name's owner is the deepest unit whose module path contains it.
-    unit_set = set(unit_paths)
+
+def _homes(
+    tensors: dict[int, nn.Parameter], names_of: dict[int, list[str]], chosen: set[str]
+) -> tuple[dict[str, list[ParamSpec]], dict[str, tuple[str, ...]]]:
+    """Each parameter's unit: the deepest chosen one whose path contains every name of it; a tied
+    parameter used in several units, a unit of its own (the second mapping: its users' paths)."""
 
     def owner(param_name: str) -> str:
         parts = param_name.split(".")[:-1]
         for k in range(len(parts), 0, -1):
             path = ".".join(parts[:k])
-            if path in unit_set:
+            if path in chosen:
                 return path
         return ROOT
 
@@ -667,26 +689,28 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
             home = next((u for u, h in shared.items() if h == holders), spec.name)
             shared[home] = holders
         members.setdefault(home, []).append(spec)
+    return members, shared
 
-    if split_root == "auto":
-        # A language model's embedding and head outweigh a block: kept gathered all step they
-        # set the peak (bench GPT, W=2: 355.7 MiB; split, 315.4 MiB; docs/memory.md).
-        size = {name: sum(spec.numel for spec in specs) for name, specs in members.items()}
-        others = [n for name, n in size.items() if name != ROOT]
-        split_root = bool(others) and size.get(ROOT, 0) > max(others)
-    if split_root:
-        for spec in members.pop(ROOT, []):
-            holders = tuple(dict.fromkeys(n.rpartition(".")[0] for n in (spec.name, *spec.aliases)))
-            if ROOT in holders or not all(_has_forward(module.get_submodule(h)) for h in holders):
-                members.setdefault(ROOT, []).append(spec)
-            elif len(holders) == 1:
-                members.setdefault(holders[0], []).append(spec)
-                unit_set.add(holders[0])
-            else:
-                home = next((u for u, h in shared.items() if h == holders), spec.name)
-                members.setdefault(home, []).append(spec)
-                shared[home] = holders
 
+def _split_root(module: nn.Module, members: dict[str, list[ParamSpec]], shared: dict[str, tuple[str, ...]]) -> None:
+    """Move what the root holds into units by owning module (in place), keeping at the root only
+    what the root itself uses or a module whose forward never runs holds."""
+    for spec in members.pop(ROOT, []):
+        holders = tuple(dict.fromkeys(n.rpartition(".")[0] for n in (spec.name, *spec.aliases)))
+        if ROOT in holders or not all(_has_forward(module.get_submodule(h)) for h in holders):
+            members.setdefault(ROOT, []).append(spec)
+        elif len(holders) == 1:
+            members.setdefault(holders[0], []).append(spec)
+        else:
+            home = next((u for u, h in shared.items() if h == holders), spec.name)
+            members.setdefault(home, []).append(spec)
+            shared[home] = holders
+
+
+def _units_in_order(
+    module: nn.Module, members: dict[str, list[ParamSpec]], shared: dict[str, tuple[str, ...]]
+) -> list[Unit]:
+    """The units: the root first, then by the first module path that uses each; one dtype a part."""
     # Every path a module is reachable by (a module shared by two units appears under each).
     position = {n: i for i, (n, _) in enumerate(module.named_modules(remove_duplicate=False))}
 
@@ -715,4 +739,4 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
                     f"unit {unit_label(u.name)} mixes dtypes in its {kind} parameters ({detail}); a unit is one "
                     "flat buffer of one dtype: cast the module or choose a policy that separates them"
                 )
-    return Plan(tuple(units), order=tuple(name for name, _ in module.named_parameters(remove_duplicate=False)))
+    return units
