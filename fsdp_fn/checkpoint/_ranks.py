@@ -1,4 +1,8 @@
-"""The ranks a checkpoint call runs over, and how a failure on some of them becomes one ``CheckpointError`` on all."""
+"""The ranks a checkpoint call runs over, and how a failure on some of them becomes one ``CheckpointError`` on all.
+
+>>> _converted(OSError("No space left on device"), "cannot write run/step_1")
+CheckpointError('cannot write run/step_1: OSError: No space left on device')
+"""
 
 from __future__ import annotations
 
