@@ -31,6 +31,7 @@ from fsdp_fn._optim import adam, adamw, from_torch, lion, sgd, tree_leaves, tree
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Policy, Unit, layer_policy, make_plan, size_policy
 from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedule
 from fsdp_fn._predict import predict_collectives
+from fsdp_fn._remat import Remat, RematError, SavePolicy, remat, route_torch_checkpoint, save_dots, save_nothing
 from fsdp_fn._runtime import apply_sharded
 from fsdp_fn._shard import NAMESPACE, Sharded, reduce_grads, shard, unshard
 from fsdp_fn._step import TrainState, TrainStep, clip_grad_norm_, sync_buffers, train_step
@@ -64,7 +65,6 @@ from fsdp_fn._wrappers import (
     masked,
     multi_transform,
 )
-from fsdp_fn.remat import Remat, RematError, SavePolicy, remat, route_torch_checkpoint, save_dots, save_nothing
 
 __all__ = [
     "NAMESPACE",

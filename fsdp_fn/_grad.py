@@ -27,11 +27,11 @@ from fsdp_fn._functional import Functional, index_of
 from fsdp_fn._guard import guarded
 from fsdp_fn._plan import Policy
 from fsdp_fn._policy import Schedule
+from fsdp_fn._remat import Remat
 from fsdp_fn._runtime import Runtime
 from fsdp_fn._shard import Sharded, ensure_live
 from fsdp_fn._sink import GradSink
 from fsdp_fn._standin import module_parameters_hidden
-from fsdp_fn.remat import Remat
 
 LossFn = Callable[[Callable[..., Any], Any], torch.Tensor]
 

@@ -37,14 +37,14 @@ from fsdp_fn._phases import phased
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
 from fsdp_fn._policy import BackwardPrefetch, Schedule
 from fsdp_fn._prefetch import ForwardOrder, gathered_bytes, inflight_limit, may_start, refill_next
+from fsdp_fn._remat import Remat, SavePolicy, route_torch_checkpoint, save_nothing
+from fsdp_fn._remat._function import _remat_with_state
+from fsdp_fn._remat._routing import handling_regions
+from fsdp_fn._remat._state import _installed, _state_slots
 from fsdp_fn._shard import Sharded, check_shard, ensure_live, shards_of, unit_views
 from fsdp_fn._sink import GradSink
 from fsdp_fn._standin import StandIn
 from fsdp_fn._unit import FlatPart, ForwardSpans, GatheredUnit, UnitState, gather_unit, plain
-from fsdp_fn.remat import Remat, SavePolicy, route_torch_checkpoint, save_nothing
-from fsdp_fn.remat._function import _remat_with_state
-from fsdp_fn.remat._routing import handling_regions
-from fsdp_fn.remat._state import _installed, _state_slots
 
 
 def _lift(buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -33,12 +33,12 @@ from fsdp_fn._phases import phase, phased
 from fsdp_fn._plan import Policy, unit_label
 from fsdp_fn._policy import Schedule
 from fsdp_fn._predict import metrics_words
+from fsdp_fn._remat import Remat
 from fsdp_fn._runtime import Runtime
 from fsdp_fn._shard import Layout, Sharded, ensure_live, sharded_in
 from fsdp_fn._sink import GradSink
 from fsdp_fn._transforms import global_norm
 from fsdp_fn._tree import NAMESPACE, tree_map
-from fsdp_fn.remat import Remat
 
 logger = logging.getLogger("fsdp_fn")
 

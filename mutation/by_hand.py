@@ -173,7 +173,7 @@ MUTANTS = [
     ),
     (
         "nothing_kept_unchecked",
-        "fsdp_fn/remat/_function.py",
+        "fsdp_fn/_remat/_function.py",
         "        record.check_nothing_kept(outs, call.where)",
         "        pass",
         (
@@ -183,7 +183,7 @@ MUTANTS = [
     ),
     (
         "buffer_writes_kept",
-        "fsdp_fn/remat/_modes.py",
+        "fsdp_fn/_remat/_modes.py",
         "self.policy_results())} | self.input_storages",
         "self.policy_results())}",
         "tests/test_remat.py::test_a_buffer_written_from_the_inputs_is_state_not_a_kept_tensor",
@@ -199,14 +199,14 @@ MUTANTS = [
     ),
     (
         "replay_under_tangents",
-        "fsdp_fn/remat/_function.py",
+        "fsdp_fn/_remat/_function.py",
         "    if torch.autograd.forward_ad._current_level >= 0:\n        return True\n    jvp = ",
         "    return False\n    jvp = ",
         "tests/test_remat.py::test_every_transform_matches_the_plain_function",
     ),
     (
         "unreached_input_gets_zeros",
-        "fsdp_fn/remat/_function.py",
+        "fsdp_fn/_remat/_function.py",
         "            result[1 + i] = g if i in call.reached else None",
         "            result[1 + i] = g",
         (
@@ -216,7 +216,7 @@ MUTANTS = [
     ),
     (
         "writes_through_views_lost",
-        "fsdp_fn/remat/_modes.py",
+        "fsdp_fn/_remat/_modes.py",
         "                        self.written[where] = self.written.get(where, frozenset()) | sources",
         "                        pass",
         "tests/test_remat.py::test_an_input_no_output_comes_from_gets_no_gradient_under_vmap",
@@ -502,7 +502,7 @@ MUTANTS = [
     ),
     (
         "recompute_writes_the_leaf",
-        "fsdp_fn/remat/_function.py",
+        "fsdp_fn/_remat/_function.py",
         "                tensors[i] = t.clone() if i in call.dirty else t",
         "                tensors[i] = t",
         (
@@ -512,14 +512,14 @@ MUTANTS = [
     ),
     (
         "dirty_input_not_marked",
-        "fsdp_fn/remat/_function.py",
+        "fsdp_fn/_remat/_function.py",
         "        if call.dirty:  # changed in place",
         "        if False:  # changed in place",
         "tests/test_remat.py::test_a_region_that_writes_its_input_in_place_matches_plain_autograd",
     ),
     (
         "values_not_digested",
-        "fsdp_fn/remat/_function.py",
+        "fsdp_fn/_remat/_function.py",
         "        if checked:\n            call.digests",
         "        if False:\n            call.digests",
         "tests/test_remat_units.py::test_a_recomputation_with_other_values_is_named_on_a_checked_step",

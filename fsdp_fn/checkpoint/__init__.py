@@ -28,15 +28,15 @@ Hugging Face safetensors (one file, or a sharded set with its index), each rank 
 its own bytes; ``import_safetensors`` reads a ``save_pretrained`` directory into shards,
 each rank reading only its slices; ``export_state_dict`` / ``import_state_dict`` do the
 same with a plain state dict (on rank 0 / from full tensors).
-
-The rooms, one concern each: ``_save`` and ``_load`` (the two calls), ``_background``
-(saves in a thread, on a second group), ``_entries`` (a state as FQN-keyed DCP entries),
-``_opt_state`` (torch.optim's names for an optimizer state), ``_per_rank`` (RNG states,
-buffers that differ), ``_document`` (fsdp_fn's own entries as JSON), ``_directory`` (a
-directory on disk: committed, verified, latest), ``_ranks`` (groups and agreement on
-errors), ``_manager`` (``CheckpointManager``), ``_integrity`` (untrusted input), ``_dcp``
-(a shard as DCP chunks), ``_export`` (safetensors and state dicts).
 """
+
+# The rooms, one concern each: `_save` and `_load` (the two calls), `_background`
+# (saves in a thread, on a second group), `_entries` (a state as FQN-keyed DCP entries),
+# `_opt_state` (torch.optim's names for an optimizer state), `_per_rank` (RNG states,
+# buffers that differ), `_document` (fsdp_fn's own entries as JSON), `_directory` (a
+# directory on disk: committed, verified, latest), `_ranks` (groups and agreement on
+# errors), `_manager` (`CheckpointManager`), `_integrity` (untrusted input), `_dcp`
+# (a shard as DCP chunks), `_export` (safetensors and state dicts).
 
 from fsdp_fn.checkpoint._background import PendingSave, wait
 from fsdp_fn.checkpoint._directory import Verified, is_committed, latest, read_metadata, verify

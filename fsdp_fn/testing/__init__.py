@@ -18,11 +18,11 @@ the first step, unit and parameter that differ.
 >>> pool = RankPool(2)                                # doctest: +SKIP
 >>> pool.run(my_test_fn, 3, world=2)                  # doctest: +SKIP
 [result_on_rank0, result_on_rank1]
-
-The rooms: ``_pool`` (``RankPool``, ``RankError``, ``pool_group``), ``_strategies`` (the specs
-and the strategies that draw them), ``_parity`` (``assert_matches_unsharded``, ``Divergence``,
-``split_batch``).
 """
+
+# The rooms: `_pool` (`RankPool`, `RankError`, `pool_group`), `_strategies` (the specs
+# and the strategies that draw them), `_parity` (`assert_matches_unsharded`, `Divergence`,
+# `split_batch`).
 
 from fsdp_fn.testing._parity import Divergence, assert_matches_unsharded, split_batch
 from fsdp_fn.testing._pool import RankError, RankPool, pool_group

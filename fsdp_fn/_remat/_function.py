@@ -22,13 +22,13 @@ from torch.autograd.function import FunctionCtx
 from torch.overrides import TorchFunctionMode
 
 from fsdp_fn import _guard
+from fsdp_fn._remat._early_stop import _SkipTail, _Trace
+from fsdp_fn._remat._errors import RematError
+from fsdp_fn._remat._modes import _Forward, _Record, _Replay
+from fsdp_fn._remat._policies import SavePolicy, save_nothing
+from fsdp_fn._remat._state import _installed, _Opaque, _state_slots
 from fsdp_fn._standin import StandIn
 from fsdp_fn._tree import flatten, unflatten
-from fsdp_fn.remat._early_stop import _SkipTail, _Trace
-from fsdp_fn.remat._errors import RematError
-from fsdp_fn.remat._modes import _Forward, _Record, _Replay
-from fsdp_fn.remat._policies import SavePolicy, save_nothing
-from fsdp_fn.remat._state import _installed, _Opaque, _state_slots
 
 
 def _wrapped(t: torch.Tensor) -> bool:

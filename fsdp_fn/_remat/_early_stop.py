@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as torch_pytree
 
-from fsdp_fn.remat._errors import RematError
-from fsdp_fn.remat._modes import _Checked, _Forward
+from fsdp_fn._remat._errors import RematError
+from fsdp_fn._remat._modes import _Checked, _Forward
 
 aten = torch.ops.aten
 

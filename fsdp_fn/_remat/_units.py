@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from fsdp_fn._plan import ROOT, Plan, Policy, unit_label
-from fsdp_fn.remat._policies import SavePolicy, save_nothing
+from fsdp_fn._remat._policies import SavePolicy, save_nothing
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ The rooms, one concern each: ``_policies`` (``SavePolicy``, ``save_nothing``, ``
 (``RematError``).
 """
 
-from fsdp_fn.remat._errors import RematError
-from fsdp_fn.remat._function import remat
-from fsdp_fn.remat._policies import SavePolicy, save_dots, save_nothing
-from fsdp_fn.remat._routing import route_torch_checkpoint
-from fsdp_fn.remat._units import Remat
+from fsdp_fn._remat._errors import RematError
+from fsdp_fn._remat._function import remat
+from fsdp_fn._remat._policies import SavePolicy, save_dots, save_nothing
+from fsdp_fn._remat._routing import route_torch_checkpoint
+from fsdp_fn._remat._units import Remat
 
 __all__ = ["Remat", "RematError", "SavePolicy", "remat", "route_torch_checkpoint", "save_dots", "save_nothing"]

@@ -23,9 +23,9 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
-from fsdp_fn.remat._errors import RematError
-from fsdp_fn.remat._function import _describe, _remat_with_state
-from fsdp_fn.remat._policies import save_nothing
+from fsdp_fn._remat._errors import RematError
+from fsdp_fn._remat._function import _describe, _remat_with_state
+from fsdp_fn._remat._policies import save_nothing
 
 _route_lock = threading.Lock()
 

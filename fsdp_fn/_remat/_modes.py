@@ -24,8 +24,8 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_fn.remat._errors import RematError
-from fsdp_fn.remat._policies import SavePolicy
+from fsdp_fn._remat._errors import RematError
+from fsdp_fn._remat._policies import SavePolicy
 
 aten = torch.ops.aten
 
