@@ -38,8 +38,8 @@ clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build/site
 
 # Mutation testing of the core (cosmic-ray; slow: hours on 2 cores, not part of `make test`).
-# MODULES: any of collectives shard plan gather unit runtime sink step optim (mutation/<name>.toml).
-MODULES ?= collectives shard plan gather unit runtime sink step optim
+# MODULES: any of collectives shard plan gather unit runtime lean sink step optim (mutation/<name>.toml).
+MODULES ?= collectives shard plan gather unit runtime lean sink step optim
 SAMPLE  ?=
 mutate: $(READY)
 	$(BIN)/python -m pip install --quiet -r mutation/requirements.txt

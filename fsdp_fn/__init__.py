@@ -20,6 +20,7 @@ from fsdp_fn._base import (
     update_in_place,
 )
 from fsdp_fn._collectives import Collective, CommLog, all_gather, comm_log, reduce_scatter_sum
+from fsdp_fn._composable import apply_sharded
 from fsdp_fn._errors import DivergenceError, RankFailure
 from fsdp_fn._functional import Functional, functionalize
 from fsdp_fn._gather import gather_for
@@ -32,7 +33,6 @@ from fsdp_fn._plan import ROOT, ParamSpec, Plan, Policy, Unit, layer_policy, mak
 from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedule
 from fsdp_fn._predict import predict_collectives
 from fsdp_fn._remat import Remat, RematError, SavePolicy, remat, route_torch_checkpoint, save_dots, save_nothing
-from fsdp_fn._runtime import apply_sharded
 from fsdp_fn._shard import NAMESPACE, Sharded, reduce_grads, shard, unshard
 from fsdp_fn._step import TrainState, TrainStep, clip_grad_norm_, sync_buffers, train_step
 from fsdp_fn._transforms import (

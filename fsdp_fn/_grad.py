@@ -22,13 +22,14 @@ from torch.func import grad_and_value
 
 from fsdp_fn import _reached as reached
 from fsdp_fn._base import drop_frozen
+from fsdp_fn._composable import ComposableRuntime
 from fsdp_fn._errors import DivergenceError, RankFailure
 from fsdp_fn._functional import Functional, index_of
 from fsdp_fn._guard import guarded
+from fsdp_fn._lean import LeanRuntime
 from fsdp_fn._plan import Policy
 from fsdp_fn._policy import Schedule
 from fsdp_fn._remat import Remat
-from fsdp_fn._runtime import Runtime
 from fsdp_fn._shard import Sharded, ensure_live
 from fsdp_fn._sink import GradSink
 from fsdp_fn._standin import module_parameters_hidden
@@ -84,7 +85,7 @@ def _detached(aux: Any) -> Any:
 
 
 def lean_pass(
-    runtime: Runtime,
+    runtime: LeanRuntime,
     params: Sharded,
     buffers: Mapping[str, torch.Tensor],
     batch: Any,
@@ -133,8 +134,7 @@ def lean_pass(
         if not isinstance(e, RankFailure | DivergenceError):  # then the group is unusable: nothing to wait for
             runtime.abandon()
         raise
-    runtime.sink.settle()  # the reduce-scatters still in flight, before anything reads a gradient
-    runtime.release_all()
+    runtime.finalize_backward()  # the reduce-scatters still in flight, before anything reads a gradient
     lost = [name for name, g in zip(originals, reached, strict=True) if g is not None]
     if lost:
         raise RuntimeError(
@@ -229,7 +229,7 @@ def value_and_grad(
             losses, auxes = [], []
             with guarded(params.group, "value_and_grad", timeout):
                 for mb in micro:
-                    runtime = Runtime(fn, params, schedule=schedule, sink=sink, remat=rematerialise)
+                    runtime = LeanRuntime(fn, params, schedule=schedule, sink=sink, remat=rematerialise)
                     loss, aux = lean_pass(runtime, params, buffers, mb, loss_fn, has_aux)
                     losses.append(loss)
                     auxes.append(aux)
@@ -274,7 +274,7 @@ def _composable(
         nonlocal aux_leaves, aux_spec
         losses, auxes = [], []
         for batch in micro:
-            runtime = Runtime(fn, params.replace(shards), schedule=schedule, composable=True, remat=remat)
+            runtime = ComposableRuntime(fn, params.replace(shards), schedule=schedule, remat=remat)
             with module_parameters_hidden(fn.module):
                 loss, aux = split_aux(loss_fn(functools.partial(runtime.run, buffers), batch), has_aux)
             losses.append(checked_loss(loss))

@@ -407,12 +407,20 @@ def from_torch(optimizer: torch.optim.Optimizer) -> GradientTransformation:
         theirs = [p for g in optimizer.param_groups for p in g["params"]]
         ids = {id(p) for p in theirs}
         foreign = [tuple(p.shape) for p in theirs if id(p) not in {id(t) for t in shards}]
-        missing = [t for t in shards if id(t) not in ids]
-        if (foreign and whole) or missing:
+        missing = [unit for unit, t in params.shards.items() if id(t) not in ids]
+        if foreign and (whole or missing):
             raise ValueError(
                 f"the torch optimizer holds {len(theirs)} tensors, {len(foreign)} of them not this "
                 f"state's shards (shapes {foreign[:4]}): it was built on other tensors (the module's "
                 "unsharded parameters?); build it on list(params.values()) of the sharded params"
+            )
+        if missing:
+            units = ", ".join(unit_label(u) for u in missing[:4]) + (" ..." if len(missing) > 4 else "")
+            raise ValueError(
+                f"the torch optimizer holds {len(shards) - len(missing)} of this state's {len(shards)} shards: it "
+                f"misses those of unit{'s' if len(missing) > 1 else ''} {units}, which would never be stepped; "
+                "build it on list(params.values()) of the sharded params (a unit to keep fixed: freeze its "
+                "parameters before make_plan)"
             )
         return shards
 

@@ -28,13 +28,13 @@ from fsdp_fn._functional import Functional
 from fsdp_fn._grad import LossFn, lean_pass, micro_batches
 from fsdp_fn._guard import Guard, guarded
 from fsdp_fn._labels import label
+from fsdp_fn._lean import LeanRuntime
 from fsdp_fn._norms import square_norm
 from fsdp_fn._phases import phase, phased
 from fsdp_fn._plan import Policy, unit_label
 from fsdp_fn._policy import Schedule
 from fsdp_fn._predict import metrics_words
 from fsdp_fn._remat import Remat
-from fsdp_fn._runtime import Runtime
 from fsdp_fn._shard import Layout, Sharded, ensure_live, sharded_in
 from fsdp_fn._sink import GradSink
 from fsdp_fn._transforms import global_norm
@@ -302,7 +302,7 @@ class TrainStep:
         try:
             for mb in micro:
                 with phase("setup"):
-                    runtime = Runtime(
+                    runtime = LeanRuntime(
                         self.fn,
                         params,
                         schedule=self.schedule,

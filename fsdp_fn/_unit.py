@@ -1,5 +1,11 @@
 """A unit's lifecycle in the lean pass: SHARDED -> GATHERED -> FREED -> GATHERED -> SHARDED.
 
+Its phases are methods of ``GatheredUnit``, named as FSDP2 names its parameter group's:
+``unshard`` (issue the all-gather), ``wait_for_unshard``, ``reshard`` (after the forward),
+``pre_backward`` (gathered again), ``post_backward`` (the full gradient handed on); the
+runtime's pre- and post-forward hooks run around the forward, and its ``finalize_backward``
+settles what is left when the whole backward is over.
+
 SHARDED: only this rank's shard exists. GATHERED (pre-forward): the flat buffer holds the
 full parameters, the unit's parameters are views into it. FREED (post-forward): the
 buffer's storage is released (``untyped_storage().resize_(0)``); autograd's saved tensors
@@ -181,8 +187,8 @@ class GatheredUnit:
         """This rank's shard of the trainable part (plain)."""
         return self.parts[0].shard
 
-    def start(self) -> None:
-        """Allocate (or re-grow) the buffers and issue the all-gathers; do not wait."""
+    def unshard(self) -> None:
+        """Allocate (or re-grow) the buffers and issue the all-gathers; do not wait (GATHERED)."""
         # Plain tensors only: a prefetch runs outside any autograd.Function, where a
         # transform would otherwise wrap the new buffers.
         with torch._C._DisableFuncTorch():
@@ -191,7 +197,8 @@ class GatheredUnit:
         self.state = UnitState.GATHERED
         self.owner.inflight += self.nbytes
 
-    def wait(self) -> None:
+    def wait_for_unshard(self) -> None:
+        """Wait for the all-gathers ``unshard`` issued: the buffer holds the full parameters."""
         for part in self.parts:
             part.wait()
 
@@ -205,27 +212,27 @@ class GatheredUnit:
         # last, shared by leaves' accumulators and parameter views, whose backward reads no
         # gathered buffer: a use that only they reach can go.
         self.outputs = frozenset(get_gradient_edge(t).node._sequence_nr() for t in outputs)
-        register_multi_grad_hook(outputs, lambda _grad: self.refill_now(), mode="any")
+        register_multi_grad_hook(outputs, lambda _grad: self.pre_backward(), mode="any")
 
     def refill_on_entry(self, nodes: Sequence[Any]) -> None:
         """Also refill before any of ``nodes`` runs: nodes of its forward that the loss's backward
         reaches other than through its outputs (a tensor the forward kept on its module)."""
         for node in nodes:
-            node.register_prehook(lambda _grads: self.refill_now())
+            node.register_prehook(lambda _grads: self.pre_backward())
 
     @phased("pre_backward")
-    def refill_now(self) -> None:
-        """The unit's backward is about to run: its buffer gathered (started here if it was not
-        prefetched), then the owner told. Once its backward is done (released), nothing."""
+    def pre_backward(self) -> None:
+        """The unit's backward is about to run: its buffer gathered again (unsharded here if no
+        prefetch did), then the owner told. Once its backward is done (released), nothing."""
         if self.state is UnitState.SHARDED:
             return
         if self.state is UnitState.FREED:  # not prefetched
-            self.start()
-        self.wait()
+            self.unshard()
+        self.wait_for_unshard()
         self.owner.before_backward(self)
 
-    def free(self) -> None:
-        """After forward: release the storage; backward will ``start`` it again."""
+    def reshard(self) -> None:
+        """After forward: release the buffer's storage (FREED); its backward unshards it again."""
         if all(p.in_place for p in self.parts):
             return  # nothing was allocated
         for part in self.parts:
@@ -319,6 +326,13 @@ class GatheredUnit:
         self.grad = None
         return flat
 
+    def post_backward(self) -> None:
+        """The use's backward has run: its full gradient (``take_grad``) goes to the owner (a
+        reduce-scatter issued), its buffer is dropped (SHARDED)."""
+        full = self.take_grad()
+        self.release()
+        self.owner.after_backward(self, full)
+
     def _new_grad(self) -> torch.Tensor:
         """An uninitialised flat gradient: the owner's spare buffer of this size, else a new one."""
         numel, part = self._grad_numel(), self.parts[0]
@@ -410,8 +424,8 @@ class GatherUnit(torch.autograd.Function):
     @staticmethod
     def forward(shard: torch.Tensor, rec: GatheredUnit) -> torch.Tensor:
         if rec.state is UnitState.SHARDED:  # not prefetched
-            rec.start()
-        rec.wait()
+            rec.unshard()
+        rec.wait_for_unshard()
         buffer = rec.parts[0].buffer
         assert buffer is not None
         return buffer if not rec.parts[0].in_place else buffer.view_as(buffer)
@@ -436,9 +450,7 @@ class GatherUnit(torch.autograd.Function):
                 "value_and_grad inside your transform (their gathers compose with every torch.func transform)"
             )
         # Only the parameters' views read the buffer, and they hand autograd no gradient: ``grad`` is None.
-        full = rec.take_grad()
-        rec.release()
-        rec.owner.after_backward(rec, full)
+        rec.post_backward()
         shard = rec.shard
         # The gradient travels through the sink; autograd gets a zero that owns no memory.
         return torch.zeros((), dtype=shard.dtype, device=shard.device).expand(shard.shape), None

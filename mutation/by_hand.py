@@ -156,15 +156,15 @@ MUTANTS = [
     ),
     (
         "no_hidden_fallback",
-        "fsdp_fn/_runtime.py",
-        "            hidden = not outputs and torch.is_grad_enabled() and bool(rec.made)",
-        "            hidden = False",
+        "fsdp_fn/_lean.py",
+        "        hidden = not outputs and torch.is_grad_enabled() and bool(use.made)",
+        "        hidden = False",
         "tests/test_correctness.py::test_a_units_output_inside_a_container_trains_like_one_process",
     ),
     (
         "no_entry_refill",
         "fsdp_fn/_unit.py",
-        "            node.register_prehook(lambda _grads: self.refill_now())",
+        "            node.register_prehook(lambda _grads: self.pre_backward())",
         "            pass",
         (
             "tests/test_correctness.py::test_a_tensor_a_rematerialised_unit_keeps_on_itself_is_refused "
@@ -191,10 +191,10 @@ MUTANTS = [
     (
         "stand_ins_put_back_after_a_raise",
         "fsdp_fn/_runtime.py",
-        "            self.running.clear()\n            self.watches.clear()",
+        "            self.running.clear()\n            self.fingerprints.clear()",
         "            for owner, attr, original in reversed(swapped):\n"
         "                owner._parameters[attr] = original\n"
-        "            self.running.clear()\n            self.watches.clear()",
+        "            self.running.clear()\n            self.fingerprints.clear()",
         "tests/test_errors.py::test_batch_the_model_rejects",
     ),
     (
@@ -427,9 +427,9 @@ MUTANTS = [
     ),
     (
         "gathered_lookup_range_unchecked",
-        "fsdp_fn/_runtime.py",
-        "                check_indices(_indices(args, kwargs), unit, in_range=True)",
-        "                pass",
+        "fsdp_fn/_lean.py",
+        "            check_indices(indices_of(args, kwargs), unit, in_range=True)",
+        "            pass",
         "tests/test_lookup.py::test_bad_indices_name_the_lookup_and_leave_the_state_usable",
     ),
     (
@@ -495,7 +495,7 @@ MUTANTS = [
     ),
     (
         "standin_on_meta",
-        "fsdp_fn/_runtime.py",
+        "fsdp_fn/_wiring.py",
         "offload.compute_device() if offload else params[u.name].device",
         'torch.device("meta")',
         "tests/test_errors.py::test_reading_what_another_units_parameter_is_works",
@@ -523,6 +523,13 @@ MUTANTS = [
         "        if checked:\n            call.digests",
         "        if False:\n            call.digests",
         "tests/test_remat_units.py::test_a_recomputation_with_other_values_is_named_on_a_checked_step",
+    ),
+    (
+        "from_torch_missing_called_foreign",
+        "fsdp_fn/_optim.py",
+        "        if missing:\n            units = ",
+        "        if False:\n            units = ",
+        "tests/test_errors.py::test_torch_optimizer_built_on_some_shards_only",
     ),
 ]
 

@@ -174,7 +174,7 @@ def refills_on_demand() -> contextlib.AbstractContextManager[list[str]]:
     prefetched): their names, in the order their backward ran."""
     from fsdp_fn._unit import UnitState
 
-    return _uses_where("refill_now", lambda use: use.state is UnitState.FREED)
+    return _uses_where("pre_backward", lambda use: use.state is UnitState.FREED)
 
 
 def tiny_llama(seed: int = 0, **config: Any) -> nn.Module:

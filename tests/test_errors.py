@@ -389,3 +389,18 @@ def test_the_state_of_another_optimizer_is_named(pool):
         assert "ScaleByAdamState" in message and "TraceState" in message, message
         assert "step.init(params)" in message
         assert trains
+
+
+def _optimizer_on_some_shards(group):
+    _, fn, plan, params, loss_fn = _setup(group)
+    some = list(params.values())[:1]
+    return _error(ff.train_step(fn, loss_fn, ff.from_torch(torch.optim.SGD(some, lr=0.1))).init, params)
+
+
+def test_torch_optimizer_built_on_some_shards_only(pool):
+    # Catches: the message blaming foreign tensors when shards are missing (issue 34): the units
+    # left out would never be stepped.
+    for msg in pool.run(_optimizer_on_some_shards, world=2):
+        assert msg.startswith("ValueError: the torch optimizer holds 1 of this state's 3 shards"), msg
+        assert "misses those of units 'net.2', 'net.4'" in msg, msg
+        assert "not this state's shards" not in msg, msg

@@ -1,0 +1,222 @@
+"""What running a module over shards needs that is the same at every call, worked out once.
+
+``Wiring.of(fn, params, schedule, ...)`` is made at the first call like it and kept with the
+module: each unit's modules and where a gather puts its parameters, the stand-ins of the
+units not gathered, where each tensor of a call goes (what ``functional_call`` would work
+out at every call), compiled units, the units to rematerialise, the prefetch limit, the
+lookups whose rows are fetched. A step's call (``_runtime.py``) reads it and does none of
+this again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_fn._collectives import pairwise
+from fsdp_fn._functional import Functional, index_of
+from fsdp_fn._lookup import rows_fit
+from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
+from fsdp_fn._policy import Schedule
+from fsdp_fn._prefetch import gathered_bytes, inflight_limit
+from fsdp_fn._remat import Remat
+from fsdp_fn._shard import Sharded
+from fsdp_fn._standin import StandIn
+
+
+def _not_gathered(spec: ParamSpec, unit: str, device: torch.device) -> StandIn:
+    """Stands in for a unit's parameter outside that unit's forward: what it is (shape, dtype, the
+    device the unit runs on, requires_grad) can be read, as ``x.to(w.device)`` does; any use raises."""
+    return StandIn(
+        spec.shape,
+        spec.dtype,
+        device,
+        f"parameter {spec.name!r} of unit {unit_label(unit)} was used outside that unit's forward ({{op}}); "
+        "a unit's parameters exist only while its module runs: call the module (not .forward directly) "
+        "or put this use in the same unit",
+        requires_grad=spec.requires_grad,
+    )
+
+
+class Wiring:
+    """What running a module over shards needs that is the same at every call: each unit's
+    modules and where a gather puts its parameters, the units to rematerialise, the prefetch
+    limit, the lookups whose rows are fetched. Made once per module, plan, schedule and group
+    (``Wiring.of``), then shared by every call: a step's Runtime does none of this again."""
+
+    def __init__(
+        self,
+        fn: Functional,
+        params: Sharded,
+        schedule: Schedule,
+        remat: Remat | None,
+        composable: bool,
+        deferred: bool,
+        compile: Mapping[str, Any] | None = None,
+    ) -> None:
+        _check_plan_fits(params.plan, fn)
+        module, plan = fn.module, params.plan
+        self.keep = (plan, schedule, remat)  # (the cache's key holds their ids)
+        self.sparse_grads = _sparse_grad_params(module, plan) if composable else frozenset()
+        self.modules: dict[str, nn.Module] = {u.name: module.get_submodule(u.name) for u in plan.units if not u.hooks}
+        # Each unit's modules, one entry per module object (a module shared under several
+        # paths is hooked once), and where a gather puts its parameters in it.
+        self.targets: dict[str, list[nn.Module]] = {}
+        self.slots: dict[tuple[str, int], list[tuple[nn.Module, str, str]]] = {}
+        for unit in plan.units:
+            seen: dict[int, nn.Module] = {}
+            for path in unit.modules:
+                target = module.get_submodule(path)
+                seen.setdefault(id(target), target)
+                slots = self.slots.setdefault((unit.name, id(target)), [])
+                for spec in unit.all_params:
+                    for full_name in (spec.name, *spec.aliases):
+                        owner, _, attr = full_name.rpartition(".")
+                        if not unit.hooks or owner == path:
+                            slot = (module.get_submodule(owner), attr, spec.name)
+                            if not any(s[0] is slot[0] and s[1] == attr for s in slots):
+                                slots.append(slot)
+            self.targets[unit.name] = list(seen.values())
+        # Units whose module is compiled (``module.compile()``, or ``compile=`` here): their call goes
+        # through a wrapper of ours around the compiled code, so nothing of the gathering is traced.
+        self.compiled: dict[int, Callable[..., Any]] = {}
+        for unit in plan.units:
+            for target in self.targets[unit.name] if unit.name != ROOT else ():
+                own = target.__dict__.get("_compiled_call_impl")
+                if own is not None:
+                    self.compiled[id(target)] = own
+                elif compile is not None:
+                    self.compiled[id(target)] = torch.compile(target._call_impl, **compile)
+        # Units that can be rematerialised run through a forward of ours for the call: the
+        # ones ``remat`` selects, and the ones a torch.utils.checkpoint region asks for
+        # (compiled ones are rematerialised around their compiled call instead).
+        self.own_unit: dict[int, Unit] = {
+            id(self.modules[u.name]): u
+            for u in plan.units
+            if u.name != ROOT and not u.hooks and id(self.modules[u.name]) not in self.compiled
+        }
+        self.remat_units = remat.selects(plan, module) if remat is not None else frozenset()
+        for name in self.remat_units:
+            check_rematerialisable(fn, plan, plan.unit(name), "train_step(remat=...)")
+        # Each non-root unit's gathered bytes; prefetching may hold max_inflight times the largest.
+        self.unit_bytes = gathered_bytes(plan, params.group.size(), schedule)
+        self.inflight_limit = inflight_limit(self.unit_bytes, schedule)
+        self.lookups = frozenset(u.name for u in plan.units if u.lookup)
+        # Outside its forward each non-root unit's parameter is a stand-in that raises if read.
+        offload = schedule.cpu_offload
+        self.standins = {
+            p.name: _not_gathered(p, u.name, offload.compute_device() if offload else params[u.name].device)
+            for u in plan.units
+            if u.name != ROOT
+            for p in u.all_params
+        }
+        # Where each tensor of a call goes, what ``functional_call`` would work out at every call:
+        # (owner, attribute, the tensor's name, a parameter?) for every name of every parameter the
+        # plan knows (tied aliases included) and of every buffer (tied ones by their first name).
+        index = index_of(module)
+        canonical = {name: spec.name for spec in plan.params for name in (spec.name, *spec.aliases)}
+        self.swaps: list[tuple[nn.Module, str, str, bool]] = [
+            (holder, attr, canonical[name], True) for name, holder, attr in index.param_slots if name in canonical
+        ]
+        first: dict[int, str] = {}
+        for name, holder, attr in index.buffer_slots:
+            buffer = holder._buffers[attr]
+            if buffer is not None:
+                self.swaps.append((holder, attr, first.setdefault(id(buffer), name), False))
+        # Lookups whose rows are fetched instead of their table gathered (``_lookup.py``): over
+        # gloo's pairwise sends, on CPU, in the shard's own dtype and place, reduced per
+        # micro-batch, without replicas, not rematerialised, and not renormalising rows or
+        # making sparse gradients (and without a hook of the user's: the call checks that).
+        self.row_lookups = frozenset(
+            name
+            for name in self.lookups
+            if not composable
+            and params.group.size() > 1
+            and pairwise(params.group)
+            and rows_fit(plan.unit(name), schedule, params.layout.replicas, params.group.size())
+            and params[name].device.type == "cpu"  # not yet measured on accelerators
+            and not deferred
+            and name not in self.remat_units
+            and self.modules[name].max_norm is None
+            and not self.modules[name].sparse
+            and id(self.modules[name]) not in self.compiled
+        )
+
+    @staticmethod
+    def of(
+        fn: Functional,
+        params: Sharded,
+        schedule: Schedule,
+        remat: Remat | None,
+        composable: bool,
+        deferred: bool,
+        compile: Mapping[str, Any] | None = None,
+    ) -> Wiring:
+        """The wiring for this call, made at the first call like it and kept with ``fn``."""
+        group = params.group
+        shard = next(iter(params.shards.values()), None)
+        key = (
+            id(params.plan),
+            id(schedule),
+            id(remat),
+            composable,
+            deferred,
+            group.group_name,
+            pairwise(group),
+            params.layout.replicas,
+            shard.device.type if shard is not None else "",
+            None if compile is None else tuple(sorted(compile.items())),
+        )
+        known = _wirings.setdefault(fn, {})
+        wiring = known.get(key)
+        if wiring is None:
+            if len(known) >= 8:  # a caller that builds a new schedule at every call: keep the newest only
+                del known[next(iter(known))]
+            wiring = known[key] = Wiring(fn, params, schedule, remat, composable, deferred, compile)
+        return wiring
+
+
+_wirings: weakref.WeakKeyDictionary[Functional, dict[tuple[Any, ...], Wiring]] = weakref.WeakKeyDictionary()
+
+
+def check_rematerialisable(fn: Functional, plan: Plan, unit: Unit, asked_by: str) -> None:
+    """A rematerialised unit is recomputed in backward, after this call's hooks are gone:
+    every parameter it reads must be its own (another unit's would not be gathered then)."""
+    module = fn.module.get_submodule(unit.name)
+    own = {spec.name for spec in unit.all_params} | {a for spec in unit.all_params for a in spec.aliases}
+    prefix = f"{unit.name}."
+    for name, _ in module.named_parameters(remove_duplicate=False):
+        full = prefix + name
+        if full not in own:
+            other = plan.unit_of(full).name
+            raise ValueError(
+                f"{asked_by}: unit {unit_label(unit.name)} cannot be rematerialised: it reads parameter "
+                f"{full!r} of unit {unit_label(other)}, which is not gathered when the unit is recomputed in "
+                "backward; rematerialise the units inside it instead (or put that parameter in this unit)"
+            )
+
+
+def _sparse_grad_params(module: nn.Module, plan: Plan) -> frozenset[str]:
+    """The parameters whose gradient is sparse: the weights of ``nn.Embedding(sparse=True)`` and bags."""
+    names = {
+        f"{path}.weight".lstrip(".")
+        for path, m in module.named_modules()
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse
+    }
+    return frozenset(spec.name for spec in plan.params if names & {spec.name, *spec.aliases})
+
+
+def _check_plan_fits(plan: Plan, fn: Functional) -> None:
+    """The shards' plan must describe this module: same parameter names and shapes."""
+    for spec in plan.params:
+        have = fn.params.get(spec.name)
+        if have is None or tuple(have.shape) != spec.shape:
+            found = "no such parameter" if have is None else f"shape {tuple(have.shape)}"
+            raise ValueError(
+                f"these shards were made for another plan: their parameter {spec.name!r} is {spec.shape} "
+                f"(unit {unit_label(plan.unit_of(spec.name).name)}) but {type(fn.module).__name__} has {found}"
+            )
