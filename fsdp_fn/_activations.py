@@ -39,10 +39,14 @@ LOSS = "(loss)"
 class UnitActivations:
     """One unit's part of the activations (bytes on one rank).
 
-    ``saved``: what autograd holds from the unit's forward until its backward (each
-    storage counted once, for the first unit that saves it; a rematerialised unit saves
-    its inputs and what its policy keeps). ``recompute``: for a rematerialised unit, what
-    its recomputation in backward creates and holds for the unit's backward.
+    Attributes:
+        name: the unit's name (``ROOT`` for the root's own work, ``LOSS`` for the loss
+            function's work outside the model).
+        saved: what autograd holds from the unit's forward until its backward (each
+            storage counted once, for the first unit that saves it; a rematerialised unit
+            saves its inputs and what its policy keeps).
+        recompute: for a rematerialised unit, what its recomputation in backward creates
+            and holds for the unit's backward; 0 for any other unit.
     """
 
     name: str
@@ -52,9 +56,14 @@ class UnitActivations:
 
 @dataclass(frozen=True)
 class ActivationStage:
-    """A stretch of the step with the same gradients alive: the units whose gradient is
-    complete (``reduced``: their shards exist), the unit whose backward runs (``running``:
-    its full gradient is being made), and the most activation bytes alive during it."""
+    """A stretch of the step with the same gradients alive, and its activation peak.
+
+    Attributes:
+        reduced: the units whose gradient is complete (their gradient shards exist).
+        running: the unit whose backward runs (its full gradient is being made); ``None``
+            in the forward and the loss.
+        peak: the most activation bytes alive during the stretch, on one rank.
+    """
 
     reduced: frozenset[str]
     running: str | None
@@ -65,12 +74,16 @@ class ActivationStage:
 class ActivationEstimate:
     """What a step's activations and temporaries take on one rank, from one fake step.
 
-    ``saved``: bytes alive at the end of the forward (the loss computed, backward not
-    started): what the backward will read. ``peak``: the most bytes alive at once over
-    the forward and the backward, ``peak_op`` the operator that produced it and
-    ``peak_in`` ``"forward"`` or ``"backward"``. ``stages``: the peak of each stretch of the
-    step with the same gradients alive (``estimate_memory`` adds those to each). ``units``:
-    per unit (and ``LOSS``), what is held for backward. ``remat``: the units rematerialised.
+    Attributes:
+        saved: bytes alive at the end of the forward (the loss computed, backward not
+            started): what the backward will read.
+        peak: the most bytes alive at once over the forward and the backward.
+        peak_op: the operator that produced the peak.
+        peak_in: where the peak was: ``"forward"`` or ``"backward"``.
+        stages: the peak of each stretch of the step with the same gradients alive
+            (``estimate_memory`` adds those gradients to each).
+        units: per unit (and ``LOSS``), what is held for backward.
+        remat: the names of the units rematerialised.
     """
 
     saved: int
@@ -82,6 +95,17 @@ class ActivationEstimate:
     remat: frozenset[str]
 
     def unit(self, name: str) -> UnitActivations:
+        """One unit's part of the estimate, by name.
+
+        Args:
+            name: a unit's name (as in ``Plan.unit_names``), ``ROOT`` or ``LOSS``.
+
+        Returns:
+            The unit's ``UnitActivations``.
+
+        Raises:
+            KeyError: if the estimate has no unit ``name``; the message lists the units.
+        """
         for u in self.units:
             if u.name == name:
                 return u
@@ -291,28 +315,49 @@ def estimate_activations(
     part of ``estimate_memory`` and are left out here), with the units ``remat`` selects
     rematerialised as ``train_step(remat=...)`` does. Allocates no tensor data and
     communicates nothing; the module is left as it was (hooks and forwards are installed
-    for the call only). ``mixed_precision``: the step's (``Schedule.mixed_precision``): the
-    parameters in its ``param_dtype``, the inputs and outputs cast as the step casts them.
-    What it cannot see: the train step's own buffers (gathered units, flat gradients,
-    communication buffers: the plan's part) and allocator effects (it counts live tensor
-    bytes, as ``MemoryMeter`` does).
+    for the call only). What it cannot see: the train step's own buffers (gathered units,
+    flat gradients, communication buffers: the plan's part) and allocator effects (it
+    counts live tensor bytes, as ``MemoryMeter`` does).
 
-    >>> import torch
-    >>> from torch import nn
-    >>> from fsdp_fn import functionalize, layer_policy, make_plan
-    >>> mlp = lambda: nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
-    >>> net = nn.Sequential(mlp(), mlp())
-    >>> plan = make_plan(net, layer_policy([nn.Sequential]))  # units "0" and "1"
-    >>> loss = lambda model, x: model(x).square().sum()
-    >>> x = torch.ones(1024, 64)
-    >>> plain = estimate_activations(functionalize(net), loss, x, plan)
-    >>> lean = estimate_activations(functionalize(net), loss, x, plan, remat=True)
-    >>> plain.unit("1").saved, lean.unit("1").saved  # its input and tanh's output; remat: its input
-    (1310720, 262144)
-    >>> lean.unit("1").recompute  # what its recomputation holds again in backward
-    1310720
-    >>> plain.peak > lean.peak, lean.peak_op
-    (True, 'aten.tanh_backward.default')
+    Args:
+        fn: the model, from ``functionalize(module)``.
+        loss_fn: ``loss_fn(model, batch) -> scalar tensor``, as ``train_step`` takes it.
+        batch: this rank's batch; its tensors become fake ones of the same shapes (meta
+            tensors are allowed: only shapes and dtypes are read).
+        plan: the plan the step shards by; its parameter specs give the shapes and dtypes.
+        remat: what ``train_step(remat=...)`` takes: ``None``/``False`` (no remat),
+            ``True`` (every non-root unit), a unit policy, or a ``Remat``.
+        mixed_precision: the step's (``Schedule.mixed_precision``): the parameters in its
+            ``param_dtype``, the inputs and outputs cast as the step casts them; ``None``:
+            the plan's dtypes, no casts.
+
+    Returns:
+        The ``ActivationEstimate``: bytes held at the end of the forward, the peak and
+        where it was, per unit and per stage.
+
+    Raises:
+        TypeError: if ``fn`` is not a ``Functional``, or ``remat`` (or its unit policy's
+            answer) is not one of the accepted kinds.
+        ValueError: if ``loss_fn`` does not return a one-element tensor that depends on the
+            parameters, or a unit ``remat`` selects is not a submodule of the model.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> from fsdp_fn import functionalize, layer_policy, make_plan
+        >>> mlp = lambda: nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+        >>> net = nn.Sequential(mlp(), mlp())
+        >>> plan = make_plan(net, layer_policy([nn.Sequential]))  # units "0" and "1"
+        >>> loss = lambda model, x: model(x).square().sum()
+        >>> x = torch.ones(1024, 64)
+        >>> plain = estimate_activations(functionalize(net), loss, x, plan)
+        >>> lean = estimate_activations(functionalize(net), loss, x, plan, remat=True)
+        >>> plain.unit("1").saved, lean.unit("1").saved  # its input and tanh's output; remat: its input
+        (1310720, 262144)
+        >>> lean.unit("1").recompute  # what its recomputation holds again in backward
+        1310720
+        >>> plain.peak > lean.peak, lean.peak_op
+        (True, 'aten.tanh_backward.default')
     """
     if not isinstance(fn, Functional):
         raise TypeError(

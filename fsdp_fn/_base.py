@@ -45,7 +45,14 @@ State = Any
 
 
 class Outcome(enum.Enum):
-    """What a transformation's last ``update`` did, for the step (read by ``outcome(state)``)."""
+    """What a transformation's last ``update`` did, for the step (read by ``outcome(state)``).
+
+    Attributes:
+        APPLIED: the update was applied.
+        DEFERRED: nothing applied yet: the call counts toward a round (``accumulate``).
+        REJECTED: nothing applied: the gradient was not finite; the step undoes what its
+            forward moved.
+    """
 
     APPLIED = "applied"  # the update was applied
     DEFERRED = "deferred"  # nothing applied yet: the call counts toward a round (``accumulate``)
@@ -68,23 +75,35 @@ class FusedFn(Protocol):
 
 
 class GradientTransformation(NamedTuple):
-    """``init(params) -> state``; ``update(grads, state, params) -> (updates, state)``.
+    """A gradient transformation: ``init(params) -> state`` and ``update(grads, state, params)``.
 
-    ``name``: for messages. ``needs_whole_gradient``: its own work reads every unit's
-    gradient (a global norm, a sum over calls), so it cannot run unit by unit during
-    backward (``Schedule(update_in_backward=True)``); a transformation made by hand is
-    assumed to. ``outcome(state)``: for one that may apply nothing, what its last update
-    did. ``fused``: the in-place form the train step runs on donated buffers (``None``:
-    ``update``, then the updates added in place). ``inner``: the transformations it wraps
-    or chains. ``global_norms``: global norms its own update computes (one all-reduce of one
-    number each, two with replicas; ``predict_collectives(..., optimizer=)`` counts them).
-    ``update_donated``: ``update`` that may write its result into the gradients it is given
-    (the step's own, donated): what a chain runs before its last link in a train step, so a
-    clip adds no gradient-sized buffer (``None``: ``update``).
+    ``update`` returns ``(updates, state)`` and changes nothing it is given; both are pure
+    functions over sharded pytrees, so ``init`` allocates state shaped like this rank's
+    shards and neither communicates unless it says so (a global norm is one all-reduce).
 
-    >>> t = GradientTransformation(lambda params: (), lambda grads, state, params=None: (grads, state))
-    >>> t.needs_whole_gradient, t.outcome is None
-    (True, True)
+    Attributes:
+        init: ``init(params) -> state``: the state for the sharded parameters.
+        update: ``update(grads, state, params=None) -> (updates, state)``.
+        name: the transformation's name, for messages.
+        needs_whole_gradient: its own work reads every unit's gradient (a global norm, a
+            sum over calls), so it cannot run unit by unit during backward
+            (``Schedule(update_in_backward=True)``); a transformation made by hand is
+            assumed to (``True``).
+        outcome: ``outcome(state) -> Outcome``: for one that may apply nothing, what its
+            last update did; ``None``: it always applies.
+        fused: the in-place form the train step runs on donated buffers (``None``:
+            ``update``, then the updates added in place).
+        inner: the transformations it wraps or chains.
+        global_norms: global norms its own update computes (one all-reduce of one number
+            each, two with replicas; ``predict_collectives(..., optimizer=)`` counts them).
+        update_donated: ``update`` that may write its result into the gradients it is given
+            (the step's own, donated): what a chain runs before its last link in a train
+            step, so a clip adds no gradient-sized buffer (``None``: ``update``).
+
+    Examples:
+        >>> t = GradientTransformation(lambda params: (), lambda grads, state, params=None: (grads, state))
+        >>> t.needs_whole_gradient, t.outcome is None
+        (True, True)
     """
 
     init: InitFn
@@ -99,7 +118,7 @@ class GradientTransformation(NamedTuple):
 
 
 class EmptyState(NamedTuple):
-    """The state of a transformation that keeps none."""
+    """The state of a transformation that keeps none (an empty named tuple)."""
 
 
 def _empty(params: Params) -> EmptyState:
@@ -109,8 +128,14 @@ def _empty(params: Params) -> EmptyState:
 def identity() -> GradientTransformation:
     """Pass the gradients through unchanged (optax's ``identity``).
 
-    >>> identity().init(None)
-    EmptyState()
+    No memory, no communication: ``update`` returns the gradients it is given.
+
+    Returns:
+        A ``GradientTransformation`` whose state is ``EmptyState()``.
+
+    Examples:
+        >>> identity().init(None)
+        EmptyState()
     """
 
     def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
@@ -140,10 +165,18 @@ def _check(t: Any, where: str) -> GradientTransformation:
 
 
 def apply_updates(params: Params, updates: Updates) -> Params:
-    """``params + updates``, unit by unit, as new tensors (optax's ``apply_updates``).
+    """Add ``updates`` to ``params``, unit by unit, as new tensors (optax's ``apply_updates``).
 
     Units no parameter of which got an update are the same tensors as in ``params``.
     Memory: one new shard per updated unit; no communication.
+
+    Args:
+        params: the sharded parameters; not changed.
+        updates: what an ``update`` returned, sharded like ``params``; each unit's update
+            is cast to its parameters' dtype.
+
+    Returns:
+        New ``Sharded`` parameters: ``params + updates`` for each unit with an update.
     """
     out = {}
     for unit in params.plan.units:
@@ -161,13 +194,22 @@ def apply_updates_(params: Params, updates: Updates) -> Params:
 
 
 def update_in_place(t: GradientTransformation, grads: Updates, state: State, params: Params) -> State:
-    """One step of ``t`` in place: ``params``, ``state``'s tensors and ``grads`` are donated
-    (changed and reused); returns the new state. What the train step runs.
+    """One step of ``t`` in place, what the train step runs: ``params`` and ``state`` donated.
 
     ``t.fused`` when it has one (torch's kernels: no memory beyond theirs); otherwise
     ``t.update`` (new updates and state tensors, freed here), the updates added in place and
     every new state tensor copied into the old one it replaces, so the old state's tensors
-    stay the state's.
+    stay the state's. No communication of its own (a transformation's global norm is
+    its own all-reduce).
+
+    Args:
+        t: the transformation.
+        grads: the gradients, sharded like ``params``; donated (may be changed and reused).
+        state: ``t``'s state; its tensors are donated (changed and reused).
+        params: the sharded parameters; donated: updated in place.
+
+    Returns:
+        The new state, holding the same tensors as ``state`` where it can.
     """
     if t.fused is not None:
         return t.fused(grads, state, params)
@@ -198,11 +240,22 @@ def chain(*links: GradientTransformation) -> GradientTransformation:
 
     State: the tuple of the links' states. In place (the train step), every link but the
     last runs as ``update`` on the gradients (the step's own, freed after), the last one
-    fused when it can be.
+    fused when it can be. Memory and communication: the links' own.
 
-    >>> from fsdp_fn import adamw, clip_by_global_norm
-    >>> chain(clip_by_global_norm(1.0), adamw()).needs_whole_gradient
-    False
+    Args:
+        *links: the transformations, applied first to last; none: the identity.
+
+    Returns:
+        A ``GradientTransformation`` whose state is the tuple of the links' states and
+        whose ``outcome`` is the first of rejected or deferred among the links'.
+
+    Raises:
+        TypeError: if a link is not a ``GradientTransformation``.
+
+    Examples:
+        >>> from fsdp_fn import adamw, clip_by_global_norm
+        >>> chain(clip_by_global_norm(1.0), adamw()).needs_whole_gradient
+        False
     """
     links = tuple(_check(t, "chain") for t in links)
 

@@ -34,7 +34,19 @@ from fsdp_fn._phases import phased
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective as issued by this rank. ``numel`` counts the full (unsharded) buffer."""
+    """One collective as issued by this rank (a record of a ``CommLog``).
+
+    Attributes:
+        op: which collective: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``,
+            ``"broadcast"``, or a lookup's ``"row_fetch"`` and ``"row_reduce"`` (pairwise
+            exchanges of the rows the indices name); ``"batch_size"`` is the small
+            all-gather that checks a vmapped batch.
+        unit: the unit it moves, or ``None`` when it belongs to no unit (a metric, a norm).
+        numel: elements of the full (unsharded) buffer (0 for a row exchange, whose size
+            follows the indices).
+        dtype: the buffer's dtype.
+        world: the size of the group it ran on.
+    """
 
     op: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "broadcast"
     unit: str | None
@@ -44,6 +56,7 @@ class Collective:
 
     @property
     def bytes(self) -> int:
+        """Bytes of the full (unsharded) buffer: ``numel * dtype.itemsize``."""
         return self.numel * self.dtype.itemsize
 
     @property
@@ -55,17 +68,42 @@ class Collective:
 
 @dataclass
 class CommLog:
-    """Collectives recorded while a ``comm_log()`` block is open, in issue order."""
+    """Collectives recorded while a ``comm_log()`` block is open, in issue order.
+
+    Attributes:
+        records: the ``Collective``s this rank issued, in issue order.
+    """
 
     records: list[Collective] = field(default_factory=list)
 
     def of(self, op: str) -> list[Collective]:
+        """The records of one kind of collective, in issue order.
+
+        Args:
+            op: a ``Collective.op``: ``"all_gather"``, ``"reduce_scatter"``, ...
+
+        Returns:
+            The records whose ``op`` is ``op`` (empty when none, or ``op`` is unknown).
+        """
         return [c for c in self.records if c.op == op]
 
     def bytes(self, op: str | None = None) -> int:
+        """Full-buffer bytes of the recorded collectives (``Collective.bytes`` summed).
+
+        Args:
+            op: only the collectives of this kind; ``None``: all of them.
+
+        Returns:
+            The sum of the records' ``bytes``.
+        """
         return sum(c.bytes for c in self.records if op is None or c.op == op)
 
     def ring_bytes(self) -> float:
+        """Bytes this rank sends over all recorded collectives, in the ring model.
+
+        Returns:
+            The sum of the records' ``ring_bytes``.
+        """
         return sum(c.ring_bytes for c in self.records)
 
 
@@ -76,10 +114,17 @@ _logs = threading.local()
 def comm_log() -> Iterator[CommLog]:
     """Record every collective fsdp_fn issues on this rank inside the block.
 
-    >>> with comm_log() as log:
-    ...     pass
-    >>> log.records
-    []
+    Costs one list append per collective; communicates nothing. Blocks nest: each open
+    log records. A group of one rank communicates nothing, so nothing is recorded for it.
+
+    Yields:
+        The ``CommLog`` the collectives are appended to, in issue order.
+
+    Examples:
+        >>> with comm_log() as log:
+        ...     pass
+        >>> log.records
+        []
     """
     log = CommLog()
     stack = _logs.__dict__.setdefault("stack", [])
@@ -545,6 +590,21 @@ def all_gather(
     ranks, like DDP); forward mode: the all-gather of the tangent; under ``vmap`` a
     (B, n) batch of shards is one all-gather of ``B * n`` elements per rank. Memory:
     allocates the gathered buffer; communication: one all-gather of ``W * n`` elements.
+
+    Args:
+        shard: this rank's 1-D shard (n elements); every rank's must be as long.
+        group: the process group to gather over (W ranks).
+        unit: the unit's name, for the collective log and error messages.
+        grad_scale: what the backward's reduce-scatter multiplies by.
+
+    Returns:
+        Every rank's shard, concatenated in rank order (W * n elements).
+
+    Raises:
+        ValueError: under ``vmap``, if the ranks' batches differ in size (every rank
+            raises alike).
+        RankFailure: if a rank of ``group`` is known to be gone, or fails while this rank
+            waits (under a train step's guard).
     """
     return cast(torch.Tensor, _AllGather.apply(shard, group, unit, grad_scale))
 
@@ -557,6 +617,21 @@ def reduce_scatter_sum(
     Backward: ``scale * all_gather(grad)``; forward mode: ``scale * reduce_scatter`` of
     the tangent; under ``vmap`` one reduce-scatter of the whole batch. Memory: allocates
     one shard; communication: one reduce-scatter of ``full``.
+
+    Args:
+        full: a 1-D tensor of W * n elements, as long on every rank.
+        group: the process group to reduce over (W ranks).
+        unit: the unit's name, for the collective log and error messages.
+        scale: what the sum is multiplied by (``1/W``: the mean over ranks).
+
+    Returns:
+        ``scale`` times the sum over ranks of this rank's slice of ``full`` (n elements).
+
+    Raises:
+        ValueError: if ``full``'s length does not divide by the group's size, or, under
+            ``vmap``, if the ranks' batches differ in size.
+        RankFailure: if a rank of ``group`` is known to be gone, or fails while this rank
+            waits (under a train step's guard).
     """
     if full.numel() % group.size():
         raise ValueError(

@@ -79,7 +79,7 @@ class _DenseGrad(torch.autograd.Function):
 def apply_sharded(
     fn: Functional, params: Sharded, buffers: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any
 ) -> Any:
-    """``fn(full_params, buffers, *args, **kwargs)`` computed from sharded ``params``.
+    """Compute ``fn(full_params, buffers, *args, **kwargs)`` from sharded ``params``.
 
     Each unit is all-gathered just before its module runs, by the differentiable
     all-gather of ``gather_for``: the gradient with respect to ``params`` is the
@@ -88,5 +88,33 @@ def apply_sharded(
     the shards require grad. Memory: shards plus every unit gathered so far (autograd keeps
     them for the backward; the train step's own pass frees them instead); communication:
     one all-gather per unit use in forward, one reduce-scatter per use in backward.
+
+    Args:
+        fn: the model, from ``functionalize(module)``.
+        params: the sharded parameters (``shard``); the plan they were made for must
+            describe ``fn``'s module.
+        buffers: the module's buffers by name (``fn.buffers``), full on every rank.
+        *args: positional arguments of the module's forward.
+        **kwargs: keyword arguments of the module's forward.
+
+    Returns:
+        What the module's forward returns, differentiable with respect to ``params``.
+
+    Raises:
+        RuntimeError: if ``params`` was donated to a train step or left half-updated by a
+            failed one, or a unit's forward changed its gathered parameters in place.
+        ValueError: if ``params`` was made for another plan (a parameter's name or shape
+            differs from ``fn``'s module), or a shard has the wrong length for the world size.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> from fsdp_fn import functionalize, make_plan, shard
+        >>> m = nn.Linear(3, 2)
+        >>> fn = functionalize(m)
+        >>> params = shard(fn.params, make_plan(m))
+        >>> x = torch.ones(4, 3)
+        >>> torch.allclose(apply_sharded(fn, params, fn.buffers, x), m(x))
+        True
     """
     return ComposableRuntime(fn, params).run(buffers, *args, **kwargs)

@@ -15,12 +15,17 @@ from torch.func import functional_call
 
 @dataclass(frozen=True, eq=False)
 class Functional:
-    """``apply(params, buffers, *args, **kwargs)``: the module's forward as a pure function.
+    """The module's forward as a pure function: ``apply(params, buffers, *args, **kwargs)``.
 
     ``params`` and ``buffers`` are dicts keyed by fully-qualified name (tied parameters
     appear once, under their first name). ``params`` are detached views of the module's
     own parameters (no copy); ``buffers`` are copies, so running ``apply`` never writes
     into the module (e.g. BatchNorm statistics update the copies).
+
+    Attributes:
+        module: the module, unchanged (same class, same parameter objects).
+        params: detached views of its parameters by fully-qualified name.
+        buffers: copies of its buffers by fully-qualified name.
     """
 
     module: nn.Module
@@ -30,6 +35,23 @@ class Functional:
     def __call__(
         self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any
     ) -> Any:
+        """Run the module's forward with ``params`` and ``buffers`` in place of its own.
+
+        ``torch.func.functional_call`` with tied weights kept tied; the module's own
+        parameters and buffers are put back afterwards. Memory and communication: the
+        forward's own (any tensor of ``params`` is used as it is, without a copy).
+
+        Args:
+            params: parameters by fully-qualified name (full, not sharded); a name left out
+                uses the module's own.
+            buffers: buffers by fully-qualified name; a forward that updates a buffer in
+                place (BatchNorm) writes into these.
+            *args: positional arguments of the module's forward.
+            **kwargs: keyword arguments of the module's forward.
+
+        Returns:
+            What the module's forward returns.
+        """
         with parameters_restored(self.module):
             return functional_call(self.module, {**params, **buffers}, args, kwargs, tie_weights=True, strict=False)
 
@@ -97,15 +119,26 @@ def functionalize(module: nn.Module) -> Functional:
     """Turn ``module`` into a pure function and its parameter/buffer pytrees.
 
     The module is not changed: same class, same ``state_dict()``, same parameter objects.
-    Memory: no parameter is copied; buffers are cloned.
+    Memory: no parameter is copied; buffers are cloned. No communication.
 
-    >>> from torch import nn
-    >>> import torch
-    >>> fn = functionalize(nn.Linear(3, 2))
-    >>> sorted(fn.params)
-    ['bias', 'weight']
-    >>> fn(fn.params, fn.buffers, torch.ones(1, 3)).shape
-    torch.Size([1, 2])
+    Args:
+        module: any ``nn.Module``; it is not wrapped nor subclassed.
+
+    Returns:
+        The ``Functional``: the pure function, with the parameters (detached views) and
+        buffers (copies) by fully-qualified name.
+
+    Raises:
+        TypeError: if ``module`` is not an ``nn.Module``.
+
+    Examples:
+        >>> from torch import nn
+        >>> import torch
+        >>> fn = functionalize(nn.Linear(3, 2))
+        >>> sorted(fn.params)
+        ['bias', 'weight']
+        >>> fn(fn.params, fn.buffers, torch.ones(1, 3)).shape
+        torch.Size([1, 2])
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"functionalize wants an nn.Module, got {type(module).__name__}")

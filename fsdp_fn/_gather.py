@@ -12,14 +12,24 @@ from fsdp_fn._shard import Layout, Sharded, check_shard, ensure_live, unit_views
 
 
 def gather_for(unit: str | Unit) -> Callable[[Sharded], dict[str, torch.Tensor]]:
-    """A differentiable all-gather of one unit: ``gather_for(unit)(params) -> {name: full}``.
+    """Make the differentiable all-gather of one unit: ``gather_for(unit)(params) -> {name: full}``.
 
     The full parameters are views into one gathered flat buffer. The backward is the
     reduce-scatter, averaged over ranks (like DDP). Works inside ``torch.func.grad``,
     ``grad_and_value`` and ``vjp``. The unit's frozen parameters come too, gathered into a
     second buffer that needs no gradient. Memory: the unit's full parameters (padded);
     communication: one all-gather forward (two with frozen parameters), one reduce-scatter
-    backward.
+    backward (and, with hybrid sharding, one all-reduce over the replicas).
+
+    Args:
+        unit: the unit, or its name in the plan of the ``Sharded`` the gather is given.
+
+    Returns:
+        ``gather(params) -> {name: full parameter}``: the unit's full parameters, trainable
+        and frozen, by fully-qualified name. ``gather`` raises ``KeyError`` if the plan of
+        ``params`` has no such unit, ``RuntimeError`` if ``params`` was donated to a train
+        step (or left half-updated by a failed one), and ``ValueError`` if the unit's shard
+        has the wrong length for the world size.
     """
     name = unit.name if isinstance(unit, Unit) else unit
 

@@ -172,20 +172,12 @@ def value_and_grad(
     timeout: float = 300.0,
     has_aux: bool = False,
 ) -> Callable[[Sharded, Mapping[str, torch.Tensor], Any], tuple[Any, Sharded]]:
-    """``value_and_grad(fn, loss_fn)(params, buffers, batch) -> (loss, grads)`` over shards.
+    """Make ``value_and_grad(fn, loss_fn)(params, buffers, batch) -> (loss, grads)`` over shards.
 
-    ``has_aux=True``: ``loss_fn`` returns ``(loss, aux)`` and the result is
-    ``((loss, aux), grads)``, as in JAX; ``aux`` (any pytree: predictions, a metric) is
-    this rank's, not differentiated (inside an outer transform it carries that transform's
-    derivative, as ``torch.func.grad``'s aux does).
-
-    ``loss_fn(model, batch)`` calls ``model`` with whatever the module's forward takes.
     ``loss`` is this rank's loss; ``grads`` is ``Sharded`` like ``params``: the gradient of
     the mean over ranks of their losses (averaged across replicas with a hybrid mesh),
     with ``grads.received`` marking which parameters the loss reached (the others are
     zero, and optimizers skip them as torch.optim skips a ``None`` ``.grad``).
-    ``schedule`` is the train step's: with ``micro_batches=N`` the batch is a list of N,
-    run one after the other, and the loss and gradient are their means (``aux``: a list).
 
     Called plainly it runs the train step's lean pass: each unit is gathered just before
     it runs, freed after, gathered again for its backward, and its reduce-scatter runs
@@ -196,16 +188,52 @@ def value_and_grad(
     Communication: per unit use an all-gather in forward and backward and a reduce-scatter;
     one all-reduce of one number per parameter (which parameters got a gradient, on any rank).
 
-    >>> import torch
-    >>> from torch import nn
-    >>> from fsdp_fn import functionalize, make_plan, shard
-    >>> m = nn.Linear(3, 1)
-    >>> fn = functionalize(m)
-    >>> params = shard(fn.params, make_plan(m))
-    >>> grad_fn = value_and_grad(fn, lambda model, x: model(x).square().mean())
-    >>> loss, grads = grad_fn(params, fn.buffers, torch.ones(2, 3))
-    >>> grads[""].shape, grads.received[""]  # one unit: weight (3) and bias (1), both reached
-    (torch.Size([4]), (True, True))
+    Args:
+        fn: the model, from ``functionalize(module)``.
+        loss_fn: ``loss_fn(model, batch) -> loss``: calls ``model`` with whatever the
+            module's forward takes and returns a floating scalar tensor (with ``has_aux``,
+            the pair ``(loss, aux)``).
+        schedule: the train step's ``Schedule`` (``None``: the default one); with
+            ``micro_batches=N`` the batch is a list of N, run one after the other, and the
+            loss and gradient are their means (``aux``: a list).
+        remat: what ``train_step(remat=...)`` takes: ``None``/``False`` (no remat),
+            ``True`` (every non-root unit), a unit policy, or a ``Remat``.
+        timeout: seconds a rank waits on the others in a collective before it raises
+            ``RankFailure`` (the lean pass's guard).
+        has_aux: ``loss_fn`` returns ``(loss, aux)`` and the result is
+            ``((loss, aux), grads)``, as in JAX; ``aux`` (any pytree: predictions, a metric)
+            is this rank's, not differentiated (inside an outer transform it carries that
+            transform's derivative, as ``torch.func.grad``'s aux does).
+
+    Returns:
+        ``run(params, buffers, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with
+        ``has_aux``), to be called on every rank of the shards' group with this rank's
+        batch and the module's buffers (``fn.buffers``).
+
+    Raises:
+        TypeError: if ``remat`` is not one of the accepted kinds; from ``run``, if
+            ``loss_fn`` does not return a floating scalar tensor (with ``has_aux``, a pair).
+        ValueError: from ``run``: the loss does not require grad (detached from the
+            parameters), the batch is not a list of ``micro_batches`` micro-batches, a
+            parameter the plan holds frozen is trainable now, or the shards were made for
+            another plan or world size.
+        RuntimeError: from ``run``: ``params`` was donated to a train step (or left
+            half-updated by a failed one), or the loss reaches a parameter of the module
+            itself through a reference taken outside ``model(...)``.
+        RankFailure: from ``run``: another rank failed or went silent for ``timeout``.
+        DivergenceError: from ``run``: the ranks disagree on what they run.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> from fsdp_fn import functionalize, make_plan, shard
+        >>> m = nn.Linear(3, 1)
+        >>> fn = functionalize(m)
+        >>> params = shard(fn.params, make_plan(m))
+        >>> grad_fn = value_and_grad(fn, lambda model, x: model(x).square().mean())
+        >>> loss, grads = grad_fn(params, fn.buffers, torch.ones(2, 3))
+        >>> grads[""].shape, grads.received[""]  # one unit: weight (3) and bias (1), both reached
+        (torch.Size([4]), (True, True))
     """
     schedule = schedule or Schedule()
     rematerialise = Remat.of(remat)

@@ -75,6 +75,31 @@ def init_shards(
     the full model is the same whatever the world size. Buffers are materialised whole on
     every rank (they are replicated) and returned. The module itself stays on meta.
     Communication: one small all-gather of the plan's fingerprint.
+
+    Args:
+        module: the model, built under ``torch.device("meta")``; left on meta.
+        plan: the plan to shard by (``make_plan(module, ...)``), the same on every rank.
+        group: the ranks that shard together: a ``ProcessGroup``, a 1-D ``DeviceMesh``, a
+            2-D one (replicate, shard) for hybrid sharding, or ``None`` (the default group).
+        init: ``init(module)``, called on every module of a unit, children first, as
+            ``module.apply(init)`` calls it; ``None``: each module's own
+            ``reset_parameters()``.
+        seed: the seed that, with a unit's name, seeds the generator its values come from.
+        device: where the shards and buffers are made.
+        timeout: seconds to wait on the other ranks while they agree on the plan.
+
+    Returns:
+        ``(params, buffers)``: this rank's shards, as ``shard`` would have made them from
+        the initialised model, and the module's buffers by name, whole.
+
+    Raises:
+        TypeError: if ``init`` is not callable, or ``group`` is not a group, mesh or ``None``.
+        ValueError: if ``init`` is ``None`` and a module owning parameters has no
+            ``reset_parameters()`` (nor has a module above it), or ``group`` is a mesh of
+            more than two dimensions or a group this rank is not a member of.
+        RuntimeError: if ``torch.distributed`` is not initialised.
+        DivergenceError: if the ranks' plans differ.
+        RankFailure: if another rank failed or went silent for ``timeout``.
     """
     pg, replicate = resolve_groups(group)
     if init is not None and not callable(init):

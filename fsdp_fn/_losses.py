@@ -138,14 +138,10 @@ def chunked_cross_entropy(
     ignore_index: int = -100,
     reduction: Reduction = "mean",
 ) -> torch.Tensor:
-    """``F.cross_entropy(head(hidden), targets)`` without the whole logits ever existing.
+    """Compute ``F.cross_entropy(head(hidden), targets)`` without the whole logits ever existing.
 
-    ``hidden`` is ``(..., D)``, ``targets`` its shape without ``D`` (class indices;
-    ``ignore_index`` rows count for nothing); ``head`` is an ``nn.Linear`` (D -> V) or its
-    weight ``(V, D)`` (then ``bias`` optionally). ``reduction``: ``"mean"`` over the rows
-    not ignored, or ``"sum"``. Loss and gradients equal the unchunked ones to float32
-    rounding (the sums run in another order); the logits are computed in the head's dtype
-    and reduced in float32.
+    Loss and gradients equal the unchunked ones to float32 rounding (the sums run in
+    another order); the logits are computed in the head's dtype and reduced in float32.
 
     Memory: the rows are split into ``chunks`` parts; forward and backward each hold one
     part's logits (``N / chunks x V``, float32) and its softmax at a time; the forward
@@ -159,12 +155,32 @@ def chunked_cross_entropy(
     inside a forward of the unit that holds it). Reverse-mode only (``torch.func.grad``,
     ``vjp``, ``.backward()``); not ``jvp`` or ``vmap``.
 
-    >>> import torch, torch.nn.functional as F
-    >>> head = torch.nn.Linear(4, 10)
-    >>> h, t = torch.randn(6, 4), torch.randint(0, 10, (6,))
-    >>> loss = chunked_cross_entropy(h, head, t, chunks=3)
-    >>> torch.allclose(loss, F.cross_entropy(head(h), t))
-    True
+    Args:
+        hidden: the head's input, ``(..., D)``.
+        head: an ``nn.Linear`` (D -> V), or its weight ``(V, D)``.
+        targets: class indices (integers), ``hidden``'s shape without ``D``.
+        bias: the head's bias ``(V,)``, only when ``head`` is a weight tensor.
+        chunks: how many parts the rows are split into (a positive int).
+        ignore_index: rows whose target is this count for nothing.
+        reduction: ``"mean"`` over the rows not ignored, or ``"sum"``.
+
+    Returns:
+        The loss, a scalar tensor in the promoted dtype of ``hidden`` and the head's weight.
+
+    Raises:
+        ValueError: if ``chunks`` is not a positive int, ``reduction`` is neither
+            ``"mean"`` nor ``"sum"``, ``bias`` is given with a module head, or the shapes of
+            ``hidden``, the weight, the bias and ``targets`` do not fit together.
+        TypeError: if ``head`` is neither an ``nn.Linear`` nor a tensor, or ``targets`` are
+            not integers.
+
+    Examples:
+        >>> import torch, torch.nn.functional as F
+        >>> head = torch.nn.Linear(4, 10)
+        >>> h, t = torch.randn(6, 4), torch.randint(0, 10, (6,))
+        >>> loss = chunked_cross_entropy(h, head, t, chunks=3)
+        >>> torch.allclose(loss, F.cross_entropy(head(h), t))
+        True
     """
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunked_cross_entropy: chunks must be a positive int, got {chunks!r}")

@@ -86,12 +86,25 @@ def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
 class MemoryMeter(TorchDispatchMode):
     """Measure live tensor bytes on this rank while the ``with`` block runs.
 
-    >>> import torch
-    >>> with MemoryMeter() as meter:
-    ...     x = torch.ones(1024)
-    ...     y = x * 2
-    >>> meter.peak()["total"]
-    8192
+    A ``TorchDispatchMode``: after every op it re-reads the sizes of the storages it has
+    seen that are still alive (weak references: it keeps nothing alive) and sums them by
+    category. It allocates no tensor and communicates nothing; its own cost is
+    host time per op, so meter a step that is measured, not one that is timed.
+
+    Args:
+        rule: ``rule(func, args, kwargs, out) -> [(tensor, category), ...]``, called after
+            every op: categories for another system's internals (e.g. FSDP2's gathered
+            parameters); ``None``: only ``tag`` and fsdp_fn's labels categorise.
+        timeline: keep every sample as ``(op, bytes by category)`` in ``meter.timeline``
+            (``None`` otherwise), with ``mark``'s notes in ``meter.markers``.
+
+    Examples:
+        >>> import torch
+        >>> with MemoryMeter() as meter:
+        ...     x = torch.ones(1024)
+        ...     y = x * 2
+        >>> meter.peak()["total"]
+        8192
     """
 
     def __init__(self, rule: Rule | None = None, timeline: bool = False) -> None:
@@ -127,7 +140,16 @@ class MemoryMeter(TorchDispatchMode):
     def tag(self, tree: Any, category: str) -> None:
         """Count the tensors in ``tree`` (any pytree, ``Sharded`` included) as ``category``.
 
-        ``"state"`` tags a ``TrainState``: params, optimizer state and buffers each by name.
+        A tag overrides the category a storage was given when it was allocated. Takes one
+        sample; allocates nothing.
+
+        Args:
+            tree: the tensors to count; with ``"state"``, a ``TrainState``.
+            category: one of ``CATEGORIES``, or ``"state"``: a ``TrainState``'s params,
+                optimizer state and buffers, each under its own category.
+
+        Raises:
+            ValueError: if ``category`` is neither one of ``CATEGORIES`` nor ``"state"``.
         """
         if category == "state":
             self.tag(tree.params, "params")
@@ -141,12 +163,25 @@ class MemoryMeter(TorchDispatchMode):
         self.sample("tag")
 
     def mark(self, note: str) -> None:
-        """A named point on the timeline (e.g. the start of backward)."""
+        """Put a named point on the timeline (e.g. the start of backward).
+
+        Args:
+            note: the point's name, kept in ``meter.markers`` with the index of the next
+                sample on the timeline.
+        """
         self.markers.append((len(self.timeline or ()), note))
 
     # --- sampling --------------------------------------------------------------------------
 
     def sample(self, what: str = "") -> None:
+        """Re-read the live storages' sizes now, and update the peaks and the timeline.
+
+        Called after every op while the block runs; call it by hand after a change no op
+        makes (a storage resized outside the block).
+
+        Args:
+            what: the sample's name on the timeline (an op's name, by default empty).
+        """
         current = dict.fromkeys(CATEGORIES, 0)
         dead = []
         for key, e in self.entries.items():
@@ -185,11 +220,20 @@ class MemoryMeter(TorchDispatchMode):
     # --- results ---------------------------------------------------------------------------
 
     def peak(self) -> dict[str, int]:
-        """Bytes by category at the moment the total peaked, and ``"total"``."""
+        """Bytes by category at the moment the total peaked, and ``"total"``.
+
+        Returns:
+            ``{category: bytes}`` for every one of ``CATEGORIES`` at that moment, and
+            ``"total"``: their sum.
+        """
         return dict(self._peak)
 
     def category_peaks(self) -> dict[str, int]:
-        """Each category's own maximum over the block (they need not coincide)."""
+        """Each category's own maximum over the block (they need not coincide).
+
+        Returns:
+            ``{category: bytes}`` for every one of ``CATEGORIES``.
+        """
         return dict(self._category_peaks)
 
 
@@ -201,10 +245,20 @@ class MemoryEstimate:
     """Per-rank bytes of a train step, predicted before anything is allocated.
 
     The plan's part: ``params``, ``grads``, ``optimizer``, ``gathered``, ``full_grad``,
-    each at its own peak. With an ``ActivationEstimate``: ``activations`` (activations
-    and temporaries at their peak, from one fake step) and ``with_gradients``: activations
-    plus the gradients alive with them (shards of the units already reduced, the full
-    gradient of the unit whose backward runs), at the moment that sum peaks.
+    each at its own peak. With an ``ActivationEstimate``: ``activations`` and
+    ``with_gradients``. ``total`` is the step's peak.
+
+    Attributes:
+        params: sharded parameters (padding included).
+        grads: gradient shards alive at once.
+        optimizer: optimizer state.
+        gathered: gathered parameters in flight at most.
+        full_grad: full (unsharded) unit gradients alive while they are reduce-scattered.
+        activations: activations and temporaries at their peak, from one fake step (0: not
+            estimated).
+        with_gradients: activations plus the gradients alive with them (shards of the
+            units already reduced, the full gradient of the unit whose backward runs), at
+            the moment that sum peaks.
     """
 
     params: int  # sharded parameters (padding included)
@@ -217,9 +271,12 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        """The step's peak: shards and gathered units throughout, plus the larger of the
-        activations' joint peak with the gradients and the end of backward (every gradient
-        shard, a unit's full gradient). Without activations: the sum of the plan's parts."""
+        """The step's peak bytes on one rank.
+
+        Shards and gathered units throughout, plus the larger of the activations' joint
+        peak with the gradients and the end of backward (every gradient shard, a unit's full
+        gradient). Without activations: the sum of the plan's parts.
+        """
         return self.params + self.optimizer + self.gathered + max(self.with_gradients, self.grads + self.full_grad)
 
 
@@ -235,22 +292,40 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Predict a step's per-rank memory from the plan alone, before anything is allocated.
 
-    ``optimizer_slots``: shard-sized state tensors per parameter (AdamW 2, SGD with
-    momentum 1, plain SGD 0). The root unit, when there is one, stays gathered for the
-    whole step; at most ``units_in_flight`` other units are gathered at once.
-    ``activations``: ``estimate_activations(fn, loss_fn, batch, plan, remat=...)`` on
-    this rank's batch (one micro-batch), for the activations (rematerialisation included).
-    ``schedule``: the step's ``Schedule``, which then sets ``update_in_backward`` and
-    ``units_in_flight`` (``max_inflight``) and adds what it keeps: every unit gathered
-    with ``reshard_after_forward=False``, units gathered in ``mixed_precision``'s dtype,
-    the gradients summed over earlier micro-batches (shards, or every unit's full gradient
-    without ``reduce_each_micro_batch``). Nothing is allocated, nothing is communicated.
+    The root unit, when there is one, stays gathered for the whole step; at most
+    ``units_in_flight`` other units are gathered at once. Nothing is allocated, nothing
+    is communicated.
 
-    >>> from torch import nn
-    >>> from fsdp_fn import make_plan
-    >>> p = make_plan(nn.Linear(3, 2))
-    >>> estimate_memory(p, world=2).params  # 8 elements, 4 per rank
-    16
+    Args:
+        plan: the plan the step shards by.
+        world: the number of ranks sharing each unit (the shard group's size).
+        optimizer_slots: shard-sized state tensors per parameter (AdamW 2, SGD with
+            momentum 1, plain SGD 0).
+        update_in_backward: the optimizer runs unit by unit during backward
+            (``Schedule(update_in_backward=True)``): one gradient shard alive at a time.
+        units_in_flight: non-root units gathered at once (``Schedule.max_inflight``).
+        activations: ``estimate_activations(fn, loss_fn, batch, plan, remat=...)`` on this
+            rank's batch (one micro-batch), for the activations (rematerialisation
+            included); ``None``: activations are not estimated.
+        schedule: the step's ``Schedule``, which then sets ``update_in_backward`` and
+            ``units_in_flight`` (``max_inflight``) and adds what it keeps: every unit
+            gathered with ``reshard_after_forward=False``, units gathered in
+            ``mixed_precision``'s dtype, the gradients summed over earlier micro-batches
+            (shards, or every unit's full gradient without ``reduce_each_micro_batch``).
+
+    Returns:
+        The ``MemoryEstimate``, each part in bytes on one rank.
+
+    Raises:
+        KeyError: if ``activations`` was estimated with another plan (a unit it names is
+            not in ``plan``).
+
+    Examples:
+        >>> from torch import nn
+        >>> from fsdp_fn import make_plan
+        >>> p = make_plan(nn.Linear(3, 2))
+        >>> estimate_memory(p, world=2).params  # 8 elements, 4 per rank
+        16
     """
     if schedule is not None:
         update_in_backward, units_in_flight = schedule.update_in_backward, schedule.max_inflight

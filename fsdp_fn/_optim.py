@@ -185,20 +185,44 @@ def adamw(
     maximize: bool = False,
     foreach: bool | None = None,
 ) -> GradientTransformation:
-    """AdamW with ``torch.optim.AdamW``'s numerics and defaults (``weight_decay=1e-2``;
-    optax's ``adamw`` has ``1e-4``). State: the chain's, two moments the size of the shards.
+    """AdamW with ``torch.optim.AdamW``'s numerics and defaults (optax's ``adamw``, torch's decay).
 
-    ``lr``: a number, or a schedule ``lr(count) -> number`` of the updates applied before
-    this one (0 at the first; a step ``apply_if_finite`` rejected or ``accumulate`` deferred
-    does not count), as ``torch.optim.lr_scheduler.LambdaLR`` stepped after each step gives
-    ``base_lr * lr_lambda(k)``; any callable returning a number (``optax.linear_schedule``).
-    ``weight_decay_mask(name, shape) -> bool``: which parameters weight decay applies to
-    (default all), as torch's parameter groups with ``weight_decay=0`` for the others
-    (``lambda name, shape: len(shape) >= 2`` leaves biases and norms undecayed).
+    ``chain(scale_by_adam(), add_decayed_weights(wd), scale_by_learning_rate(lr))``;
+    ``weight_decay`` defaults to torch's ``1e-2`` (optax's ``adamw`` has ``1e-4``).
+    State: the chain's, two moments the size of the shards and one step count per
+    parameter. In a train step it runs as torch's own kernel, in place on the donated
+    shards and moments: no memory beyond the kernel's, no communication.
 
-    >>> opt = adamw(lr=1e-3)
-    >>> opt.name, opt.needs_whole_gradient
-    ('adamw', False)
+    Args:
+        lr: a number, or a schedule ``lr(count) -> number`` of the updates applied before
+            this one (0 at the first; a step ``apply_if_finite`` rejected or ``accumulate``
+            deferred does not count), as ``torch.optim.lr_scheduler.LambdaLR`` stepped after
+            each step gives ``base_lr * lr_lambda(k)``; any callable returning a number
+            (``optax.linear_schedule``).
+        betas: the moments' decay rates ``(beta1, beta2)``, each in ``[0, 1)``.
+        eps: added to the second moment's square root, ``>= 0``.
+        weight_decay: decoupled weight decay, ``>= 0``.
+        weight_decay_mask: ``weight_decay_mask(name, shape) -> bool``: which parameters
+            weight decay applies to (default all), as torch's parameter groups with
+            ``weight_decay=0`` for the others (``lambda name, shape: len(shape) >= 2`` leaves
+            biases and norms undecayed).
+        maximize: ascend the loss instead of descending it, as torch's ``maximize``.
+        foreach: torch's ``foreach`` kernel choice (``None``: torch's default).
+
+    Returns:
+        A ``GradientTransformation`` named ``"adamw"`` with a ``fused`` form.
+
+    Raises:
+        TypeError: if ``lr`` is neither a number nor a callable; at a step, if the
+            schedule returns something that is not a number.
+        ValueError: if ``lr``, ``eps`` or ``weight_decay`` is negative or a beta is not
+            in ``[0, 1)``; at a step, if the schedule gives a learning rate that
+            is not a finite number >= 0 (nothing is applied).
+
+    Examples:
+        >>> opt = adamw(lr=1e-3)
+        >>> opt.name, opt.needs_whole_gradient
+        ('adamw', False)
     """
     check_rate(lr, "adamw")
     if (not callable(lr) and lr < 0) or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
@@ -249,13 +273,35 @@ def adam(
     maximize: bool = False,
     foreach: bool | None = None,
 ) -> GradientTransformation:
-    """Adam with ``torch.optim.Adam``'s numerics: ``weight_decay`` is L2, added to the
-    gradient before the moments (``chain(add_decayed_weights(wd), scale_by_adam(),
-    scale_by_learning_rate(lr))``; optax's ``adam`` has none). ``lr`` and
-    ``weight_decay_mask`` as in ``adamw``.
+    """Adam with ``torch.optim.Adam``'s numerics: ``weight_decay`` is L2, added before the moments.
 
-    >>> adam().name
-    'adam'
+    ``chain(add_decayed_weights(wd), scale_by_adam(), scale_by_learning_rate(lr))``
+    (optax's ``adam`` has no decay). State: two moments the size of the shards and one
+    step count per parameter. In a train step it runs as torch's own kernel, in place on
+    the donated shards and moments: no memory beyond the kernel's, no communication.
+
+    Args:
+        lr: a number or a schedule ``lr(count) -> number``, as in ``adamw``.
+        betas: the moments' decay rates ``(beta1, beta2)``, each in ``[0, 1)``.
+        eps: added to the second moment's square root, ``>= 0``.
+        weight_decay: L2 penalty added to the gradient, ``>= 0``.
+        weight_decay_mask: which parameters weight decay applies to, as in ``adamw``.
+        maximize: ascend the loss instead of descending it, as torch's ``maximize``.
+        foreach: torch's ``foreach`` kernel choice (``None``: torch's default).
+
+    Returns:
+        A ``GradientTransformation`` named ``"adam"`` with a ``fused`` form.
+
+    Raises:
+        TypeError: if ``lr`` is neither a number nor a callable; at a step, if the
+            schedule returns something that is not a number.
+        ValueError: if ``lr``, ``eps`` or ``weight_decay`` is negative or a beta is not
+            in ``[0, 1)``; at a step, if the schedule gives a learning rate that
+            is not a finite number >= 0 (nothing is applied).
+
+    Examples:
+        >>> adam().name
+        'adam'
     """
     check_rate(lr, "adam")
     if (not callable(lr) and lr < 0) or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
@@ -307,13 +353,37 @@ def sgd(
     maximize: bool = False,
     foreach: bool | None = None,
 ) -> GradientTransformation:
-    """SGD (with optional momentum) with ``torch.optim.SGD``'s numerics:
+    """SGD (with optional momentum) with ``torch.optim.SGD``'s numerics.
+
     ``chain(add_decayed_weights(wd), trace(momentum), scale_by_learning_rate(lr))`` (the
     decay is L2, before the momentum; optax's ``sgd`` has none). State: one momentum
-    buffer per shard with momentum. ``lr`` and ``weight_decay_mask`` as in ``adamw``.
+    buffer per shard with momentum, none without. In a train step it runs as torch's own
+    kernel, in place on the donated shards and buffers: no communication.
 
-    >>> sgd(lr=0.1, momentum=0.9).name
-    'sgd'
+    Args:
+        lr: a number or a schedule ``lr(count) -> number``, as in ``adamw``.
+        momentum: the momentum factor, ``>= 0`` (0: plain SGD, no state).
+        dampening: dampening of the momentum, as torch's.
+        weight_decay: L2 penalty added to the gradient, ``>= 0``.
+        weight_decay_mask: which parameters weight decay applies to, as in ``adamw``.
+        nesterov: Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
+        maximize: ascend the loss instead of descending it, as torch's ``maximize``.
+        foreach: torch's ``foreach`` kernel choice (``None``: torch's default).
+
+    Returns:
+        A ``GradientTransformation`` named ``"sgd"`` with a ``fused`` form.
+
+    Raises:
+        TypeError: if ``lr`` is neither a number nor a callable; at a step, if the
+            schedule returns something that is not a number.
+        ValueError: if ``lr``, ``momentum`` or ``weight_decay`` is negative, or
+            ``nesterov`` is asked without ``momentum > 0`` and ``dampening == 0``; at a
+            step, if the schedule gives a learning rate that is not a finite number >= 0
+            (nothing is applied).
+
+    Examples:
+        >>> sgd(lr=0.1, momentum=0.9).name
+        'sgd'
     """
     check_rate(lr, "sgd")
     if (not callable(lr) and lr < 0) or momentum < 0 or weight_decay < 0:
@@ -370,13 +440,32 @@ def lion(
     *,
     weight_decay_mask: DecayMask | None = None,
 ) -> GradientTransformation:
-    """Lion (Chen et al. 2023), optax's ``lion``: ``chain(scale_by_lion(b1, b2),
-    add_decayed_weights(wd), scale_by_learning_rate(lr))`` with optax's defaults (torch has
-    no Lion). State: one moment the size of the shards; in a train step it runs as
-    ``update`` (new moment and update tensors, copied into the donated ones).
+    """Lion (Chen et al. 2023), optax's ``lion`` with optax's defaults (torch has no Lion).
 
-    >>> lion().name
-    'lion'
+    ``chain(scale_by_lion(b1, b2), add_decayed_weights(wd), scale_by_learning_rate(lr))``.
+    State: one moment the size of the shards; in a train step it runs as ``update`` (new
+    moment and update tensors, copied into the donated ones). No communication.
+
+    Args:
+        lr: a number or a schedule ``lr(count) -> number``, as in ``adamw``.
+        betas: ``(b1, b2)``: the rate of the update's interpolation and of the moment's
+            decay, each in ``[0, 1]``.
+        weight_decay: decoupled weight decay, ``>= 0``.
+        weight_decay_mask: which parameters weight decay applies to, as in ``adamw``.
+
+    Returns:
+        A ``GradientTransformation`` named ``"lion"``.
+
+    Raises:
+        TypeError: if ``lr`` is neither a number nor a callable; at a step, if the
+            schedule returns something that is not a number.
+        ValueError: if ``weight_decay`` is negative or a beta is not in ``[0, 1]``; at a
+            step, if the schedule gives a learning rate that is not a finite number >= 0
+            (nothing is applied).
+
+    Examples:
+        >>> lion().name
+        'lion'
     """
     check_rate(lr, "lion")
     if weight_decay < 0 or not all(0 <= b <= 1 for b in betas):
@@ -396,7 +485,22 @@ def from_torch(optimizer: torch.optim.Optimizer) -> GradientTransformation:
     (its ``fused`` form; ``train_step`` with ``donate=True``), and its ``update`` refuses. It
     sees one tensor per unit, so it skips whole units: a unit none of whose parameters got
     a gradient is skipped (its ``.grad`` is ``None``); a unit where only some did raises,
-    naming them (``adamw``/``sgd`` skip per parameter).
+    naming them (``adamw``/``sgd`` skip per parameter). Memory: the optimizer's own state
+    (shard-sized, since it holds the shards); communication: none.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` whose parameters are the sharded
+            parameters' shards.
+
+    Returns:
+        A ``GradientTransformation`` whose state is ``optimizer`` itself.
+
+    Raises:
+        TypeError: if ``optimizer`` is not a ``torch.optim.Optimizer``; from ``update``,
+            always (it has no functional form).
+        ValueError: from ``init``, if the optimizer holds tensors other than the shards;
+            from ``init`` or a step, if it misses a unit's shard; from a step, if a unit got
+            a gradient for only some of its parameters.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"from_torch wants a torch.optim.Optimizer, got {type(optimizer).__name__}")

@@ -43,7 +43,15 @@ def unit_label(name: str) -> str:
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One parameter of a unit: where it lives in the module and in the unit's flat buffer."""
+    """One parameter of a unit: where it lives in the module and in the unit's flat buffer.
+
+    Attributes:
+        name: the canonical fully-qualified name (first in ``named_parameters()``).
+        shape: the full (unsharded) shape.
+        dtype: the parameter's dtype (every parameter of a unit's part has the same).
+        requires_grad: trainable (in the unit's flat buffer) or frozen (in its second one).
+        aliases: other names of the same tensor (tied weights).
+    """
 
     name: str  # canonical fully-qualified name (first in ``named_parameters()``)
     shape: tuple[int, ...]
@@ -53,6 +61,7 @@ class ParamSpec:
 
     @functools.cached_property
     def numel(self) -> int:
+        """Elements of the full parameter: the product of ``shape``."""
         n = 1
         for d in self.shape:
             n *= d
@@ -63,14 +72,23 @@ class ParamSpec:
 class Unit:
     """Parameters gathered together, as one flat buffer: the parameters in order, then padding.
 
-    ``params`` are the trainable ones (gathered with autograd, reduce-scattered);
-    ``frozen`` ones (``requires_grad=False``) form a second flat buffer that is gathered
-    but never reduced and has no optimizer state. ``hooks`` lists the modules whose
-    forward gathers the unit; empty means the module the unit is named after. A tied
-    parameter used by modules in different units is a unit of its own, gathered by each.
-    ``lookup``: the unit is one plain ``nn.Embedding``, whose backward reads the indices and
-    not the table, so the table is not gathered again for backward (a hint about how the
-    module runs, not part of the layout: not serialised, not compared).
+    One all-gather brings the whole unit; one reduce-scatter takes its gradient back. Each
+    rank holds ``shard_numel(world)`` elements of the padded buffer. A tied parameter used
+    by modules in different units is a unit of its own, gathered by each.
+
+    Attributes:
+        name: the module path; ``ROOT`` for the root unit; a parameter's name for a shared
+            tied parameter's own unit.
+        params: the trainable parameters, in buffer order (gathered with autograd,
+            reduce-scattered).
+        frozen: the frozen ones (``requires_grad=False``), a second flat buffer that is
+            gathered but never reduced and has no optimizer state.
+        hooks: the modules whose forward gathers the unit; empty: the module the unit is
+            named after.
+        lookup: the unit is one plain ``nn.Embedding``, whose backward reads the indices
+            and not the table, so the table is not gathered again for backward (a hint
+            about how the module runs, not part of the layout: not serialised, not
+            compared).
     """
 
     name: str  # module path; ROOT for the root unit; a parameter name for a shared tied parameter
@@ -91,18 +109,22 @@ class Unit:
 
     @functools.cached_property
     def all_params(self) -> tuple[ParamSpec, ...]:
+        """The trainable parameters, then the frozen ones."""
         return self.params + self.frozen
 
     @functools.cached_property
     def numel(self) -> int:
+        """Elements of the trainable parameters (the flat buffer without padding)."""
         return sum(p.numel for p in self.params)
 
     @functools.cached_property
     def dtype(self) -> torch.dtype:
+        """The unit's dtype: its trainable parameters', else its frozen ones'."""
         return (self.params or self.frozen)[0].dtype
 
     @functools.cached_property
     def offsets(self) -> tuple[int, ...]:
+        """Where each trainable parameter starts in the flat buffer, in ``params`` order."""
         out, at = [], 0
         for p in self.params:
             out.append(at)
@@ -110,17 +132,42 @@ class Unit:
         return tuple(out)
 
     def shard_numel(self, world: int) -> int:
-        """Elements each rank holds: ``ceil(numel / world)``."""
+        """Elements each rank holds: ``ceil(numel / world)``.
+
+        Args:
+            world: the number of ranks the unit is sharded over.
+
+        Returns:
+            The length of one rank's shard.
+        """
         return -(-self.numel // world)
 
     def padded_numel(self, world: int) -> int:
+        """Elements of the gathered flat buffer, padding included: ``world * shard_numel(world)``.
+
+        Args:
+            world: the number of ranks the unit is sharded over.
+
+        Returns:
+            The length of the gathered buffer.
+        """
         return self.shard_numel(world) * world
 
     def held(self, world: int, rank: int) -> tuple[tuple[int, int, int, int], ...]:
-        """``(i, first, end, at)`` for each parameter ``i`` of ``params`` that rank ``rank`` holds
-        part of: its elements ``[first, end)`` (counted within the parameter) lie in that rank's
-        shard from ``at`` on. The one place the shard arithmetic lives: gathering, checkpoints,
-        export and the optimizer's per-parameter steps read it."""
+        """Which parts of which parameters rank ``rank``'s shard holds, and where.
+
+        The one place the shard arithmetic lives: gathering, checkpoints, export and the
+        optimizer's per-parameter steps read it. Computed once per ``(world, rank)``.
+
+        Args:
+            world: the number of ranks the unit is sharded over.
+            rank: the rank in the shard group, ``0 <= rank < world``.
+
+        Returns:
+            ``(i, first, end, at)`` for each parameter ``i`` of ``params`` that the rank
+            holds part of: its elements ``[first, end)`` (counted within the parameter) lie
+            in the rank's shard from ``at`` on.
+        """
         memo: dict[tuple[int, int], tuple[tuple[int, int, int, int], ...]] = self.__dict__.setdefault("_held", {})
         key = (world, rank)
         if key not in memo:
@@ -134,8 +181,17 @@ class Unit:
         return memo[key]
 
     def local_ranges(self, world: int, rank: int) -> tuple[tuple[int, int, int], ...]:
-        """``(i, lo, hi)`` for every parameter ``i`` of ``params``: the elements ``[lo, hi)`` of
-        rank ``rank``'s shard that hold part of it (``lo == hi`` when the rank holds none)."""
+        """Where each parameter lies in rank ``rank``'s shard: ``(i, lo, hi)`` for every one.
+
+        Args:
+            world: the number of ranks the unit is sharded over.
+            rank: the rank in the shard group, ``0 <= rank < world``.
+
+        Returns:
+            ``(i, lo, hi)`` for every parameter ``i`` of ``params``: the elements
+            ``[lo, hi)`` of the rank's shard that hold part of it (``lo == hi`` when the
+            rank holds none of it).
+        """
         memo: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = self.__dict__.setdefault("_ranges", {})
         key = (world, rank)
         if key not in memo:
@@ -147,7 +203,16 @@ class Unit:
         return memo[key]
 
     def gather_bytes(self, world: int = 1, dtype: torch.dtype | None = None) -> int:
-        """Bytes of the gathered flat buffers (padding included, frozen part too) on one rank."""
+        """Bytes of the gathered flat buffers (padding included, frozen part too) on one rank.
+
+        Args:
+            world: the number of ranks the unit is sharded over (it sets the padding).
+            dtype: the dtype the trainable buffer is gathered in (mixed precision);
+                ``None``: the unit's own. The frozen part keeps its own dtype.
+
+        Returns:
+            What one gather of the unit allocates, in bytes.
+        """
         total = self.padded_numel(world) * (dtype or self.dtype).itemsize
         if self.frozen:
             total += self.frozen_part.gather_bytes(world, dtype)
@@ -158,9 +223,18 @@ class Unit:
 class Plan:
     """Units in module order (root first). A value: compare, print, hash, serialise.
 
-    ``order``: every parameter name of the module (tied aliases included) in
-    ``named_parameters(remove_duplicate=False)`` order, so a full state dict can follow the
-    module's key order (not part of the layout: not serialised, not compared)."""
+    Every rank must hold the same plan: the step and checkpoints compare fingerprints.
+
+    Attributes:
+        units: the units, root first, then in the order their modules first run.
+        order: every parameter name of the module (tied aliases included) in
+            ``named_parameters(remove_duplicate=False)`` order, so a full state dict can
+            follow the module's key order (not part of the layout: not serialised, not
+            compared).
+
+    Raises:
+        ValueError: if a parameter (or an alias of one) is in two units.
+    """
 
     units: tuple[Unit, ...]
     order: tuple[str, ...] = field(default=(), compare=False)
@@ -178,6 +252,17 @@ class Plan:
                     seen[n] = u.name
 
     def unit(self, name: str) -> Unit:
+        """The unit named ``name``.
+
+        Args:
+            name: a unit's name (``ROOT``, ``""``, for the root unit).
+
+        Returns:
+            The ``Unit``.
+
+        Raises:
+            KeyError: if the plan has no such unit; the message lists the units.
+        """
         found = self._by_name.get(name)
         if found is not None:
             return found
@@ -189,6 +274,7 @@ class Plan:
 
     @functools.cached_property
     def unit_names(self) -> tuple[str, ...]:
+        """The units' names, in plan order."""
         return tuple(u.name for u in self.units)
 
     @functools.cached_property
@@ -198,6 +284,7 @@ class Plan:
 
     @functools.cached_property
     def numel(self) -> int:
+        """Elements of every parameter, trainable and frozen (no padding)."""
         return sum(p.numel for p in self.params)
 
     @functools.cached_property
@@ -205,11 +292,22 @@ class Plan:
         return {name: spec for spec in self.params for name in (spec.name, *spec.aliases)}
 
     def check_trainable(self, module: nn.Module) -> frozenset[str]:
-        """The trainable parameters of the plan that ``module`` has frozen since
-        (``requires_grad_(False)``): steps treat them as reaching no gradient, so they keep
-        their values and optimizer state, as torch.optim skips them; unfreezing one again
-        trains it again. Raise for a parameter the plan holds frozen that is trainable now:
-        it has no gradient buffer or optimizer state to train with."""
+        """The trainable parameters of the plan that ``module`` has frozen since the plan was made.
+
+        Steps treat a parameter frozen since (``requires_grad_(False)``) as reaching no
+        gradient, so it keeps its value and optimizer state, as torch.optim skips it;
+        unfreezing it again trains it again. Reads only ``requires_grad`` flags.
+
+        Args:
+            module: the module the plan was made for.
+
+        Returns:
+            The canonical names of the plan's trainable parameters that are frozen now.
+
+        Raises:
+            ValueError: if a parameter the plan holds frozen is trainable now: it has no
+                gradient buffer or optimizer state to train with.
+        """
         planned = self._planned
         frozen = set()
         for name, p in index_of(module).named_parameters():
@@ -229,12 +327,30 @@ class Plan:
         return frozenset(frozen)
 
     def unit_of(self, param: str) -> Unit:
+        """The unit that holds parameter ``param``.
+
+        Args:
+            param: a parameter's fully-qualified name, or any alias of a tied one.
+
+        Returns:
+            The ``Unit`` whose trainable or frozen parameters include it.
+
+        Raises:
+            KeyError: if no unit of the plan holds it.
+        """
         for u in self.units:
             if any(param == p.name or param in p.aliases for p in u.all_params):
                 return u
         raise KeyError(f"parameter {param!r} is in no unit of the plan")
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as plain JSON-able data (``from_dict`` reads it back; ``order`` and ``lookup`` are left out).
+
+        Returns:
+            ``{"units": [{"name", "params", "frozen", "hooks"}, ...]}``; each parameter as
+            ``{"name", "shape", "dtype", "requires_grad", "aliases"}``.
+        """
+
         def specs(ps: tuple[ParamSpec, ...]) -> list[dict[str, Any]]:
             return [
                 {
@@ -256,6 +372,19 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """The plan ``to_dict`` wrote.
+
+        Args:
+            data: what ``to_dict`` returned (or its JSON, loaded).
+
+        Returns:
+            A ``Plan`` equal to the one written.
+
+        Raises:
+            KeyError: if a unit or parameter lacks a field ``to_dict`` writes.
+            ValueError: if a dtype is unknown, or a parameter is in two units.
+        """
+
         def specs(ps: list[dict[str, Any]]) -> tuple[ParamSpec, ...]:
             return tuple(
                 ParamSpec(
@@ -272,17 +401,44 @@ class Plan:
         )
 
     def to_json(self) -> str:
+        """The plan as JSON text (``to_dict``, keys sorted): the same plan gives the same text.
+
+        Returns:
+            The JSON text; ``from_json`` reads it back.
+        """
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
+        """The plan ``to_json`` wrote.
+
+        Args:
+            text: what ``to_json`` returned.
+
+        Returns:
+            A ``Plan`` equal to the one written.
+
+        Raises:
+            ValueError: if ``text`` is not JSON, a dtype is unknown, or a parameter is in
+                two units.
+            KeyError: if a unit or parameter lacks a field ``to_json`` writes.
+        """
         return cls.from_dict(json.loads(text))
 
     def fingerprint(self) -> str:
-        """A short hash of the whole plan; ranks compare it before they communicate."""
+        """A short hash of the whole plan; ranks compare it before they communicate.
+
+        Returns:
+            16 hex digits of the SHA-256 of ``to_json()``.
+        """
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     def unit_fingerprints(self) -> dict[str, str]:
+        """A short hash of each unit's layout, so a difference can be named by unit.
+
+        Returns:
+            ``{unit name: 16 hex digits}``, in plan order.
+        """
         return {u.name: hashlib.sha256(json.dumps(Plan((u,)).to_dict()).encode()).hexdigest()[:16] for u in self.units}
 
     def __str__(self) -> str:
@@ -302,10 +458,16 @@ class Plan:
 
 
 def size_policy(min_num_params: int = int(1e8)) -> Policy:
-    """A unit for every module whose not-yet-claimed parameters number ``min_num_params``.
+    """Make a policy: a unit for every module whose not-yet-claimed parameters number ``min_num_params``.
 
     Like torch's ``size_based_auto_wrap_policy`` (containers whose forward never runs,
     ``nn.ModuleList``/``nn.ModuleDict``, are never units).
+
+    Args:
+        min_num_params: the fewest unclaimed parameter elements that make a module a unit.
+
+    Returns:
+        ``policy(module, recurse, unwrapped_params, **kwargs) -> bool``, for ``make_plan``.
     """
 
     def policy(module: nn.Module, recurse: bool, unwrapped_params: int, **kwargs: Any) -> bool:
@@ -318,7 +480,19 @@ def size_policy(min_num_params: int = int(1e8)) -> Policy:
 
 
 def layer_policy(layer_classes: Iterable[type[nn.Module]]) -> Policy:
-    """A unit for every instance of ``layer_classes`` (e.g. each transformer block)."""
+    """Make a policy: a unit for every instance of ``layer_classes`` (e.g. each transformer block).
+
+    Args:
+        layer_classes: the module classes whose instances become units.
+
+    Returns:
+        ``policy(module, recurse, unwrapped_params, **kwargs) -> bool``, for ``make_plan``;
+        ``make_plan`` raises if the model has no instance of these classes.
+
+    Raises:
+        TypeError: if ``layer_classes`` is empty or holds something that is not an
+            ``nn.Module`` subclass.
+    """
     classes = tuple(layer_classes)
     if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
         raise TypeError(f"layer_policy wants nn.Module subclasses, got {classes!r}")
@@ -368,18 +542,36 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
     becomes a unit, ``n`` being its parameters not yet claimed by a unit below it.
     A tied parameter whose users sit in different units becomes a unit of its own, which
     each of them gathers as it runs (gradients from every use are summed). Frozen
-    parameters (``requires_grad=False``) form a second flat buffer in their unit.
-    ``split_root=True`` shards the root like any other unit: what no unit claims is
-    split by owning module (e.g. the embedding and the output head become units of their
-    own, gathered only while they run, instead of one root unit gathered for the whole
-    step). ``"auto"`` (the default) splits the root when it is larger than every other
-    unit: held for the whole step, it would set the peak. No communication, no
-    allocation: it reads only shapes.
+    parameters (``requires_grad=False``) form a second flat buffer in their unit. No
+    communication, no allocation: it reads only shapes.
 
-    >>> from torch import nn
-    >>> m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    >>> make_plan(m, layer_policy([nn.Linear])).unit_names
-    ('0', '1')
+    Args:
+        module: the model (it may be on the meta device).
+        policy: ``policy(module, recurse, unwrapped_params, **kwargs) -> bool``
+            (``layer_policy``, ``size_policy``, or torch's auto-wrap policies); ``None``:
+            no unit but the root.
+        split_root: ``True`` shards the root like any other unit: what no unit claims is
+            split by owning module (e.g. the embedding and the output head become units of
+            their own, gathered only while they run, instead of one root unit gathered for
+            the whole step). ``"auto"`` splits the root when it is larger than every other
+            unit: held for the whole step, it would set the peak. ``False``: one root unit.
+
+    Returns:
+        The ``Plan``: the same on every rank for the same model and policy.
+
+    Raises:
+        TypeError: if ``module`` is not an ``nn.Module``, ``policy`` is not callable or
+            returns something that is not a bool, a parameter is not floating-point, or a
+            unit would mix dtypes.
+        ValueError: if the module has no parameters, an ``nn.Embedding`` has ``max_norm``
+            (its forward changes the table in place), the policy chooses a module whose
+            forward never runs, or a ``layer_policy``'s classes are not in the model.
+
+    Examples:
+        >>> from torch import nn
+        >>> m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        >>> make_plan(m, layer_policy([nn.Linear])).unit_names
+        ('0', '1')
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"make_plan wants an nn.Module, got {type(module).__name__}")

@@ -11,7 +11,11 @@ import torch.utils._pytree as torch_pytree
 
 
 class BackwardPrefetch(enum.Enum):
-    """When the next unit's all-gather is issued in backward (the seed's ``backward_prefetch``)."""
+    """When the next unit's all-gather is issued in backward (the seed's ``backward_prefetch``).
+
+    ``None`` in its place (``Schedule(backward_prefetch=None)``): when the unit's backward
+    needs it, with no overlap and one unit gathered at a time.
+    """
 
     BACKWARD_PRE = "pre"
     """While this unit's gradients are computed: most overlap, two units gathered at once.
@@ -30,11 +34,21 @@ def _floating(name: str, dtype: torch.dtype | None) -> None:
 class MixedPrecision:
     """Dtypes of a step (torch FSDP's ``MixedPrecision``). Master shards and optimizer state stay as they are.
 
-    ``param_dtype``: units are gathered and computed in it (a bf16 gather sends half the
-    bytes). ``reduce_dtype``: gradients are reduce-scattered in it (default:
-    ``param_dtype``). ``buffer_dtype``: buffers are kept in it. ``output_dtype``: the
-    forward's floating outputs are cast to it. ``cast_forward_inputs``: floating tensors
-    passed to the forward are cast to ``param_dtype``.
+    Each dtype left ``None`` keeps the tensors' own. A lower ``param_dtype`` halves the
+    gathered units' memory and the all-gathers' bytes; a lower ``reduce_dtype`` halves the
+    reduce-scatters'.
+
+    Attributes:
+        param_dtype: units are gathered and computed in it (a bf16 gather sends half the
+            bytes).
+        reduce_dtype: gradients are reduce-scattered in it (default: ``param_dtype``).
+        buffer_dtype: floating buffers are kept in it.
+        output_dtype: the forward's floating outputs are cast to it.
+        cast_forward_inputs: floating tensors passed to the forward are cast to
+            ``param_dtype``.
+
+    Raises:
+        TypeError: if a dtype is neither ``None`` nor a floating ``torch.dtype``.
     """
 
     param_dtype: torch.dtype | None = None
@@ -49,30 +63,68 @@ class MixedPrecision:
 
     @property
     def reduce(self) -> torch.dtype | None:
+        """The dtype gradients are reduce-scattered in: ``reduce_dtype``, else ``param_dtype``."""
         return self.reduce_dtype or self.param_dtype
 
     # Every cast mixed precision makes, in one place.
 
     def gathered(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype a unit of ``dtype`` is gathered and computed in."""
+        """The dtype a unit of ``dtype`` is gathered and computed in.
+
+        Args:
+            dtype: the unit's own (its shards') dtype.
+
+        Returns:
+            ``param_dtype``, else ``dtype``.
+        """
         return self.param_dtype or dtype
 
     def reduced(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype a gradient of ``dtype`` is reduce-scattered in."""
+        """The dtype a gradient of ``dtype`` is reduce-scattered in.
+
+        Args:
+            dtype: the gradient's own dtype.
+
+        Returns:
+            ``reduce``, else ``dtype``.
+        """
         return self.reduce or dtype
 
     def cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        """The forward's floating inputs in ``param_dtype`` (with ``cast_forward_inputs``)."""
+        """Cast the forward's floating inputs to ``param_dtype`` (with ``cast_forward_inputs``).
+
+        Args:
+            args: the forward's positional arguments (any pytree).
+            kwargs: the forward's keyword arguments (any pytree).
+
+        Returns:
+            ``(args, kwargs)`` with every floating tensor cast (new tensors); unchanged
+            without ``param_dtype`` or ``cast_forward_inputs``.
+        """
         if self.param_dtype is None or not self.cast_forward_inputs:
             return args, kwargs
         return _cast_floating((args, kwargs), self.param_dtype)  # type: ignore[no-any-return]
 
     def cast_output(self, out: Any) -> Any:
-        """The forward's floating outputs in ``output_dtype``."""
+        """Cast the forward's floating outputs to ``output_dtype``.
+
+        Args:
+            out: what the forward returned (any pytree).
+
+        Returns:
+            ``out`` with every floating tensor cast; unchanged without ``output_dtype``.
+        """
         return out if self.output_dtype is None else _cast_floating(out, self.output_dtype)
 
     def buffer(self, t: torch.Tensor) -> torch.dtype:
-        """The dtype a buffer is kept in."""
+        """The dtype a buffer is kept in.
+
+        Args:
+            t: the buffer.
+
+        Returns:
+            ``buffer_dtype`` for a floating buffer when set, else the buffer's own dtype.
+        """
         return self.buffer_dtype if self.buffer_dtype is not None and t.is_floating_point() else t.dtype
 
 
@@ -84,15 +136,32 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 
 @dataclass(frozen=True)
 class CPUOffload:
-    """Shards, gradients and optimizer state live on the CPU; each unit is copied to
-    ``device`` just for its gather, and the optimizer steps on the CPU (the seed's
-    ``CPUOffload(offload_params=True)``). ``device``: where the model computes (default:
-    the current CUDA device when there is one, else the CPU)."""
+    """Keep shards, gradients and optimizer state on the CPU; compute on ``device``.
+
+    Each unit is copied to ``device`` just for its gather, and the optimizer steps on the
+    CPU (the seed's ``CPUOffload(offload_params=True)``). Memory on the device: the units
+    in flight and the activations; each use costs a host-to-device copy of the unit's
+    shard before its all-gather, and each reduced gradient shard a copy back to the CPU.
+
+    Attributes:
+        offload_params: offload the shards (the seed's flag; always ``True`` here).
+        device: where the model computes (default: the current CUDA device when there is
+            one, else the CPU).
+    """
 
     offload_params: bool = True
     device: torch.device | str | None = None
 
     def compute_device(self) -> torch.device:
+        """The device the model computes on.
+
+        Returns:
+            ``device``, or the current CUDA device when there is one, else the CPU.
+
+        Raises:
+            ValueError: if ``device`` is a CUDA device that does not exist here, or is not a
+                CPU or accelerator device.
+        """
         if self.device is None:
             return (
                 torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -112,33 +181,49 @@ class CPUOffload:
 
 @dataclass(frozen=True)
 class Schedule:
-    """When things happen in a step, as one value, the same on every rank: when and in
-    what dtype units are gathered and where they live, when gradients are reduce-scattered
-    and when the optimizer runs.
+    """When things happen in a step, as one value, the same on every rank.
 
-    Gathers: ``reshard_after_forward=False`` keeps each unit gathered from its forward to
-    its backward (one all-gather less per unit, more memory: ZeRO-2 / ``SHARD_GRAD_OP``).
-    Otherwise the unit that ran last stays gathered for its backward, which comes first, and
-    with ``keep_tail_gathered`` (default) and a backward prefetch so do the units before it
-    while they fit the in-flight cap below: one all-gather, and its wait, less for each, their
-    bytes held through the loss (``False``: the last unit alone, the least memory at
-    backward's start).
-    ``backward_prefetch`` (``BACKWARD_PRE``, ``BACKWARD_POST``, ``None``) and
-    ``forward_prefetch`` issue the next unit's all-gather early, overlapping it with
-    compute; ``max_inflight`` caps the gathered non-root units at that many times the
-    largest one's bytes (prefetch included), so prefetching goes on past small units.
-    ``mixed_precision`` (``MixedPrecision``) and ``cpu_offload`` (``CPUOffload``).
+    When and in what dtype units are gathered and where they live, when gradients are
+    reduce-scattered and when the optimizer runs. To accumulate over calls instead of
+    micro-batches, chain ``accumulate(k, optimizer)``.
 
-    Updates: ``update_in_backward=True`` steps each unit's optimizer as soon as its
-    gradient shard is reduce-scattered, so the gradient shards of all units never live at
-    once (the optimizer must then be elementwise: no link that needs the whole gradient).
+    Attributes:
+        reshard_after_forward: ``False`` keeps each unit gathered from its forward to its
+            backward (one all-gather less per unit, more memory: ZeRO-2 /
+            ``SHARD_GRAD_OP``). ``True``: freed after its forward, gathered again for its
+            backward.
+        backward_prefetch: when the next unit's all-gather is issued in backward
+            (``BACKWARD_PRE``, ``BACKWARD_POST``, ``None``: when it is needed), overlapping
+            it with compute.
+        forward_prefetch: issue the next unit's all-gather in forward before it runs,
+            overlapping it with compute.
+        max_inflight: caps the gathered non-root units at that many times the largest
+            one's bytes (prefetch included), so prefetching goes on past small units; at
+            least 1.
+        keep_tail_gathered: with ``reshard_after_forward``, the unit that ran last stays
+            gathered for its backward, which comes first; with this (and a backward
+            prefetch) so do the units before it while they fit the in-flight cap: one
+            all-gather, and its wait, less for each, their bytes held through the loss
+            (``False``: the last unit alone, the least memory at backward's start).
+        mixed_precision: the step's dtypes (``MixedPrecision``).
+        cpu_offload: shards, gradients and optimizer state on the CPU (``CPUOffload``);
+            ``None``: they live where the shards are.
+        update_in_backward: step each unit's optimizer as soon as its gradient shard is
+            reduce-scattered, so the gradient shards of all units never live at once (the
+            optimizer must then be elementwise: no link that needs the whole gradient).
+        micro_batches: ``N`` makes a step's batch a sequence of N micro-batches whose
+            gradients are averaged.
+        reduce_each_micro_batch: ``True`` reduce-scatters each micro-batch's gradients
+            (memory: gradient shards); ``False`` keeps every unit's full gradient across
+            the micro-batches and reduce-scatters once (torch's ``no_sync``: a full
+            gradient per unit, one reduce-scatter per unit per step).
 
-    Micro-batches: ``micro_batches=N`` makes a step's batch a sequence of N micro-batches
-    whose gradients are averaged. ``reduce_each_micro_batch=True`` reduce-scatters each
-    micro-batch's gradients (memory: gradient shards); ``False`` keeps every unit's full
-    gradient across the micro-batches and reduce-scatters once (torch's ``no_sync``: a
-    full gradient per unit, one reduce-scatter per unit per step). To accumulate over
-    calls instead, chain ``accumulate(k, optimizer)``.
+    Raises:
+        ValueError: if ``max_inflight`` or ``micro_batches`` is not a whole number >= 1,
+            ``update_in_backward`` is asked with more than one micro-batch, or
+            ``cpu_offload``'s device does not exist here.
+        TypeError: if ``backward_prefetch``, ``mixed_precision`` or ``cpu_offload`` is not
+            of its type.
     """
 
     reshard_after_forward: bool = True
@@ -173,7 +258,23 @@ class Schedule:
             )
 
     def gather_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a unit of ``dtype`` is gathered in (``MixedPrecision.gathered``).
+
+        Args:
+            dtype: the unit's own dtype.
+
+        Returns:
+            ``mixed_precision.param_dtype``, else ``dtype``.
+        """
         return self.mixed_precision.gathered(dtype)
 
     def reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a gradient of ``dtype`` is reduce-scattered in (``MixedPrecision.reduced``).
+
+        Args:
+            dtype: the gradient's own dtype.
+
+        Returns:
+            ``mixed_precision.reduce``, else ``dtype``.
+        """
         return self.mixed_precision.reduced(dtype)

@@ -30,7 +30,7 @@ def predict_collectives(
     lookup_rows: bool = True,
     optimizer: GradientTransformation | None = None,
 ) -> list[Collective]:
-    """What one train step issues on each rank, from the plan alone (for units that run in plan order).
+    """Predict what one train step issues on each rank, from the plan alone (units run in plan order).
 
     Per use of a unit (a shared tied parameter is used by each of its modules), per flat
     part (trainable, frozen): one all-gather in forward in the gather dtype; one more in
@@ -45,16 +45,31 @@ def predict_collectives(
     ``update_in_backward``, per unit one all-reduce of a number per parameter (which
     parameters any rank reached), over the ranks and over the replicas, before its update.
 
-    ``lookup_rows`` (the train step on gloo's pairwise collectives; pass ``False`` for other
-    backends or ``FSDP_FN_COLLECTIVES=native``): a lookup unit's rows are fetched instead,
-    one ``row_fetch`` in forward and one ``row_reduce`` in backward (``numel`` 0: their size
-    follows the indices), unless the table is small (``ROWS_MIN_BYTES``), the schedule casts
-    or moves its shard, micro-batches are summed before reducing, or there are replicas.
+    Nothing is allocated, nothing is communicated.
 
-    ``optimizer``: then also what its update issues in a step that applies it (for
-    ``accumulate``, the call that ends a round): one all-reduce of one float64 number per
-    global norm it computes (``clip_by_global_norm``, ``apply_if_finite``), over the ranks
-    and over the replicas.
+    Args:
+        plan: the plan the step shards by.
+        world: the number of ranks sharing each unit (the shard group's size).
+        schedule: the step's ``Schedule`` (``None``: the default one).
+        first_step: predict the first step, where every resharded unit is gathered again
+            for backward; ``False``: a later step, where the units that ran last stay
+            gathered for backward.
+        replicas: the replicate group's size with hybrid sharding (1: none).
+        lookup_rows: a lookup unit's rows are fetched instead of its table gathered (the
+            train step on gloo's pairwise collectives; pass ``False`` for other backends or
+            ``FSDP_FN_COLLECTIVES=native``): one ``row_fetch`` in forward and one
+            ``row_reduce`` in backward (``numel`` 0: their size follows the indices), unless
+            the table is small (``ROWS_MIN_BYTES``), the schedule casts or moves its shard,
+            micro-batches are summed before reducing, or there are replicas.
+        optimizer: the step's optimizer; then also what its update issues in a step that
+            applies it (for ``accumulate``, the call that ends a round): one all-reduce of
+            one float64 number per global norm it computes (``clip_by_global_norm``,
+            ``apply_if_finite``), over the ranks and over the replicas.
+
+    Returns:
+        The ``Collective``s, unit by unit in plan order (not interleaved as the step
+        issues them), then the step's own; none over a group of one rank (it communicates
+        nothing). Compare with a ``comm_log()``'s records as a multiset.
     """
     schedule = schedule or Schedule()
     nbytes = gathered_bytes(plan, world, schedule)

@@ -74,7 +74,19 @@ class Sharded:
     part of the tree's structure, like the layout: ``tree_map(f, grads)`` keeps it, and two
     trees that differ only there still map together (the result has the first tree's
     structure, as optree's does). ``consumed`` says why the shards may no longer be used
-    (donated to a step, left half-updated by a failed one).
+    (donated to a step, left half-updated by a failed one). Making one copies no tensor
+    and communicates nothing.
+
+    Args:
+        shards: one tensor per unit, keyed by unit name in plan order (usually this rank's
+            1-D shard; a transform may put any leaf there).
+        layout: the plan, the groups and the frozen shards (shared by every tree of one
+            model: parameters, gradients, moments).
+        received: for each unit, which of its trainable parameters got a gradient;
+            ``None``: all of them.
+
+    Raises:
+        ValueError: if ``shards`` is not keyed by the plan's units, in plan order.
     """
 
     __slots__ = ("consumed", "layout", "received", "shards")
@@ -92,10 +104,12 @@ class Sharded:
 
     @property
     def plan(self) -> Plan:
+        """The plan the shards were made for."""
         return self.layout.plan
 
     @property
     def group(self) -> dist.ProcessGroup:
+        """The process group the units are sharded over."""
         return self.layout.group
 
     def __getitem__(self, unit: str) -> Any:
@@ -108,18 +122,48 @@ class Sharded:
         return len(self.shards)
 
     def values(self) -> list[Any]:
+        """The shards, in plan order (what a ``torch.optim`` optimizer is built on for ``from_torch``).
+
+        Returns:
+            A new list of the shard tensors; the tensors themselves are not copied.
+        """
         return list(self.shards.values())
 
     def replace(self, shards: Mapping[str, Any]) -> Sharded:
-        """New shards in this tree's structure (its layout and ``received``)."""
+        """New shards in this tree's structure (its layout and ``received``).
+
+        Args:
+            shards: one tensor per unit, keyed by unit name in plan order.
+
+        Returns:
+            A new ``Sharded``; no tensor is copied.
+
+        Raises:
+            ValueError: if ``shards`` is not keyed by the plan's units, in plan order.
+        """
         return Sharded(shards, self.layout, self.received)
 
     def with_received(self, received: Mapping[str, tuple[bool, ...]] | None) -> Sharded:
-        """The same shards, marking which parameters of each unit got a gradient."""
+        """The same shards, marking which parameters of each unit got a gradient.
+
+        Args:
+            received: for each unit, one bool per trainable parameter; a unit left out got
+                none; ``None``: every parameter got one.
+
+        Returns:
+            A new ``Sharded`` over the same tensors (no copy).
+        """
         return Sharded(self.shards, self.layout, received)
 
     def mask(self, unit: Unit) -> tuple[bool, ...]:
-        """Which of ``unit``'s trainable parameters got a gradient (all, without ``received``)."""
+        """Which of ``unit``'s trainable parameters got a gradient (all, without ``received``).
+
+        Args:
+            unit: a unit of the plan.
+
+        Returns:
+            One bool per parameter of ``unit.params``, in order.
+        """
         if self.received is None:
             return (True,) * len(unit.params)
         return tuple(self.received.get(unit.name, (False,) * len(unit.params)))
@@ -270,6 +314,29 @@ def shard(params: Mapping[str, torch.Tensor], plan: Plan, group: Group = None, *
     plan's fingerprint and per-unit checksums, so a plan or an initialisation that differs
     between ranks fails here, naming the unit and the ranks.
 
+    Args:
+        params: the full parameters by canonical name (``fn.params``, or
+            ``dict(module.named_parameters())``), the same values on every rank.
+        plan: the plan to shard by, the same on every rank.
+        group: the ranks that shard together: a ``ProcessGroup``, a 1-D ``DeviceMesh``, a
+            2-D one (replicate, shard) for hybrid sharding, or ``None`` (the default group).
+        timeout: seconds to wait on the other ranks while they agree on the plan and the
+            values.
+
+    Returns:
+        This rank's ``Sharded`` parameters (frozen parameters' shards in its layout).
+
+    Raises:
+        TypeError: if ``plan`` is not a ``Plan``, a parameter is not a tensor, or ``group``
+            is not a group, mesh or ``None``.
+        KeyError: if ``params`` misses a parameter of the plan or has one it does not.
+        ValueError: if a parameter's shape or dtype differs from the plan's, it is on the
+            meta device, a unit's parameters are on several devices, or ``group`` is a
+            mesh of more than two dimensions or a group this rank is not a member of.
+        RuntimeError: if ``torch.distributed`` is not initialised.
+        DivergenceError: if the ranks' plans or initial values differ (naming the unit).
+        RankFailure: if another rank failed or went silent for ``timeout``.
+
     >>> import torch, torch.distributed as dist
     >>> from torch import nn
     >>> if not dist.is_initialized():
@@ -320,14 +387,28 @@ def _checksum(unit: Unit, params: Mapping[str, torch.Tensor]) -> tuple[float, fl
 
 
 def unshard(sharded: Sharded, *, frozen: bool = True, timeout: float = 300.0) -> dict[str, torch.Tensor]:
-    """All parameters at full size, keyed by name: one all-gather per unit part.
+    """Gather all parameters at full size, keyed by name: one all-gather per unit part.
 
-    ``frozen``: also the frozen parameters' values, which the tree's layout holds, not its
-    leaves; pass ``False`` for a gradient or an optimizer moment (its frozen entries would
-    be the parameters' values, not gradients). Memory: the whole model on every rank. For
-    checkpoints, evaluation and tests. Every rank of the group must call it (guarded: a
-    rank that calls alone gets an error naming the ranks that did not join, within
-    ``timeout`` seconds).
+    Memory: the whole model on every rank. For checkpoints, evaluation and tests. Every
+    rank of the group must call it (guarded: a rank that calls alone gets an error naming
+    the ranks that did not join, within ``timeout`` seconds). Differentiable: its
+    backward is the reduce-scatter, averaged over ranks.
+
+    Args:
+        sharded: sharded parameters (or a gradient, an optimizer moment: any ``Sharded``).
+        frozen: also the frozen parameters' values, which the tree's layout holds, not its
+            leaves; pass ``False`` for a gradient or an optimizer moment (its frozen
+            entries would be the parameters' values, not gradients).
+        timeout: seconds to wait on the other ranks.
+
+    Returns:
+        ``{canonical name: full tensor}``, views into one gathered buffer per unit part.
+
+    Raises:
+        RuntimeError: if ``sharded`` was donated to a train step or left half-updated by
+            a failed one.
+        ValueError: if a shard has the wrong length for the world size.
+        RankFailure: if another rank failed, or did not join within ``timeout``.
     """
     ensure_live(sharded, "unshard")
     out: dict[str, torch.Tensor] = {}
@@ -344,11 +425,25 @@ def unshard(sharded: Sharded, *, frozen: bool = True, timeout: float = 300.0) ->
 def reduce_grads(grads: Mapping[str, torch.Tensor | None], like: Sharded, *, mean: bool = True) -> Sharded:
     """Reduce-scatter full gradients (keyed by parameter name) into ``like``'s sharded layout.
 
-    For users who compute full gradients themselves. Missing or ``None`` gradients count
-    as zero. ``mean=True`` averages over ranks (like DDP), ``False`` sums; with a 2-D mesh,
-    over the replicas too. Differentiable (its backward is an all-gather; not across
-    replicas). Memory: one unit's flat gradient at a time plus the
-    result shards; communication: one reduce-scatter per unit.
+    For users who compute full gradients themselves. Differentiable (its backward is an
+    all-gather; not across replicas). Memory: one unit's flat gradient at a time plus the
+    result shards; communication: one reduce-scatter per unit (and, with a 2-D mesh, one
+    all-reduce of its shard across the replicas).
+
+    Args:
+        grads: full gradients by canonical parameter name; missing or ``None`` gradients
+            count as zero. Each is cast to its unit's dtype.
+        like: the sharded parameters whose layout the result takes.
+        mean: ``True`` averages over ranks (like DDP), ``False`` sums; with a 2-D mesh,
+            over the replicas too.
+
+    Returns:
+        The gradient as a ``Sharded`` in ``like``'s structure.
+
+    Raises:
+        KeyError: if ``grads`` names a parameter that is not in the plan.
+        ValueError: if a gradient's shape differs from its parameter's, or a tied parameter's
+            gradients under two of its names differ.
     """
     plan, world = like.plan, like.layout.world
     unknown = [n for n in grads if not any(n == p.name or n in p.aliases for p in plan.params)]
@@ -358,7 +453,15 @@ def reduce_grads(grads: Mapping[str, torch.Tensor | None], like: Sharded, *, mea
     for unit in plan.units:
         pieces = []
         for spec in unit.params:
-            g = grads.get(spec.name)
+            # A tied parameter's gradient may come under any of its names (once: a module's
+            # named gradients list the same tensor under each; different values are ambiguous).
+            named = [(n, grads[n]) for n in (spec.name, *spec.aliases) if grads.get(n) is not None]
+            if any(t is not named[0][1] and not torch.equal(t, named[0][1]) for _, t in named[1:]):
+                raise ValueError(
+                    f"gradients of tied parameter {spec.name!r} differ under its names {[n for n, _ in named]}: "
+                    "give it once, under any one of them (autograd's gradient of a tied weight is one tensor)"
+                )
+            g = named[0][1] if named else None
             if g is None:
                 pieces.append(torch.zeros(spec.numel, dtype=unit.dtype, device=like[unit.name].device))
             else:

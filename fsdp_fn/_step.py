@@ -47,7 +47,15 @@ CheckSchedule = Literal["first", "always", "never"]
 
 
 class TrainState(NamedTuple):
-    """Everything a step reads and returns. ``params`` and optimizer state are shards."""
+    """Everything a step reads and returns. ``params`` and optimizer state are shards.
+
+    Attributes:
+        params: this rank's sharded parameters.
+        opt_state: the optimizer's state (its ``init``'s), sharded like ``params``.
+        buffers: the module's buffers by name, replicated: the same on every rank.
+        step: updates applied so far: a step ``apply_if_finite`` rejected, a call
+            ``accumulate`` deferred do not count.
+    """
 
     params: Sharded
     opt_state: Any
@@ -58,36 +66,22 @@ class TrainState(NamedTuple):
 class TrainStep:
     """The sharded train step: ``step(state, batch) -> (state, metrics)``; build with ``train_step``.
 
-    ``loss_fn(model, batch) -> scalar`` calls ``model(*args, **kwargs)`` with whatever its
-    forward takes; ``model`` runs the module on the sharded parameters, gathering each unit
-    just before it runs. The loss is this rank's loss on its part of the batch; gradients
-    are averaged over ranks, so equal per-rank batches give the gradient of the global
-    batch's mean loss. ``donate=True`` updates shards and optimizer state in place (the
-    returned state reuses the input's tensors); ``False`` leaves the input state intact.
-    ``has_aux=True``: ``loss_fn`` returns ``(loss, aux)`` and ``metrics["aux"]`` is this
-    rank's ``aux``, detached (a list of them with micro-batches): predictions, a metric.
+    ``model`` (``loss_fn``'s first argument) runs the module on the sharded parameters,
+    gathering each unit just before it runs. The loss is this rank's loss on its part of
+    the batch; gradients are averaged over ranks, so equal per-rank batches give the
+    gradient of the global batch's mean loss. Gradient transformations are links of the
+    optimizer's chain: ``chain(clip_by_global_norm(1.0), adamw())``,
+    ``apply_if_finite(...)`` (a skipped step leaves the state as it was, buffers included;
+    metrics say ``skipped``), ``accumulate(k, ...)``.
 
-    ``schedule`` (a ``Schedule``) says when things happen, as one value: resharding after
-    forward, prefetch, the in-flight limit, mixed precision, CPU offload, updating each
-    unit during backward, and micro-batches (with ``micro_batches=N`` the batch is a
-    sequence of N). Gradient transformations are links of the optimizer's chain:
-    ``chain(clip_by_global_norm(1.0), adamw())``, ``apply_if_finite(...)`` (a skipped step
-    leaves the state as it was, buffers included; metrics say ``skipped``),
-    ``accumulate(k, ...)``. ``buffer_sync`` keeps replicated buffers (BatchNorm statistics)
-    equal across ranks after each step: ``"broadcast"`` from rank 0 as DDP does,
-    ``"mean"``, or ``None``.
-
-    Activations: ``remat`` rematerialises units (``True``: every non-root unit; a unit
-    policy with the auto-wrap signature; or a ``Remat`` with a saving policy and
-    ``every``): their forward keeps only their inputs (and what the saving policy names),
-    and their backward recomputes them inside the unit's one gather, so no collective is
-    added. ``torch.utils.checkpoint.checkpoint`` calls in the model are routed the same way.
+    Activations: rematerialised units' forward keeps only their inputs (and what the
+    saving policy names), and their backward recomputes them inside the unit's one
+    gather, so no collective is added. ``torch.utils.checkpoint.checkpoint`` calls in the
+    model are routed the same way.
 
     Compilation: a unit whose module was compiled (``block.compile()``, as torchtitan does)
     runs its compiled code with the gathering around it, outside what Dynamo traces: one
-    graph per unit, no graph break, no recompilation from step to step. ``compile=True`` (or
-    ``torch.compile``'s options as a dict) compiles every non-root unit's module that way for
-    the step's calls, leaving the module itself as it was.
+    graph per unit, no graph break, no recompilation from step to step.
 
     Reliability: no step hangs silently. Waits on collectives notice a rank that raised
     (its error is raised here too, naming it), died, or stayed silent past ``timeout``
@@ -97,6 +91,43 @@ class TrainStep:
     so a divergence is named at the unit where it starts (``step.check_next_step()`` asks
     for it on demand); on those steps each unit's forward is also checked for changing its
     own parameters in place (a change its gathered copy would lose).
+
+    Args:
+        fn: the model, from ``functionalize(module)``.
+        loss_fn: ``loss_fn(model, batch) -> scalar``: calls ``model(*args, **kwargs)`` with
+            whatever the module's forward takes and returns a floating scalar tensor.
+        optimizer: a ``GradientTransformation`` (``adamw()``, ``sgd()``, ``chain(...)``,
+            ``from_torch(opt)``).
+        schedule: when things happen, as one value (``Schedule``): resharding after
+            forward, prefetch, the in-flight limit, mixed precision, CPU offload, updating
+            each unit during backward, and micro-batches (with ``micro_batches=N`` the batch
+            is a sequence of N); ``None``: the default one.
+        remat: rematerialise units: ``True`` (every non-root unit), a unit policy with the
+            auto-wrap signature, a ``Remat`` with a saving policy and ``every``; ``None`` or
+            ``False``: none.
+        donate: ``True`` updates shards and optimizer state in place (the returned state
+            reuses the input's tensors, and the input's may not be used again); ``False``
+            leaves the input state intact (a copy of it: twice the state's memory).
+        timeout: seconds a rank waits on the others before it raises ``RankFailure``.
+        check_schedule: ``"first"`` (check the first step), ``"always"`` or ``"never"``:
+            on checked steps ranks agree before every collective.
+        buffer_sync: keeps replicated buffers (BatchNorm statistics) equal across ranks
+            after each step: ``"broadcast"`` from rank 0 as DDP does, ``"mean"``, or
+            ``None`` (no communication).
+        has_aux: ``loss_fn`` returns ``(loss, aux)`` and ``metrics["aux"]`` is this rank's
+            ``aux``, detached (a list of them with micro-batches): predictions, a metric.
+        compile: ``True`` (or ``torch.compile``'s options as a dict) compiles every
+            non-root unit's module that way for the step's calls, leaving the module itself
+            as it was.
+
+    Raises:
+        TypeError: if ``fn`` is not a ``Functional``, ``loss_fn`` is not callable,
+            ``optimizer`` is not a ``GradientTransformation``, ``schedule`` is not a
+            ``Schedule``, ``compile`` is neither a bool nor a dict, or ``remat`` is not one
+            of its kinds.
+        ValueError: if ``timeout`` is not positive, ``check_schedule`` or ``buffer_sync``
+            is not one of its values, or ``Schedule(update_in_backward=True)`` is combined
+            with ``donate=False`` or an optimizer link that needs the whole gradient.
     """
 
     def __init__(
@@ -161,14 +192,37 @@ class TrainStep:
         self._check_next = check_schedule != "never"
 
     def check_next_step(self) -> None:
-        """Run the next step in check mode: ranks agree on every collective before issuing it."""
+        """Run the next step in check mode: ranks agree on every collective before issuing it.
+
+        A checked step costs one small exchange per collective and a fingerprint of each
+        unit's parameters around its forward; a divergence is then named at the unit where
+        it starts. Call it on every rank: every rank must check the same steps.
+        """
         self._check_next = True
 
     def init(self, params: Sharded, buffers: Mapping[str, torch.Tensor] | None = None) -> TrainState:
         """The first state. Buffers (default: the module's) are copied and broadcast from rank 0, as DDP does.
 
         With ``cpu_offload`` the shards move to the CPU (and buffers to the compute device);
-        with ``mixed_precision.buffer_dtype`` floating buffers are cast to it.
+        with ``mixed_precision.buffer_dtype`` floating buffers are cast to it. Memory: the
+        optimizer's state (AdamW: two shard-sized moments) and a copy of the buffers;
+        communication: one broadcast per buffer (over the replicas too). Logs ``summary``
+        at INFO to the ``fsdp_fn`` logger.
+
+        Args:
+            params: the sharded parameters (``shard`` or ``init_shards``); they become the
+                state's (not copied, unless ``cpu_offload`` moves them).
+            buffers: the buffers to start from, by name; ``None``: the module's
+                (``fn.buffers``).
+
+        Returns:
+            The ``TrainState`` at step 0.
+
+        Raises:
+            TypeError: if ``params`` is not ``Sharded``.
+            RuntimeError: if ``params`` was donated to a step or left half-updated by a
+                failed one.
+            RankFailure: if another rank failed or went silent for ``timeout``.
         """
         if not isinstance(params, Sharded):
             raise TypeError(f"init wants Sharded params (from shard()), got {type(params).__name__}")
@@ -196,9 +250,19 @@ class TrainStep:
         return TrainState(params, opt_state, copies, 0)
 
     def summary(self, params: Sharded) -> str:
-        """One line: the plan, the schedule, remat and compilation this step runs with (what
-        ``init`` logs at INFO to the ``fsdp_fn`` logger; Python's logging shows it once configured,
-        e.g. ``logging.basicConfig(level=logging.INFO)``)."""
+        """One line: the plan, the schedule, remat and compilation this step runs with.
+
+        What ``init`` logs at INFO to the ``fsdp_fn`` logger; Python's logging shows it once
+        configured, e.g. ``logging.basicConfig(level=logging.INFO)``. No communication.
+
+        Args:
+            params: the sharded parameters (their plan and layout are read).
+
+        Returns:
+            The line: units, parameters, the largest gathered unit's size, the world, the
+            schedule's options that differ from the defaults, remat, compilation and the
+            optimizer's name.
+        """
         plan, layout = params.plan, params.layout
         blocks = [u for u in plan.units if u.name and u.params]
         largest = max((u.gather_bytes(layout.world) for u in plan.units), default=0)
@@ -231,6 +295,34 @@ class TrainStep:
         (with ``update_in_backward``, units already stepped make it unusable, and saying so
         is the next use's error). Parameters the loss never reached are not stepped, as
         torch.optim skips parameters whose ``.grad`` is ``None``.
+
+        Args:
+            state: the state ``init`` or the previous step returned; with ``donate=True``
+                it is donated (its tensors hold the new state's values afterwards).
+            batch: this rank's part of the global batch, as ``loss_fn`` takes it (with
+                ``micro_batches=N``, a list of N).
+
+        Returns:
+            ``(new_state, metrics)``: ``metrics["loss"]`` is the mean loss over all ranks,
+            ``"grad_norm"`` the global gradient norm, ``"skipped"`` whether the optimizer
+            rejected the step (``apply_if_finite``), and with ``has_aux`` ``"aux"``: this
+            rank's aux.
+
+        Raises:
+            RuntimeError: if called inside a ``torch.func`` transform, ``state`` was donated
+                to an earlier step or left half-updated by a failed one, or the loss reaches
+                a parameter of the module through a reference taken outside ``model(...)``.
+            TypeError: if the optimizer state is not this step's optimizer's, or
+                ``loss_fn`` does not return a floating scalar tensor (with ``has_aux``, a
+                pair).
+            ValueError: if ``donate=False`` with a ``from_torch`` optimizer, a batch has an
+                empty leading dimension, the batch is not a list of ``micro_batches``, the
+                loss does not require grad, or a parameter the plan holds frozen is
+                trainable now.
+            RankFailure: if another rank raised (its error is named), died, or went silent
+                for ``timeout``.
+            DivergenceError: if the ranks issued different collectives (named at the unit
+                where they diverge on checked steps).
         """
         if torch._C._functorch.maybe_current_level() is not None:
             raise RuntimeError(
@@ -459,8 +551,18 @@ def clip_grad_norm_(grads: Sharded, max_norm: float) -> torch.Tensor:
     """Scale sharded gradients in place so their global norm is at most ``max_norm``; return the norm.
 
     ``torch.nn.utils.clip_grad_norm_``'s rule on the unsharded gradients (padding is zero
-    and adds nothing), with the exact global norm of ``global_norm``. Communication: one
-    all-reduce of one number (two with replicas).
+    and adds nothing), with the exact global norm of ``global_norm``. Memory: none beyond
+    a number; communication: one all-reduce of one number (two with replicas).
+
+    Args:
+        grads: the sharded gradients (``value_and_grad``'s); changed in place.
+        max_norm: the largest global norm, a positive finite number.
+
+    Returns:
+        The global norm before clipping, a float32 0-d tensor.
+
+    Raises:
+        ValueError: if ``max_norm`` is not a positive finite number.
     """
     if not (max_norm > 0 and math.isfinite(max_norm)):
         raise ValueError(f"clip_grad_norm_: max_norm must be a positive finite number, got {max_norm!r}")
@@ -475,10 +577,16 @@ def clip_grad_norm_(grads: Sharded, max_norm: float) -> torch.Tensor:
 def sync_buffers(buffers: Mapping[str, torch.Tensor], group: dist.ProcessGroup, mode: BufferSync) -> None:
     """Make replicated buffers equal on every rank again after a forward moved them.
 
-    ``"broadcast"``: rank 0's values win (DDP's rule). ``"mean"``: floating buffers are
-    averaged (every rank's statistics count); integer ones are left as they are (equal
-    by construction, e.g. ``num_batches_tracked``). ``None``: no communication.
-    Communication: one collective per buffer dtype (buffers flattened together).
+    Communication: one collective per buffer dtype (buffers flattened together); memory:
+    one flat copy of the buffers of one dtype at a time.
+
+    Args:
+        buffers: the replicated buffers by name; changed in place.
+        group: the ranks that must agree (a group of one: nothing to do).
+        mode: ``"broadcast"``: rank 0's values win (DDP's rule). ``"mean"``: floating
+            buffers are averaged (every rank's statistics count); integer ones are left as
+            they are (equal by construction, e.g. ``num_batches_tracked``). ``None``: no
+            communication.
     """
     if mode is None or group.size() == 1 or not buffers:
         return

@@ -81,8 +81,22 @@ def _stateless(
 def scale(step_size: float) -> GradientTransformation:
     """Multiply the updates by ``step_size`` (optax's ``scale``).
 
-    >>> scale(0.5).needs_whole_gradient
-    False
+    Memory: one new tensor per updated unit (none in place, on the step's donated
+    gradients); no communication.
+
+    Args:
+        step_size: the factor.
+
+    Returns:
+        A stateless ``GradientTransformation`` (state ``EmptyState()``) that works unit by
+        unit, so it may run during backward.
+
+    Raises:
+        TypeError: if ``step_size`` is not a number.
+
+    Examples:
+        >>> scale(0.5).needs_whole_gradient
+        False
     """
     _check_number(step_size, "scale(step_size)")
     return _stateless(f"scale({step_size:g})", lambda g: g * step_size, lambda g: g.mul_(step_size))
@@ -91,8 +105,23 @@ def scale(step_size: float) -> GradientTransformation:
 def clip(max_delta: float) -> GradientTransformation:
     """Clip each element of the updates to ``[-max_delta, max_delta]`` (optax's ``clip``).
 
-    >>> clip(1.0).name
-    'clip(1)'
+    Memory: one new tensor per updated unit (none in place, on the step's donated
+    gradients); no communication.
+
+    Args:
+        max_delta: the largest magnitude an element keeps, ``>= 0``.
+
+    Returns:
+        A stateless ``GradientTransformation`` (state ``EmptyState()``) that works unit by
+        unit, so it may run during backward.
+
+    Raises:
+        TypeError: if ``max_delta`` is not a number.
+        ValueError: if ``max_delta`` is negative.
+
+    Examples:
+        >>> clip(1.0).name
+        'clip(1)'
     """
     if not (_check_number(max_delta, "clip(max_delta)") >= 0):
         raise ValueError(f"clip: max_delta must be >= 0, got {max_delta!r}")
@@ -102,12 +131,19 @@ def clip(max_delta: float) -> GradientTransformation:
 
 
 def zero_nans() -> GradientTransformation:
-    """Replace NaNs in the updates by zeros (optax's ``zero_nans``, without its per-leaf
-    ``found_nan`` flags: a rank sees only its shards, so the flags would differ between
-    ranks; ``apply_if_finite`` makes the global decision).
+    """Replace NaNs in the updates by zeros (optax's ``zero_nans``, without its ``found_nan`` flags).
 
-    >>> zero_nans().name
-    'zero_nans'
+    Without optax's per-leaf flags: a rank sees only its shards, so the flags would differ
+    between ranks; ``apply_if_finite`` makes the global decision. Infinities are kept.
+    Memory: one new tensor per updated unit (none in place); no communication.
+
+    Returns:
+        A stateless ``GradientTransformation`` (state ``EmptyState()``) that works unit by
+        unit, so it may run during backward.
+
+    Examples:
+        >>> zero_nans().name
+        'zero_nans'
     """
     return _stateless(
         "zero_nans",
@@ -125,7 +161,14 @@ def global_norm(grads: Sharded) -> torch.Tensor:
     The squared norms of this rank's shards of the units that got a gradient
     (``square_norm``: exact at any size; padding is zero), all-reduced over the group, then
     averaged over the replicas (which hold the same shards). Communication: one all-reduce
-    of one number (two with replicas).
+    of one number (two with replicas). Every rank of the group must call it.
+
+    Args:
+        grads: sharded gradients or updates; units none of whose parameters got a
+            gradient count for nothing.
+
+    Returns:
+        The global norm, a 0-d float64 tensor on the CPU.
     """
     layout = grads.layout
     square = torch.zeros((), dtype=torch.float64)
@@ -138,15 +181,28 @@ def global_norm(grads: Sharded) -> torch.Tensor:
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
-    """Scale the updates so their global norm is at most ``max_norm``, by
-    ``torch.nn.utils.clip_grad_norm_``'s rule ``coef = min(1, max_norm / (norm + 1e-6))``
-    (optax's scales by ``max_norm / norm`` only above it: the same but for that 1e-6).
+    """Scale the updates so their global norm is at most ``max_norm`` (torch's ``clip_grad_norm_`` rule).
 
-    The norm is of the updates it receives, whatever came before it in a chain.
-    Communication: one all-reduce of one number (``global_norm``).
+    ``coef = min(1, max_norm / (norm + 1e-6))`` (optax's scales by ``max_norm / norm``
+    only above it: the same but for that 1e-6). The norm is of the updates it receives,
+    whatever came before it in a chain. Communication: one all-reduce of one number
+    (``global_norm``); memory: one new tensor per updated unit (none in place, on the
+    step's donated gradients).
 
-    >>> clip_by_global_norm(1.0).needs_whole_gradient
-    True
+    Args:
+        max_norm: the largest global norm, a positive finite number.
+
+    Returns:
+        A stateless ``GradientTransformation`` that needs the whole gradient (it cannot run
+        during backward).
+
+    Raises:
+        TypeError: if ``max_norm`` is not a number.
+        ValueError: if ``max_norm`` is not a positive finite number.
+
+    Examples:
+        >>> clip_by_global_norm(1.0).needs_whole_gradient
+        True
     """
     if not (_check_number(max_norm, "clip_by_global_norm(max_norm)") > 0 and math.isfinite(max_norm)):
         raise ValueError(f"clip_by_global_norm: max_norm must be a positive finite number, got {max_norm!r}")
@@ -244,11 +300,25 @@ class _Masks:
 def add_decayed_weights(weight_decay: float = 0.0, mask: ParamMask | None = None) -> GradientTransformation:
     """Add ``weight_decay * params`` to the updates (optax's ``add_decayed_weights``).
 
-    ``mask(name, shape) -> bool``: the parameters it applies to (default all), as torch's
-    parameter groups with ``weight_decay=0`` for the others. Needs ``params``.
+    Memory: one new tensor per updated unit; no communication.
 
-    >>> add_decayed_weights(0.1).name
-    'add_decayed_weights(0.1)'
+    Args:
+        weight_decay: the factor, ``>= 0`` (0: the updates pass unchanged).
+        mask: ``mask(name, shape) -> bool``: the parameters it applies to (default all), as
+            torch's parameter groups with ``weight_decay=0`` for the others.
+
+    Returns:
+        A stateless ``GradientTransformation`` (state ``EmptyState()``) that works unit by
+        unit, so it may run during backward. Its ``update`` needs ``params``.
+
+    Raises:
+        TypeError: if ``weight_decay`` is not a number.
+        ValueError: if ``weight_decay`` is negative; from ``update``, if it is given no
+            ``params``.
+
+    Examples:
+        >>> add_decayed_weights(0.1).name
+        'add_decayed_weights(0.1)'
     """
     if not (_check_number(weight_decay, "add_decayed_weights(weight_decay)") >= 0):
         raise ValueError(f"add_decayed_weights: weight_decay must be >= 0, got {weight_decay!r}")
@@ -274,17 +344,37 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: ParamMask | None = None
 
 
 class ScaleByScheduleState(NamedTuple):
+    """The state of ``scale_by_schedule`` and of a scheduled ``scale_by_learning_rate``.
+
+    Attributes:
+        count: the updates applied before the next one: what the schedule reads.
+    """
+
     # updates applied before the next one: what the schedule reads (optax's name: it shadows tuple.count)
     count: int  # type: ignore[assignment]
 
 
 def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
-    """Multiply the updates by ``step_size_fn(count)``, ``count`` the updates this
-    transformation applied before (optax's ``scale_by_schedule``). A rejected or deferred
-    step (``apply_if_finite``, ``accumulate`` around it) does not count.
+    """Multiply the updates by ``step_size_fn(count)`` (optax's ``scale_by_schedule``).
 
-    >>> scale_by_schedule(lambda k: 0.5 ** k).init(None)
-    ScaleByScheduleState(count=0)
+    ``count`` is the number of updates this transformation applied before; a rejected or
+    deferred step (``apply_if_finite``, ``accumulate`` around it) does not count. Memory:
+    one new tensor per updated unit; no communication.
+
+    Args:
+        step_size_fn: ``step_size_fn(count) -> number`` (a Python number or a 0-d tensor
+            or array).
+
+    Returns:
+        A ``GradientTransformation`` whose state is ``ScaleByScheduleState(count)``.
+
+    Raises:
+        TypeError: if ``step_size_fn`` is not callable; from ``update``, if it returns
+            something that is not a number.
+
+    Examples:
+        >>> scale_by_schedule(lambda k: 0.5 ** k).init(None)
+        ScaleByScheduleState(count=0)
     """
     if not callable(step_size_fn):
         raise TypeError(f"scale_by_schedule takes a callable count -> number, got {type(step_size_fn).__name__}")
@@ -312,14 +402,29 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
 def scale_by_learning_rate(lr: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
     """Multiply the updates by ``-lr`` (``lr`` with ``flip_sign=False``), as optax's.
 
-    ``lr``: a number, or a schedule ``lr(count)`` of the updates applied before this one
-    (0 at the first), which the state counts: ``ScaleByScheduleState(count)``. Any callable
-    returning a number works: a Python function, ``optax.linear_schedule(...)`` (a jax
-    scalar), a 0-d tensor. torch's ``LambdaLR(opt, f)`` stepped after each step is
-    ``lr=lambda k: base_lr * f(k)``.
+    Memory: one new tensor per updated unit; no communication.
 
-    >>> scale_by_learning_rate(lambda k: 1e-3 * 0.9 ** k).init(None)
-    ScaleByScheduleState(count=0)
+    Args:
+        lr: a number, or a schedule ``lr(count)`` of the updates applied before this one (0
+            at the first), which the state counts: ``ScaleByScheduleState(count)``. Any
+            callable returning a number works: a Python function,
+            ``optax.linear_schedule(...)`` (a jax scalar), a 0-d tensor. torch's
+            ``LambdaLR(opt, f)`` stepped after each step is ``lr=lambda k: base_lr * f(k)``.
+        flip_sign: multiply by ``-lr`` (descent); ``False``: by ``lr``.
+
+    Returns:
+        A ``GradientTransformation``: with a number, a stateless ``scale``; with a
+        schedule, one whose state is ``ScaleByScheduleState(count)``.
+
+    Raises:
+        TypeError: if ``lr`` is neither a number nor a callable; from ``update``, if the
+            schedule returns something that is not a number.
+        ValueError: if a number ``lr`` is not finite and ``>= 0``; from ``update``, if the
+            schedule gives a learning rate that is not a finite number >= 0.
+
+    Examples:
+        >>> scale_by_learning_rate(lambda k: 1e-3 * 0.9 ** k).init(None)
+        ScaleByScheduleState(count=0)
     """
     check_rate(lr, "scale_by_learning_rate")
     if not callable(lr) and not (math.isfinite(lr) and lr >= 0):
@@ -376,6 +481,15 @@ def _steps(unit: Unit, count: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 
 class ScaleByAdamState(NamedTuple):
+    """The state of ``scale_by_adam`` (and of ``adamw``/``adam``), sharded like the parameters.
+
+    Attributes:
+        count: per unit, one float32 step count per trainable parameter (torch's
+            ``"step"``).
+        mu: the first moment (torch's ``"exp_avg"``).
+        nu: the second moment (torch's ``"exp_avg_sq"``).
+    """
+
     # per unit: one float32 step count per trainable parameter (torch's "step") (optax's name: it shadows tuple.count)
     count: Sharded  # type: ignore[assignment]
     mu: Sharded  # first moment (torch's "exp_avg")
@@ -383,12 +497,25 @@ class ScaleByAdamState(NamedTuple):
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
-    """Adam's direction ``mu_hat / (sqrt(nu_hat) + eps)`` (optax's ``scale_by_adam``), with
-    torch's arithmetic and per-parameter step counts (bias correction per parameter, as
-    torch.optim's; optax keeps one count). Memory: two moments the size of the shards.
+    """Adam's direction ``mu_hat / (sqrt(nu_hat) + eps)`` (optax's ``scale_by_adam``), with torch's arithmetic.
 
-    >>> scale_by_adam().needs_whole_gradient
-    False
+    Per-parameter step counts (bias correction per parameter, as torch.optim's; optax
+    keeps one count). Memory: two moments the size of the shards; no communication.
+
+    Args:
+        b1: the first moment's decay rate, in ``[0, 1)``.
+        b2: the second moment's decay rate, in ``[0, 1)``.
+        eps: added to the second moment's square root, ``>= 0``.
+
+    Returns:
+        A ``GradientTransformation`` whose state is ``ScaleByAdamState``.
+
+    Raises:
+        ValueError: if a decay rate is not in ``[0, 1)`` or ``eps`` is negative.
+
+    Examples:
+        >>> scale_by_adam().needs_whole_gradient
+        False
     """
     if not (0 <= b1 < 1 and 0 <= b2 < 1 and eps >= 0):
         raise ValueError(f"invalid Adam hyper-parameters betas=({b1}, {b2}), eps={eps}")
@@ -419,18 +546,40 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
 
 class TraceState(NamedTuple):
+    """The state of ``trace`` (and of ``sgd`` with momentum), sharded like the parameters.
+
+    Attributes:
+        count: per unit, one float32 step count per trainable parameter.
+        trace: the momentum buffer (torch's ``"momentum_buffer"``).
+    """
+
     # per unit: one float32 step count per trainable parameter (optax's name: it shadows tuple.count)
     count: Sharded  # type: ignore[assignment]
     trace: Sharded  # the momentum buffer (torch's "momentum_buffer")
 
 
 def trace(decay: float, nesterov: bool = False, *, dampening: float = 0.0) -> GradientTransformation:
-    """Momentum as torch.optim.SGD has it: ``trace = decay * trace + (1 - dampening) * g``,
-    starting from the first gradient itself; the update is ``trace`` (``g + decay * trace``
-    with ``nesterov``). Without dampening it is optax's ``trace``.
+    """Momentum as torch.optim.SGD has it: ``trace = decay * trace + (1 - dampening) * g``.
 
-    >>> trace(0.9).name
-    'trace(0.9)'
+    Starting from the first gradient itself; the update is ``trace`` (``g + decay * trace``
+    with ``nesterov``). Without dampening it is optax's ``trace``. Memory: one buffer the
+    size of the shards; no communication.
+
+    Args:
+        decay: the momentum factor, ``>= 0``.
+        nesterov: Nesterov momentum (needs ``decay > 0`` and no dampening).
+        dampening: how much of the gradient is kept out of the buffer, in ``[0, 1]``.
+
+    Returns:
+        A ``GradientTransformation`` whose state is ``TraceState``.
+
+    Raises:
+        ValueError: if ``decay`` is negative, ``dampening`` is not in ``[0, 1]``, or
+            ``nesterov`` is asked without ``decay > 0`` and ``dampening == 0``.
+
+    Examples:
+        >>> trace(0.9).name
+        'trace(0.9)'
     """
     if decay < 0 or not 0 <= dampening <= 1:
         raise ValueError(f"invalid momentum {decay} / dampening {dampening}")
@@ -459,15 +608,33 @@ def trace(decay: float, nesterov: bool = False, *, dampening: float = 0.0) -> Gr
 
 
 class ScaleByLionState(NamedTuple):
+    """The state of ``scale_by_lion`` (and of ``lion``), sharded like the parameters.
+
+    Attributes:
+        mu: the momentum (torch ports call it ``"exp_avg"``).
+    """
+
     mu: Sharded  # the momentum (torch ports call it "exp_avg")
 
 
 def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
-    """Lion's direction ``sign((1 - b1) g + b1 mu)``, then ``mu = b2 mu + (1 - b2) g``
-    (optax's ``scale_by_lion``). Memory: one moment the size of the shards.
+    """Lion's direction ``sign((1 - b1) g + b1 mu)``, then ``mu = b2 mu + (1 - b2) g`` (optax's ``scale_by_lion``).
 
-    >>> scale_by_lion().name
-    'scale_by_lion'
+    Memory: one moment the size of the shards; no communication.
+
+    Args:
+        b1: the rate of the direction's interpolation, in ``[0, 1]``.
+        b2: the moment's decay rate, in ``[0, 1]``.
+
+    Returns:
+        A ``GradientTransformation`` whose state is ``ScaleByLionState``.
+
+    Raises:
+        ValueError: if ``b1`` or ``b2`` is not in ``[0, 1]``.
+
+    Examples:
+        >>> scale_by_lion().name
+        'scale_by_lion'
     """
     if not (0 <= b1 <= 1 and 0 <= b2 <= 1):
         raise ValueError(f"invalid Lion hyper-parameters b1={b1}, b2={b2}")

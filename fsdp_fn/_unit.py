@@ -45,6 +45,14 @@ _transforms_active = torch._C._are_functorch_transforms_active
 
 
 class UnitState(enum.Enum):
+    """Where a unit's gathered flat buffer is in its lifecycle within one step (FSDP2's ``ShardedState``).
+
+    ``SHARDED`` -> ``GATHERED`` (its all-gather issued) -> ``FREED`` after its forward ->
+    ``GATHERED`` again for its backward (the refill) -> ``SHARDED`` once its backward is
+    done (released). Memory: a unit holds its full (padded) parameters only while
+    ``GATHERED``.
+    """
+
     SHARDED = "sharded"
     """Only this rank's shard exists; the gathered buffer is not allocated."""
     GATHERED = "gathered"

@@ -54,6 +54,15 @@ def _inner_outcome(inner: GradientTransformation, state: Any) -> Outcome:
 
 
 class ApplyIfFiniteState(NamedTuple):
+    """The state of ``apply_if_finite``: its counters (Python numbers) and ``inner``'s state.
+
+    Attributes:
+        notfinite_count: non-finite gradients in a row.
+        last_finite: whether the last gradient was finite.
+        total_notfinite: non-finite gradients in all.
+        inner_state: the wrapped transformation's state.
+    """
+
     notfinite_count: int  # non-finite gradients in a row
     last_finite: bool  # whether the last gradient was finite
     total_notfinite: int
@@ -61,17 +70,32 @@ class ApplyIfFiniteState(NamedTuple):
 
 
 def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int | None = None) -> GradientTransformation:
-    """Apply ``inner`` only when the gradients' global norm is finite (no NaN or inf on any
-    rank); otherwise the updates are zero and ``inner``'s state stays as it was (optax's
-    ``apply_if_finite``). After more than ``max_consecutive_errors`` non-finite gradients in a
-    row the update is applied anyway, as optax does; ``None`` (the default) never applies one.
-    In a train step a rejected update leaves everything as it was, buffers included.
+    """Apply ``inner`` only when the gradients' global norm is finite (optax's ``apply_if_finite``).
 
-    The decision is the same on every rank. Communication: one all-reduce of one number.
+    Finite: no NaN or inf on any rank. Otherwise the updates are zero and ``inner``'s state
+    stays as it was. In a train step a rejected update leaves everything as it was,
+    buffers included. The decision is the same on every rank. Communication: one
+    all-reduce of one number (two with replicas); memory: ``inner``'s.
 
-    >>> from fsdp_fn import adamw
-    >>> apply_if_finite(adamw(), max_consecutive_errors=5).outcome is not None
-    True
+    Args:
+        inner: the transformation to guard.
+        max_consecutive_errors: after more than this many non-finite gradients in a row
+            the update is applied anyway, as optax does; ``None`` (the default) never
+            applies one.
+
+    Returns:
+        A ``GradientTransformation`` whose state is ``ApplyIfFiniteState`` and whose
+        ``outcome`` says ``REJECTED`` after a skipped update.
+
+    Raises:
+        TypeError: if ``inner`` is not a ``GradientTransformation``.
+        ValueError: if ``max_consecutive_errors`` is neither ``None`` nor a whole number
+            ``>= 0``.
+
+    Examples:
+        >>> from fsdp_fn import adamw
+        >>> apply_if_finite(adamw(), max_consecutive_errors=5).outcome is not None
+        True
     """
     inner = _check(inner, "apply_if_finite")
     if max_consecutive_errors is not None and (
@@ -125,6 +149,16 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int |
 
 
 class AccumulateState(NamedTuple):
+    """The state of ``accumulate`` (optax's ``MultiStepsState``).
+
+    Attributes:
+        mini_step: calls accumulated so far in this round.
+        gradient_step: rounds completed (updates the inner transformation got).
+        inner_opt_state: the wrapped transformation's state.
+        acc_grads: the round's mean (or sum) so far, one gradient shard per unit; its
+            ``received``: what any call of the round reached.
+    """
+
     mini_step: int  # calls accumulated so far in this round
     gradient_step: int  # rounds completed (updates the inner transformation got)
     inner_opt_state: Any
@@ -134,16 +168,33 @@ class AccumulateState(NamedTuple):
 def accumulate(
     every: int | Callable[[int], int], inner: GradientTransformation, *, use_grad_mean: bool = True
 ) -> GradientTransformation:
-    """Accumulate the gradients of ``every`` calls and give ``inner`` their mean (their sum
-    with ``use_grad_mean=False``) on the last one (optax's ``MultiSteps``); the other calls'
-    updates are zero and ``inner``'s state stays as it was. ``every`` may be a schedule of
-    the rounds completed (optax's ``every_k_schedule``). A parameter counts as reached if
-    any call of the round reached it. Memory: one gradient shard per unit; no communication
-    of its own. In a train step, ``TrainState.step`` counts rounds, not calls.
+    """Accumulate ``every`` calls' gradients; give ``inner`` their mean on the last one (optax's ``MultiSteps``).
 
-    >>> from fsdp_fn import sgd
-    >>> accumulate(4, sgd()).needs_whole_gradient
-    True
+    The other calls' updates are zero and ``inner``'s state stays as it was. A parameter
+    counts as reached if any call of the round reached it. Memory: one gradient shard per
+    unit; no communication of its own. In a train step, ``TrainState.step`` counts rounds,
+    not calls.
+
+    Args:
+        every: calls per round, a whole number ``>= 1``, or a schedule
+            ``every(rounds_completed) -> calls`` (optax's ``every_k_schedule``).
+        inner: the transformation the round's gradient is given to.
+        use_grad_mean: give ``inner`` the mean of the round's gradients; ``False``: their
+            sum.
+
+    Returns:
+        A ``GradientTransformation`` whose state is ``AccumulateState`` and whose
+        ``outcome`` says ``DEFERRED`` within a round.
+
+    Raises:
+        TypeError: if ``inner`` is not a ``GradientTransformation``.
+        ValueError: if ``every`` (or, at a call, what its schedule returns) is not a whole
+            number ``>= 1``.
+
+    Examples:
+        >>> from fsdp_fn import sgd
+        >>> accumulate(4, sgd()).needs_whole_gradient
+        True
     """
     inner = _check(inner, "accumulate")
     if not callable(every):
@@ -229,17 +280,39 @@ def _restricted(grads: Updates, keep: Callable[[Unit], tuple[bool, ...]]) -> Upd
 
 
 class MaskedState(NamedTuple):
+    """The state of ``masked``.
+
+    Attributes:
+        inner_state: the wrapped transformation's state (over every parameter).
+    """
+
     inner_state: Any
 
 
 def masked(inner: GradientTransformation, mask: ParamMask | Mapping[str, bool]) -> GradientTransformation:
-    """Apply ``inner`` to the parameters ``mask(name, shape)`` selects (or a mapping name ->
-    bool); the others' updates pass through unchanged (optax's ``masked``). ``inner``'s state
-    covers every parameter (a unit is one flat shard); the unselected ones' stays as it was.
+    """Apply ``inner`` to the parameters ``mask`` selects; the others' updates pass through (optax's ``masked``).
 
-    >>> from fsdp_fn import scale
-    >>> masked(scale(0.5), lambda name, shape: len(shape) > 1).name
-    'masked(scale(0.5))'
+    ``inner``'s state covers every parameter (a unit is one flat shard); the unselected
+    ones' stays as it was. Memory: ``inner``'s, and one new tensor per unit ``mask``
+    splits; no communication of its own.
+
+    Args:
+        inner: the transformation to apply to the selected parameters.
+        mask: ``mask(name, shape) -> bool``, or a mapping from every parameter's name to a
+            bool.
+
+    Returns:
+        A ``GradientTransformation`` whose state is ``MaskedState``.
+
+    Raises:
+        TypeError: if ``inner`` is not a ``GradientTransformation`` or ``mask`` is neither
+            callable nor a mapping.
+        KeyError: from ``update``, if a mapping ``mask`` lacks a parameter's name.
+
+    Examples:
+        >>> from fsdp_fn import scale
+        >>> masked(scale(0.5), lambda name, shape: len(shape) > 1).name
+        'masked(scale(0.5))'
     """
     inner = _check(inner, "masked")
     select = _as_select(mask, "masked")
@@ -278,6 +351,12 @@ def masked(inner: GradientTransformation, mask: ParamMask | Mapping[str, bool]) 
 
 
 class MultiTransformState(NamedTuple):
+    """The state of ``multi_transform``.
+
+    Attributes:
+        inner_states: each label's transformation's state (over every parameter), by label.
+    """
+
     inner_states: dict[str, Any]
 
 
@@ -285,16 +364,31 @@ def multi_transform(
     transforms: Mapping[str, GradientTransformation],
     param_labels: Callable[[str, tuple[int, ...]], str] | Mapping[str, str],
 ) -> GradientTransformation:
-    """One transformation per label, each on the parameters ``param_labels(name, shape)``
-    gives its label (or a mapping name -> label), as optax's ``multi_transform``:
-    ``multi_transform({"adam": ff.adamw(), "frozen": ff.scale(0.0)}, labels)``.
+    """One transformation per label, each on the parameters of its label (optax's ``multi_transform``).
 
-    Each transformation's state covers every parameter; the other labels' stay as they
-    were. In a train step each label's transformation runs in place on its own parameters.
+    ``multi_transform({"adam": ff.adamw(), "frozen": ff.scale(0.0)}, labels)``. Each
+    transformation's state covers every parameter; the other labels' stay as they were.
+    In a train step each label's transformation runs in place on its own parameters (the
+    gradients copied for every label but the last). No communication of its own.
 
-    >>> from fsdp_fn import adamw, sgd
-    >>> multi_transform({"a": adamw(), "b": sgd()}, lambda name, shape: "a").name
-    'multi_transform(a: adamw, b: sgd)'
+    Args:
+        transforms: the transformation of each label.
+        param_labels: ``param_labels(name, shape) -> label``, or a mapping from every
+            parameter's name to its label.
+
+    Returns:
+        A ``GradientTransformation`` whose state is ``MultiTransformState``.
+
+    Raises:
+        TypeError: if a transformation is not a ``GradientTransformation`` or
+            ``param_labels`` is neither callable nor a mapping.
+        KeyError: from ``init`` or ``update``, if a parameter's label names no
+            transformation, or a mapping lacks a parameter's name.
+
+    Examples:
+        >>> from fsdp_fn import adamw, sgd
+        >>> multi_transform({"a": adamw(), "b": sgd()}, lambda name, shape: "a").name
+        'multi_transform(a: adamw, b: sgd)'
     """
     links = {label: _check(t, "multi_transform") for label, t in transforms.items()}
     select = _as_select(param_labels, "multi_transform")
@@ -373,6 +467,16 @@ def multi_transform(
 
 
 class InjectHyperparamsState(NamedTuple):
+    """The state of an ``inject_hyperparams`` transformation.
+
+    Attributes:
+        count: the updates applied before the next one: what scheduled hyper-parameters
+            read.
+        hyperparams: the numeric hyper-parameters' values at the last update; replace one
+            to change it.
+        inner_state: the inner transformation's state.
+    """
+
     # updates applied before the next one: what scheduled hyper-parameters read (optax's name: it shadows tuple.count)
     count: int  # type: ignore[assignment]
     hyperparams: dict[str, float]  # their values at the last update; replace one to change it
@@ -380,18 +484,30 @@ class InjectHyperparamsState(NamedTuple):
 
 
 def inject_hyperparams(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
-    """Make ``factory``'s numeric hyper-parameters part of the state (optax's
-    ``inject_hyperparams``): ``inject_hyperparams(ff.adamw)(lr=1e-3, weight_decay=0.1)``.
+    """Make ``factory``'s numeric hyper-parameters part of the state (optax's ``inject_hyperparams``).
 
-    A number is kept in ``state.hyperparams`` and can be changed between steps
+    ``inject_hyperparams(ff.adamw)(lr=1e-3, weight_decay=0.1)``. A number is kept in
+    ``state.hyperparams`` and can be changed between steps
     (``state._replace(hyperparams={**state.hyperparams, "lr": 1e-4})``); a callable is a
     schedule of ``state.count`` (the updates applied before), evaluated at each update.
     Other arguments are passed as they are. The inner transformation is rebuilt from the
     values at each update (cheap: closures), so its fused form still runs in a train step.
+    Memory and communication: the inner transformation's.
 
-    >>> from fsdp_fn import scale
-    >>> inject_hyperparams(scale)(step_size=0.5).init(None)
-    InjectHyperparamsState(count=0, hyperparams={'step_size': 0.5}, inner_state=EmptyState())
+    Args:
+        factory: a function that builds a ``GradientTransformation`` from keyword
+            hyper-parameters (``ff.adamw``, ``ff.scale``, ...).
+
+    Returns:
+        ``build(*args, **kwargs) -> GradientTransformation`` whose state is
+        ``InjectHyperparamsState``. ``build`` raises ``TypeError`` if ``factory`` does not
+        return a ``GradientTransformation``; its ``update`` raises ``TypeError`` if a
+        schedule does not return a number.
+
+    Examples:
+        >>> from fsdp_fn import scale
+        >>> inject_hyperparams(scale)(step_size=0.5).init(None)
+        InjectHyperparamsState(count=0, hyperparams={'step_size': 0.5}, inner_state=EmptyState())
     """
 
     def build(*args: Any, **kwargs: Any) -> GradientTransformation:

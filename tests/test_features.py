@@ -289,6 +289,37 @@ def _clip_function(group, max_norm):
     )
 
 
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def _tied_reduce_grads(group):
+    torch.manual_seed(0)
+    m = _Tied()
+    params = ff.shard(dict(m.named_parameters()), ff.make_plan(m), group)
+    g = torch.arange(15.0).reshape(5, 3)
+    under_alias = ff.unshard(ff.reduce_grads({"head.weight": g}, params))["emb.weight"]
+    under_both = ff.unshard(ff.reduce_grads({"emb.weight": g, "head.weight": g.clone()}, params))["emb.weight"]
+    try:
+        ff.reduce_grads({"emb.weight": g, "head.weight": g + 1}, params)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    return torch.equal(under_alias, g), torch.equal(under_both, g), error
+
+
+def test_reduce_grads_takes_a_tied_gradient_under_any_of_its_names(pool):
+    # Catches: a tied weight's gradient given under its alias silently dropped (zeros), and two
+    # different gradients under its two names silently resolved to one of them.
+    for alias_ok, both_ok, error in pool.run(_tied_reduce_grads, world=2):
+        assert alias_ok and both_ok
+        assert "emb.weight" in error and "head.weight" in error
+
+
 @pytest.mark.parametrize("max_norm", [0.5, 100.0])
 def test_clip_grad_norm_function(pool, max_norm):
     # Catches: the local norm instead of the global one, a missing clamp(max=1) (at 100 the
