@@ -455,7 +455,7 @@ def reduce_grads(grads: Mapping[str, torch.Tensor | None], like: Sharded, *, mea
         for spec in unit.params:
             # A tied parameter's gradient may come under any of its names (once: a module's
             # named gradients list the same tensor under each; different values are ambiguous).
-            named = [(n, grads[n]) for n in (spec.name, *spec.aliases) if grads.get(n) is not None]
+            named = [(n, t) for n in (spec.name, *spec.aliases) if (t := grads.get(n)) is not None]
             if any(t is not named[0][1] and not torch.equal(t, named[0][1]) for _, t in named[1:]):
                 raise ValueError(
                     f"gradients of tied parameter {spec.name!r} differ under its names {[n for n, _ in named]}: "
