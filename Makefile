@@ -23,6 +23,7 @@ lint: $(READY)
 	$(BIN)/ruff check fsdp_fn tests examples bench
 	$(BIN)/ruff format --check fsdp_fn tests examples bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache  # the layers of docs/design.md (pyproject.toml [tool.importlinter])
 
 docs: $(READY)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict  # (not --quiet: it hides the warnings strict turns into errors)

@@ -125,7 +125,7 @@ class _Theirs:
 
 
 def _run(group: Any, cfg: GPTConfig, root: str, reps: int) -> dict[str, Any]:
-    from fsdp_fn import _integrity
+    from fsdp_fn.checkpoint import _integrity
 
     writers: list[Any] = []  # every Writer a save makes, for the seconds it spent hashing
     make = _integrity.Writer.__init__

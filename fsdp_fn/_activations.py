@@ -28,7 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fsdp_fn._functional import Functional
 from fsdp_fn._plan import ROOT, Plan, Policy, unit_label
 from fsdp_fn._policy import MixedPrecision
-from fsdp_fn._remat import Remat, _remat_with_state, route_torch_checkpoint
+from fsdp_fn._remat import Remat, route_torch_checkpoint
+from fsdp_fn._remat._function import _remat_with_state
 
 LOSS = "(loss)"
 """Where the loss function's own work is counted (what it computes outside the model)."""

@@ -34,16 +34,10 @@ from fsdp_fn._functional import Functional, parameters_restored, requires_grad_t
 from fsdp_fn._phases import phased
 from fsdp_fn._plan import ROOT, Unit, unit_label
 from fsdp_fn._policy import Schedule
-from fsdp_fn._remat import (
-    Remat,
-    SavePolicy,
-    _installed,
-    _remat_with_state,
-    _state_slots,
-    handling_regions,
-    route_torch_checkpoint,
-    save_nothing,
-)
+from fsdp_fn._remat import Remat, SavePolicy, route_torch_checkpoint, save_nothing
+from fsdp_fn._remat._function import _remat_with_state
+from fsdp_fn._remat._routing import handling_regions
+from fsdp_fn._remat._state import _installed, _state_slots
 from fsdp_fn._shard import Sharded, ensure_live
 from fsdp_fn._unit import GatheredUnit, plain
 from fsdp_fn._wiring import Wiring, check_rematerialisable

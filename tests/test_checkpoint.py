@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 import fsdp_fn as ff
 import fsdp_fn.checkpoint as ckpt
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
-from fsdp_fn._dcp import boxes
+from fsdp_fn.checkpoint import _opt_state
+from fsdp_fn.checkpoint._dcp import boxes
 from fsdp_fn.testing import RankError, RankPool
 from tests.helpers import batch_for, local_part, reference_run, tiny_llama
 
@@ -924,21 +925,22 @@ def _abandoned_save(group, root):
 
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    from fsdp_fn._dcp import SavePlanner
+    from fsdp_fn.checkpoint import _background, _save
+    from fsdp_fn.checkpoint._dcp import SavePlanner
 
     rank = group.rank()
     _, _, state = _setup(group)
     manager = ckpt.CheckpointManager(root)
     manager.save(state._replace(step=1), extra=1)
-    go, write = threading.Event(), ckpt._write
+    go, write = threading.Event(), _save._write
 
     def late(*args):
         go.wait()
         return write(*args)
 
-    ckpt._write = late
+    _save._write = late
     pending = manager.save(state._replace(step=2), extra=2, blocking=False)
-    side = ckpt._side_group(group)
+    side = _background._side_group(group)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")  # DCP's note that it falls back
         dist.destroy_process_group()
@@ -946,7 +948,7 @@ def _abandoned_save(group, root):
         pending._thread.join()
         errors = [str(pending._error)]
         try:
-            from fsdp_fn._integrity import Writer
+            from fsdp_fn.checkpoint._integrity import Writer
 
             tmp = Path(root) / ".fallback.tmp"
             tmp.mkdir(exist_ok=True)
@@ -1220,7 +1222,7 @@ def _chained(group, directory, phase):
         ckpt.save(directory, state)
     else:
         state, _ = ckpt.load(directory, state)
-    leaves = [(path, v) for path, v in ckpt._walk(state.opt_state)]
+    leaves = [(path, v) for path, v in _opt_state._walk(state.opt_state)]
     full = {  # step counters are replicated, (P,) per unit; the rest is sharded
         ".".join(p): dict(v.shards) if p[-1] == "count" else ff.unshard(v)
         for p, v in leaves

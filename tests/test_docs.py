@@ -11,7 +11,7 @@ import pytest
 import fsdp_fn
 from fsdp_fn.testing import RankPool
 
-MODULES = sorted(m.name for m in pkgutil.iter_modules(fsdp_fn.__path__, "fsdp_fn."))
+MODULES = sorted(m.name for m in pkgutil.walk_packages(fsdp_fn.__path__, "fsdp_fn."))  # subpackages too
 
 # Modules with no docstring example, and why. Every other module must run at least one example,
 # so a module whose examples were deleted (or never collected) fails instead of passing with none.
@@ -34,7 +34,20 @@ NO_EXAMPLES = {
     "fsdp_fn._policy": "plain option dataclasses; used by the examples in docs/features.md (test below)",
     "fsdp_fn._step": "train_step: runnable examples in docs/api.md and docs/features.md (test below)",
     "fsdp_fn.testing": "its example spawns ranks, so it is +SKIP; RankPool runs every multi-rank test",
-    "fsdp_fn._export": "safetensors export and import: runnable examples in docs/checkpoints.md (test below)",
+    "fsdp_fn.testing._pool": "RankPool spawns ranks; every multi-rank test runs it",
+    "fsdp_fn.testing._parity": "assert_matches_unsharded: runnable example in docs/testing-your-model.md (test below)",
+    "fsdp_fn.checkpoint": "the package's names; examples in its modules and docs/checkpoints.md (test below)",
+    "fsdp_fn.checkpoint._export": "safetensors export and import: examples in docs/checkpoints.md (test below)",
+    "fsdp_fn.checkpoint._save": "save: runnable examples in docs/checkpoints.md (test below)",
+    "fsdp_fn.checkpoint._load": "load: runnable examples in docs/checkpoints.md (test below)",
+    "fsdp_fn.checkpoint._background": "blocking=False saves: in docs/checkpoints.md (test below)",
+    "fsdp_fn.checkpoint._manager": "CheckpointManager: runnable example in docs/checkpoints.md (test below)",
+    "fsdp_fn.checkpoint._entries": "internal: a TrainState's DCP entries; needs a sharded state (test_checkpoint.py)",
+    "fsdp_fn.checkpoint._opt_state": "internal: optimizer-state names; needs a sharded state (test_checkpoint.py)",
+    "fsdp_fn.checkpoint._per_rank": "internal: RNG states and buffers that differ; needs ranks (test_checkpoint.py)",
+    "fsdp_fn._remat": "the package's names; remat's example is in fsdp_fn._remat._function",
+    "fsdp_fn._remat._errors": "the exception class; raised and matched in test_remat.py",
+    "fsdp_fn._remat._early_stop": "internal: the tail a recomputation leaves out; test_remat.py (stops early)",
 }
 
 

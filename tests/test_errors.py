@@ -268,7 +268,7 @@ def _shard_over_a_group_without_this_rank(group):
     """Ranks 0 and 1 form a group (``new_group([0, 1])``, made on every rank as torch requires);
     rank 2 passes it to ``shard`` too. torch hands a rank outside the group ``NON_GROUP_MEMBER``
     (the int -100): before, ``shard`` raised ``TypeError: ... got int``."""
-    from fsdp_fn.testing import _groups
+    from fsdp_fn.testing._pool import _groups
 
     if group.rank() != 2:
         return None

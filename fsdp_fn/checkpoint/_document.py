@@ -16,17 +16,20 @@ b'{"pos": {"__tuple__": [3, 4]}, "w": {"__tensor__": 0}}'
 >>> encode({"when": object()}, "extra")
 Traceback (most recent call last):
 ...
-fsdp_fn._integrity.CheckpointError: extra['when'] is a builtins.object: a checkpoint holds only JSON values ...
+fsdp_fn.checkpoint._integrity.CheckpointError: extra['when'] is a builtins.object: a checkpoint holds only JSON ...
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from fsdp_fn._integrity import CheckpointError
+from fsdp_fn.checkpoint._integrity import CheckpointError
 
 TENSOR = "__tensor__"
 SEQUENCES: dict[str, type] = {"__tuple__": tuple, "__set__": set, "__frozenset__": frozenset}
@@ -116,3 +119,45 @@ def decode(text: bytes, tensors: list[torch.Tensor], where: str) -> Any:
         return walk(obj)
     except RecursionError:
         raise CheckpointError(f"{where} is nested too deeply") from None
+
+
+# --- a document as DCP entries: its JSON text as uint8 bytes, its tensors numbered -------------
+
+
+def _document(key: str, value: Any, where: str, *, copy: bool = False) -> dict[str, torch.Tensor]:
+    """The entries holding ``value``: ``key`` its JSON text (as bytes in a uint8 tensor), ``key.i``
+    its tensors (on the CPU; copied with ``copy``). ``CheckpointError`` naming the part of
+    ``value`` that is neither JSON nor a tensor."""
+    text, tensors = encode(value, where)
+    out = {key: torch.frombuffer(bytearray(text), dtype=torch.uint8)}
+    for i, t in enumerate(tensors):
+        t = t.detach().to("cpu")
+        out[f"{key}.{i}"] = t.clone() if copy or t.device.type != "cpu" else t
+    return out
+
+
+def _document_keys(md: Metadata, key: str) -> list[str]:
+    return [k for k in md.state_dict_metadata if k == key or (k.startswith(f"{key}.") and k[len(key) + 1 :].isdigit())]
+
+
+def _document_targets(path: Path, md: Metadata, key: str) -> dict[str, torch.Tensor]:
+    """Tensors to read the document ``key`` and its tensors into, as the metadata describes them."""
+    out = {}
+    for k in _document_keys(md, key):
+        entry = md.state_dict_metadata[k]
+        text = k == key
+        if not isinstance(entry, TensorStorageMetadata) or (
+            text and (entry.properties.dtype, len(entry.size)) != (torch.uint8, 1)
+        ):
+            raise CheckpointError(f"{path}: its entry {k!r} is not what fsdp_fn writes (JSON bytes, or a tensor)")
+        out[k] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    return out
+
+
+def _read_document(path: Path, loaded: Mapping[str, torch.Tensor], key: str) -> Any:
+    """The value of the document ``key`` among the tensors read (``_document_targets``)."""
+    count = sum(1 for k in loaded if k.startswith(f"{key}.") and k[len(key) + 1 :].isdigit())
+    if any(f"{key}.{i}" not in loaded for i in range(count)):
+        raise CheckpointError(f"{path}: the tensors of its entry {key!r} are not numbered 0..{count - 1}")
+    tensors = [loaded[f"{key}.{i}"] for i in range(count)]
+    return decode(loaded[key].numpy().tobytes(), tensors, f"{path}: its entry {key!r}")

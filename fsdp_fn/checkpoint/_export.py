@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from fsdp_fn._agree import failures
-from fsdp_fn._dcp import boxes
 from fsdp_fn._errors import RankFailure
-from fsdp_fn._integrity import CheckpointError, confined
 from fsdp_fn._plan import ParamSpec, Unit, unit_label
 from fsdp_fn._shard import Layout, Sharded
+from fsdp_fn.checkpoint._dcp import boxes
+from fsdp_fn.checkpoint._integrity import CheckpointError, confined
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

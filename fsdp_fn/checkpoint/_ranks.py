@@ -1,0 +1,48 @@
+"""The ranks a checkpoint call runs over, and how a failure on some of them becomes one ``CheckpointError`` on all.
+
+>>> _converted(OSError("No space left on device"), "cannot write run/step_1")
+CheckpointError('cannot write run/step_1: OSError: No space left on device')
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from fsdp_fn._agree import failures
+from fsdp_fn._shard import Layout
+from fsdp_fn.checkpoint._integrity import CheckpointError
+
+
+def _group(layout: Layout) -> dist.ProcessGroup:
+    """Every rank that holds the state: the shard group, or the whole world with replicas."""
+    if layout.replicate is None:
+        return layout.group
+    world = dist.group.WORLD
+    assert world is not None
+    if world.size() != layout.world * layout.replicas:
+        raise ValueError(
+            f"a hybrid-sharded state ({layout.replicas} replicas of {layout.world} shards) checkpoints "
+            f"over the default group, which has {world.size()} ranks, not {layout.world * layout.replicas}"
+        )
+    return world
+
+
+def _agree_on_error(group: dist.ProcessGroup, error: str | None) -> None:
+    """Raise the same ``CheckpointError`` on every rank if any rank has an error (``failures``)."""
+    found = failures(error, [group], "checkpoint.save")
+    if found:
+        raise CheckpointError("; ".join(found))
+
+
+def _converted(e: BaseException, what: str) -> CheckpointError:
+    """One ``CheckpointError`` for a failure inside DCP (its ``CheckpointException`` is a
+    ``BaseException`` carrying each rank's exception): the first line names the first rank's cause."""
+    if isinstance(e, CheckpointException) and e.failures:
+        rank = min(e.failures)
+        cause = e.failures[rank][0]
+        more = f" (and {len(e.failures) - 1} more ranks)" if len(e.failures) > 1 else ""
+        if isinstance(cause, CheckpointError):  # it names the checkpoint already
+            return CheckpointError(f"rank {rank}{more}: {cause}")
+        return CheckpointError(f"{what}: rank {rank}{more}: {type(cause).__name__}: {cause}")
+    return CheckpointError(f"{what}: {type(e).__name__}: {e}")

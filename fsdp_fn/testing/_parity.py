@@ -1,0 +1,153 @@
+"""Parity with the unsharded model: ``assert_matches_unsharded`` and the ``Divergence`` it raises."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as torch_pytree
+from torch import nn
+
+from fsdp_fn._plan import Plan, Policy, make_plan, unit_label
+
+
+class Divergence(AssertionError):
+    """The sharded run and the unsharded reference differ; ``where`` names the first place.
+
+    ``where`` holds ``step`` (0-based), ``what`` (``"loss"``, ``"gradient"`` or
+    ``"parameter"``), ``unit`` and ``parameter`` (``None`` for the loss) and ``error`` (the
+    largest absolute difference).
+    """
+
+    def __init__(self, message: str, where: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.where = where
+
+
+def split_batch(batch: Any, rank: int, world: int) -> Any:
+    """This rank's equal part (along dim 0) of every tensor in ``batch``."""
+
+    def part(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.shape[0] % world:
+            raise ValueError(f"a global batch of {t.shape[0]} does not split evenly over {world} ranks")
+        return t.chunk(world)[rank]
+
+    return torch_pytree.tree_map(part, batch)
+
+
+def assert_matches_unsharded(
+    module: nn.Module,
+    loss_fn: Callable[[Callable[..., Any], Any], torch.Tensor],
+    batches: Sequence[Any],
+    *,
+    group: Any = None,
+    policy: Policy | None = None,
+    plan: Plan | None = None,
+    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+    split: Callable[[Any, int, int], Any] = split_batch,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    **step_options: Any,
+) -> dict[str, float]:
+    """Run ``module`` sharded over ``group`` and unsharded here; raise ``Divergence`` at the first difference.
+
+    Call it on every rank. Each step takes one global batch from ``batches``; the sharded
+    run gives each rank ``split(batch, rank, world)`` and averages over ranks, the
+    reference runs the whole batch in this process. With ``optimizer`` (a factory:
+    tensors -> ``torch.optim.Optimizer``) it trains: ``train_step`` with
+    ``from_torch(optimizer(shards))`` against ``optimizer(params)`` on a copy of the
+    module, comparing the loss, then every parameter after each step. Without it, it
+    differentiates with ``value_and_grad`` (the train step's gradient function): the loss
+    and every gradient at the initial parameters, per batch. ``step_options`` go to
+    ``train_step``. Compares in plan order, with ``|sharded - reference| <= atol + rtol *
+    |reference|`` (the train step reports its loss in float32, so training compares the
+    loss to at least float32's epsilon); returns the largest absolute difference seen for
+    the loss, the gradients and the parameters. Memory: the whole model twice on every
+    rank (the reference and the unsharded result); communication: the run's own, plus one
+    all-gather per unit per comparison.
+    """
+    from fsdp_fn._collectives import all_gather, all_reduce_
+    from fsdp_fn._functional import functionalize
+    from fsdp_fn._grad import value_and_grad
+    from fsdp_fn._optim import from_torch
+    from fsdp_fn._shard import shard, unshard
+    from fsdp_fn._step import train_step
+
+    if step_options and optimizer is None:
+        raise ValueError(f"train_step options {sorted(step_options)} need an optimizer: without one nothing trains")
+    plan = plan if plan is not None else make_plan(module, policy)
+    fn = functionalize(module)
+    params = shard(fn.params, plan, group)
+    pg = params.group
+    # Data parallel over every rank: with replicas (hybrid sharding), over the whole mesh.
+    world = params.layout.world * params.layout.replicas
+    rank = pg.rank() if params.layout.replicate is None else dist.get_rank()
+    reference = copy.deepcopy(module)
+    trainable = {k: p for k, p in reference.named_parameters() if p.requires_grad}
+    worst = {"loss": 0.0, "gradient": 0.0, "parameter": 0.0}
+
+    def mean_over_ranks(x: torch.Tensor) -> float:
+        every = all_gather(x.detach().double().reshape(1), pg)
+        if params.layout.replicate is not None:
+            all_reduce_(every, params.layout.replicate)
+            every = every / params.layout.replicas
+        return float(every.mean())
+
+    def compare(
+        step: int, what: str, name: str | None, got: torch.Tensor, want: torch.Tensor, rel: float = rtol
+    ) -> None:
+        got, want = got.detach().double(), want.detach().double()
+        diff = (got - want).abs()
+        error = float(diff.max()) if diff.numel() else 0.0
+        worst[what] = max(worst[what], error)
+        if not bool((diff > atol + rel * want.abs()).any()):
+            return
+        unit = plan.unit_of(name).name if name is not None else None
+        at = f"the {what} of unit {unit_label(unit)}, parameter {name!r}," if unit is not None else "the loss"
+        index = tuple(int(i) for i in torch.nonzero(diff == error)[0])
+        raise Divergence(
+            f"step {step}: {at} differs from the unsharded model's by {error:.3g} (largest at index {index}: "
+            f"sharded {float(got[index]):.8g}, unsharded {float(want[index]):.8g}; atol={atol}, rtol={rel})",
+            {"step": step, "what": what, "unit": unit, "parameter": name, "error": error},
+        )
+
+    if optimizer is None:
+        for step, batch in enumerate(batches):
+            loss, grads = value_and_grad(fn, loss_fn)(params, fn.buffers, split(batch, rank, world))
+            reference.zero_grad()
+            want = loss_fn(reference, batch)
+            want.backward()
+            compare(step, "loss", None, torch.tensor(mean_over_ranks(loss), dtype=torch.float64), want)
+            full = unshard(grads, frozen=False)
+            for spec in plan.params:
+                if spec.name in trainable:
+                    ref_grad = trainable[spec.name].grad
+                    compare(
+                        step,
+                        "gradient",
+                        spec.name,
+                        full[spec.name],
+                        torch.zeros(spec.shape) if ref_grad is None else ref_grad,
+                    )
+        return worst
+
+    state_opt = optimizer(list(trainable.values()))
+    step_fn = train_step(fn, loss_fn, from_torch(optimizer(list(params.values()))), **step_options)
+    state = step_fn.init(params)
+    for step, batch in enumerate(batches):
+        state, metrics = step_fn(state, split(batch, rank, world))
+        state_opt.zero_grad()
+        want = loss_fn(reference, batch)
+        want.backward()
+        state_opt.step()
+        # The step reports its loss in float32.
+        compare(step, "loss", None, metrics["loss"], want, max(rtol, torch.finfo(torch.float32).eps))
+        full = unshard(state.params)
+        for spec in plan.params:
+            compare(step, "parameter", spec.name, full[spec.name], dict(reference.named_parameters())[spec.name])
+    return worst
