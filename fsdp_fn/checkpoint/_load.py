@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from fsdp_fn._agree import gather_objects
 from fsdp_fn._errors import DivergenceError, RankFailure
 from fsdp_fn._guard import join
 from fsdp_fn._shard import ensure_live
@@ -71,8 +72,7 @@ def load(
     except Exception as e:  # a file the system refuses too: every rank must reach the all-gather below
         raised = e if isinstance(e, CheckpointError) else CheckpointError(f"{path}: {type(e).__name__}: {e}")
     # Every rank raises, or none: a rank that went on alone would wait in DCP's collectives.
-    errors: list[str | None] = [None] * group.size()
-    dist.all_gather_object(errors, None if raised is None else str(raised), group=group)
+    errors = gather_objects(None if raised is None else str(raised), group, "checkpoint.load")
     if raised is not None:
         raise raised
     failed = [(r, e) for r, e in enumerate(errors) if e]
