@@ -242,45 +242,57 @@ def value_and_grad(
         ensure_live(params, "value_and_grad")
         frozen = params.plan.check_trainable(fn.module)  # since the plan: reach no gradient
         micro = micro_batches(schedule, batch)
-        if _differentiated_outside(params):
-            loss, aux, out = _composable(fn, loss_fn, schedule, rematerialise, params, buffers, micro, has_aux)
-            if frozen:
-                out = out.with_received(
-                    {u.name: drop_frozen(u, None, out.mask(u), frozen, out.layout) for u in out.plan.units}
-                )
-        else:
-            # micro-batches reduced once at the end (torch's no_sync) sum their full gradients first
-            deferred: dict[str, torch.Tensor] | None = (
-                {} if len(micro) > 1 and not schedule.reduce_each_micro_batch else None
-            )
-            sink = GradSink(params, schedule, defer=deferred)
-            losses, auxes = [], []
-            with guarded(params.group, "value_and_grad", timeout):
-                for mb in micro:
-                    runtime = LeanRuntime(fn, params, schedule=schedule, sink=sink, remat=rematerialise)
-                    loss, aux = lean_pass(runtime, params, buffers, mb, loss_fn, has_aux)
-                    losses.append(loss)
-                    auxes.append(aux)
-                if deferred is not None:
-                    sink.reduce_deferred()
-                masks = reached.merge(sink.received_masks(), params.layout)
-            grads = {u.name: sink.totals.get(u.name) for u in params.plan.units}
-            if frozen:
-                masks = {
-                    u.name: drop_frozen(u, grads[u.name], masks[u.name], frozen, params.layout)
-                    for u in params.plan.units
+        composable = _differentiated_outside(params)
+        path = _composable if composable else functools.partial(_lean, timeout=timeout)
+        loss, aux, out = path(fn, loss_fn, schedule, rematerialise, params, buffers, micro, has_aux)
+        if frozen:
+            # (The composable path's gradients may be an outer transform's: not zeroed in place.)
+            out = out.with_received(
+                {
+                    u.name: drop_frozen(u, None if composable else out[u.name], out.mask(u), frozen, out.layout)
+                    for u in out.plan.units
                 }
-            shards = {u: g if g is not None else torch.zeros_like(params[u]) for u, g in grads.items()}
-            if len(micro) > 1:
-                for g in grads.values():
-                    if g is not None:
-                        g.div_(len(micro))
-            out = params.replace(shards).with_received(masks)
-            loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
-            aux = auxes if len(micro) > 1 else auxes[0]
+            )
         return ((loss, aux) if has_aux else loss), out
 
     return run
+
+
+def _lean(
+    fn: Functional,
+    loss_fn: LossFn,
+    schedule: Schedule,
+    remat: Remat | None,
+    params: Sharded,
+    buffers: Mapping[str, torch.Tensor],
+    micro: Sequence[Any],
+    has_aux: bool,
+    *,
+    timeout: float,
+) -> tuple[torch.Tensor, Any, Sharded]:
+    """The train step's lean pass over ``micro`` (micro-batches), one after the other: the mean
+    of their losses and gradients, reduced per micro-batch or (``reduce_each_micro_batch=False``)
+    summed in full first and reduced once, as torch's ``no_sync``."""
+    deferred: dict[str, torch.Tensor] | None = {} if len(micro) > 1 and not schedule.reduce_each_micro_batch else None
+    sink = GradSink(params, schedule, defer=deferred)
+    losses, auxes = [], []
+    with guarded(params.group, "value_and_grad", timeout):
+        for mb in micro:
+            runtime = LeanRuntime(fn, params, schedule=schedule, sink=sink, remat=remat)
+            loss, aux = lean_pass(runtime, params, buffers, mb, loss_fn, has_aux)
+            losses.append(loss)
+            auxes.append(aux)
+        if deferred is not None:
+            sink.reduce_deferred()
+        masks = reached.merge(sink.received_masks(), params.layout)
+    grads = {u.name: sink.totals.get(u.name) for u in params.plan.units}
+    if len(micro) > 1:
+        for g in grads.values():
+            if g is not None:
+                g.div_(len(micro))
+    shards = {u: g if g is not None else torch.zeros_like(params[u]) for u, g in grads.items()}
+    loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
+    return loss, (auxes if len(micro) > 1 else auxes[0]), params.replace(shards).with_received(masks)
 
 
 def _composable(
