@@ -404,10 +404,30 @@ def remat(fn: Callable[..., Any], policy: SavePolicy = save_nothing) -> Callable
     Under forward-mode derivatives of the backward (``jvp`` of ``grad``, ``hessian``) the
     recomputation runs every operator: ``policy``'s kept results are not handed back there.
 
-    >>> import torch
-    >>> f = remat(lambda x: torch.tanh(x).sum())
-    >>> torch.func.grad(f)(torch.zeros(3))
-    tensor([1., 1., 1.])
+    Args:
+        fn: the region: any callable over a pytree of arguments; an ``nn.Module`` or a
+            module's bound method makes the module's parameters and buffers inputs too.
+        policy: the ``SavePolicy`` naming the operators whose outputs the forward keeps;
+            ``save_nothing`` keeps only the inputs.
+
+    Returns:
+        A function with ``fn``'s signature and result, whose backward recomputes ``fn``.
+
+    Raises:
+        TypeError: if ``fn`` is not callable or ``policy`` is not a ``SavePolicy``.
+        RematError: when the returned function runs, naming the call and the fix: ``fn``
+            uses a tensor that requires grad and is not an argument (a closure); its
+            forward keeps a tensor made from its inputs outside its outputs (a module's
+            attribute, a Hugging Face key/value cache); under a ``torch.func`` transform or
+            forward-mode derivatives it changes an input being differentiated in place; or
+            the recomputation runs other operators than the forward (checked under plain
+            autograd), or comes to other values (checked on a train step's checked steps).
+
+    Examples:
+        >>> import torch
+        >>> f = remat(lambda x: torch.tanh(x).sum())
+        >>> torch.func.grad(f)(torch.zeros(3))
+        tensor([1., 1., 1.])
     """
     if not callable(fn):
         raise TypeError(f"remat wants a callable, got {type(fn).__name__} {fn!r}")

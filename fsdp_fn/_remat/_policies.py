@@ -18,10 +18,20 @@ aten = torch.ops.aten
 class SavePolicy:
     """Which intermediate results of a rematerialised region the forward keeps.
 
-    ``ops``: the aten operators (``torch.ops.aten.mm`` or one overload of it) whose
-    outputs are kept; the recomputation takes them instead of running the operator again,
-    so it costs fewer flops and the forward keeps more memory. Empty: keep nothing but the
-    inputs (full rematerialisation).
+    The recomputation takes the kept outputs instead of running their operators again, so
+    it costs fewer flops and the forward keeps more memory. No communication.
+
+    Args:
+        name: the policy's name, shown in its repr and in errors.
+        ops: the aten operators (``torch.ops.aten.mm`` or one overload of it) whose
+            outputs are kept. Empty: keep nothing but the inputs (full rematerialisation).
+
+    Raises:
+        TypeError: if an entry of ``ops`` is not an aten operator (packet or overload).
+
+    Examples:
+        >>> SavePolicy("save_mm", frozenset({torch.ops.aten.mm})).saves(torch.ops.aten.mm.default)
+        True
     """
 
     name: str
@@ -35,6 +45,15 @@ class SavePolicy:
             )
 
     def saves(self, func: Any) -> bool:
+        """Whether the forward keeps the outputs of ``func``.
+
+        Args:
+            func: an aten operator overload (``torch.ops.aten.mm.default``), as a dispatch
+                mode sees it.
+
+        Returns:
+            ``True`` when ``func``, or the operator it is an overload of, is in ``ops``.
+        """
         return func in self.ops or func.overloadpacket in self.ops
 
 

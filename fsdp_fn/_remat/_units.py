@@ -20,13 +20,23 @@ from fsdp_fn._remat._policies import SavePolicy, save_nothing
 class Remat:
     """Which units a train step rematerialises, and what their forward keeps.
 
-    ``units``: ``True`` for every non-root unit, or a policy with the auto-wrap signature
-    ``(module, recurse, unwrapped_params, **kw) -> bool`` asked once per unit with
-    ``recurse=False`` and the unit's parameter count. Lookups are never selected (a plain
+    A selected unit's forward keeps only its inputs (and what ``policy`` names); its
+    backward recomputes it (``remat``). Lookups are never selected (a plain
     ``nn.Embedding`` saves only its indices: recomputing it saves nothing and would gather
-    its table again in backward). ``policy``: the ``SavePolicy``.
-    ``every``: of the selected units, in module order, rematerialise the first and then
-    every ``every``-th (Hugging Face's ``every_n_layers``).
+    its table again in backward). Making one communicates nothing.
+
+    Args:
+        units: ``True`` for every non-root unit, or a policy with the auto-wrap signature
+            ``(module, recurse, unwrapped_params, **kw) -> bool`` asked once per unit with
+            ``recurse=False`` and the unit's parameter count.
+        policy: the ``SavePolicy``: which intermediate results the forward keeps.
+        every: of the selected units, in module order, rematerialise the first and then
+            every ``every``-th (Hugging Face's ``every_n_layers``).
+
+    Raises:
+        TypeError: if ``units`` is neither ``True`` nor callable, or ``policy`` is not a
+            ``SavePolicy``.
+        ValueError: if ``every`` is not a positive int.
     """
 
     units: bool | Policy = True
@@ -46,8 +56,18 @@ class Remat:
 
     @classmethod
     def of(cls, value: bool | Policy | Remat | None) -> Remat | None:
-        """What ``train_step(remat=value)`` means: ``None``/``False`` none, ``True`` every
-        non-root unit, a unit policy, or a ``Remat``."""
+        """What ``train_step(remat=value)`` means.
+
+        Args:
+            value: ``None``/``False`` for none, ``True`` for every non-root unit, a unit
+                policy, or a ``Remat``.
+
+        Returns:
+            The ``Remat`` (``value`` itself when it is one), or ``None`` for no remat.
+
+        Raises:
+            TypeError: if ``value`` is none of these.
+        """
         if value is None or value is False:
             return None
         if isinstance(value, Remat):
@@ -65,7 +85,19 @@ class Remat:
         Candidates are the non-root units named after a module (a shared tied parameter's
         own unit has no forward of its own) that are no lookup (``Unit.lookup``: nothing to
         recompute); a unit inside another selected unit is left out, since recomputing the
-        outer one recomputes it.
+        outer one recomputes it. Then ``every`` thins them, in module order.
+
+        Args:
+            plan: the plan made for ``module``.
+            module: the model whose submodules the units are.
+
+        Returns:
+            The names of the units to rematerialise, as a frozenset.
+
+        Raises:
+            ValueError: if a unit is not a submodule of ``module`` (a plan made for another
+                model).
+            TypeError: if the ``units`` policy returns something that is not a bool.
         """
         chosen = []
         for unit in plan.units:

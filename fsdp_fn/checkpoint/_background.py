@@ -15,7 +15,17 @@ logger = logging.getLogger("fsdp_fn.checkpoint")  # the package's logger, as doc
 
 
 class PendingSave:
-    """A save running in the background; ``wait()`` returns its directory or raises its failure."""
+    """A save running in the background; ``wait()`` returns its directory or raises its failure.
+
+    ``save(..., blocking=False)`` returns it once the state is copied to host memory; a
+    thread then writes it over a second process group. A failure is logged when it
+    happens (logger ``fsdp_fn.checkpoint``, warning), for a job that ends without
+    waiting, and raised by ``wait()``.
+
+    Attributes:
+        directory: where the checkpoint appears once it is committed.
+        rank: this process's (global) rank, named in a failure.
+    """
 
     def __init__(self, directory: Path, rank: int, run: Callable[[], None]) -> None:
         self.directory, self.rank = directory, rank
@@ -31,9 +41,22 @@ class PendingSave:
             logger.warning("the background save of %s failed on rank %d: %s", self.directory, self.rank, e)
 
     def done(self) -> bool:
+        """Whether the writing has ended, committed or failed; never waits.
+
+        Returns:
+            ``True`` once the background thread has ended.
+        """
         return not self._thread.is_alive()
 
     def wait(self) -> Path:
+        """Wait for the writing to end; return the directory or raise the save's failure.
+
+        Returns:
+            The directory of the committed checkpoint.
+
+        Raises:
+            CheckpointError: naming the directory and the rank, if the save failed.
+        """
         self._thread.join()
         if self._error is not None:
             error, self._error = self._error, None
@@ -47,7 +70,17 @@ _pending: list[PendingSave] = []
 
 
 def wait() -> Path | None:
-    """Wait for this process's background save, if any; raise its failure (naming the rank)."""
+    """Wait for this process's background save, if any; raise its failure (naming the rank).
+
+    ``save`` and ``load`` call it first; call it before the process exits, or a background
+    save whose process group is destroyed never commits.
+
+    Returns:
+        The directory of the save waited for, or ``None`` when none was pending.
+
+    Raises:
+        CheckpointError: naming the directory and the rank, if that save failed.
+    """
     if not _pending:
         return None
     return _pending.pop().wait()

@@ -25,7 +25,17 @@ _META = "fsdp_fn"  # the entry (JSON) holding the step, the writers' world size 
 
 
 def is_committed(directory: str | os.PathLike[str]) -> bool:
-    """Whether ``directory`` is a complete checkpoint (its commit marker exists)."""
+    """Whether ``directory`` is a complete checkpoint (its commit marker exists).
+
+    Looks for one file; reads nothing, checks nothing else, needs no process group.
+
+    Args:
+        directory: the checkpoint's directory.
+
+    Returns:
+        ``True`` when its commit marker exists, ``False`` otherwise (a save still running or
+        killed half-way, or no checkpoint at all).
+    """
     return (Path(directory) / COMMIT_MARKER).is_file()
 
 
@@ -59,16 +69,30 @@ def _meta(path: Path, own: Mapping[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def verify(directory: str | os.PathLike[str]) -> Verified:
-    """Check the whole checkpoint at ``directory`` as ``load`` would, on this process alone: its
-    marker, digests and metadata, that every tensor is covered exactly by its chunks, that
-    every file it names is inside it, every chunk's bytes against their digest, and that
-    fsdp_fn's own entries are the JSON it writes. Reads every byte once; runs no code from
-    the directory; needs no process group. ``CheckpointError`` naming the first fault.
+    """Check the whole checkpoint at ``directory`` as ``load`` would, on this process alone.
 
-    >>> verify("/nowhere")
-    Traceback (most recent call last):
-    ...
-    fsdp_fn.checkpoint._integrity.CheckpointError: no checkpoint at /nowhere: no such path
+    Checks its marker, digests and metadata, that every tensor is covered exactly by its
+    chunks, that every file it names is inside it, every chunk's bytes against their
+    digest, and that fsdp_fn's own entries are the JSON it writes. Reads every byte once;
+    runs no code from the directory; needs no process group (no communication).
+
+    Args:
+        directory: the checkpoint to check (untrusted input).
+
+    Returns:
+        A ``Verified``: the checkpoint's directory and step, and how many chunks and bytes
+        were checked.
+
+    Raises:
+        CheckpointError: naming the first fault; also for a directory with no commit
+            marker and no digests (written by torch's ``dcp.save``: there is nothing to
+            check its bytes against).
+
+    Examples:
+        >>> verify("/nowhere")
+        Traceback (most recent call last):
+        ...
+        fsdp_fn.checkpoint._integrity.CheckpointError: no checkpoint at /nowhere: no such path
     """
     path = Path(directory)
     opened = _open(path)
@@ -90,10 +114,22 @@ def verify(directory: str | os.PathLike[str]) -> Verified:
 
 
 def read_metadata(directory: str | os.PathLike[str]) -> Metadata:
-    """DCP's metadata of the checkpoint at ``directory`` (its entries: ``.state_dict_metadata``),
-    read as ``load`` reads it: after the commit marker and against its digest, by an unpickler
-    that admits only DCP's metadata types, then checked (chunks, paths). Runs no code from
-    the directory, reads no data; ``CheckpointError`` naming the fault."""
+    """DCP's metadata of the checkpoint at ``directory``, read as ``load`` reads it.
+
+    Read after the commit marker and against its digest, by an unpickler that admits only
+    DCP's metadata types, then checked (chunks, paths). Runs no code from the directory,
+    reads no data; needs no process group (no communication).
+
+    Args:
+        directory: the checkpoint (untrusted input).
+
+    Returns:
+        DCP's ``Metadata``; its entries are in ``.state_dict_metadata``.
+
+    Raises:
+        CheckpointError: naming the fault (no checkpoint there, an incomplete or damaged
+            one, metadata that is not DCP's).
+    """
     return _open(Path(directory)).metadata
 
 
@@ -121,6 +157,17 @@ def _committed(root: Path) -> list[tuple[int, Path]]:
 
 
 def latest(root: str | os.PathLike[str]) -> Path | None:
-    """The complete checkpoint with the highest step under ``root`` (incomplete ones are skipped)."""
+    """The complete checkpoint with the highest step under ``root`` (incomplete ones are skipped).
+
+    Reads each commit marker under ``root`` (the step is the marker's); a directory whose
+    marker fsdp_fn cannot read is skipped too (``load`` says why). Needs no process group.
+
+    Args:
+        root: the directory the checkpoints are in.
+
+    Returns:
+        The checkpoint's directory, or ``None`` when ``root`` holds no complete checkpoint
+        (or does not exist).
+    """
     found = _committed(Path(root))
     return found[-1][1] if found else None

@@ -104,15 +104,34 @@ def export_safetensors(
     dtype: torch.dtype | None = None,
     max_shard_size: int | None = None,
 ) -> list[Path]:
-    """Write the full model as Hugging Face safetensors: ``model.safetensors``, or with
-    ``max_shard_size`` (bytes) a numbered set and ``model.safetensors.index.json``.
+    """Write the full model as Hugging Face safetensors, each rank its own bytes.
 
-    Every rank of the group calls it. Tied parameters are written once, under their first
-    name (as ``save_pretrained`` does); ``dtype`` casts on the way out. Memory: one
-    parameter's piece of this rank's shard at a time (to cast it); nothing is gathered.
-    Communication: two barriers, each carrying failures (a rank that fails, e.g. one the file
-    system refuses, raises its error; the others raise ``RankFailure`` naming it, never waiting).
-    The directory must be on a file system every rank sees.
+    One file, ``model.safetensors``, or with ``max_shard_size`` (bytes) a numbered set
+    and ``model.safetensors.index.json``. Every rank of the group calls it: the first
+    rank writes the headers, every rank the bytes of its own shard pieces at their
+    offsets (replicas of a hybrid mesh: only the first). Tied parameters are written once,
+    under their first name (as ``save_pretrained`` does); ``dtype`` casts on the way out.
+    Memory: one parameter's piece of this rank's shard at a time (to cast it); nothing is
+    gathered. Communication: two barriers, each carrying failures (a rank that fails, e.g.
+    one the file system refuses, raises its error; the others raise ``RankFailure`` naming
+    it, never waiting). The directory must be on a file system every rank sees.
+
+    Args:
+        directory: where the files go (made if it does not exist).
+        params: the sharded parameters; frozen ones are written too.
+        dtype: the dtype to write every parameter in; ``None`` keeps each one's.
+        max_shard_size: the most bytes of tensor data per file (a tensor larger than it
+            gets a file of its own); ``None``: one file.
+
+    Returns:
+        The paths of the model files (without the index), the same on every rank.
+
+    Raises:
+        TypeError: if a parameter would be written in a dtype safetensors cannot hold
+            (before any file is written, on every rank).
+        RankFailure: on the other ranks, naming the rank that failed, when a rank cannot
+            write (the file system refuses it); that rank raises its own error
+            (``OSError``, say).
     """
     layout = params.layout
     specs = [p for _, part, _ in _parts(params) for p in part.params]
@@ -177,7 +196,15 @@ def export_state_dict(params: Sharded, *, dst: int = 0) -> dict[str, torch.Tenso
     parameter under each of its names (one tensor), so ``module.load_state_dict(export,
     strict=False)`` loads every parameter. Memory: rank ``dst`` ends with the whole model;
     the others hold nothing beyond their shards. Communication: one gather to ``dst`` per
-    unit part.
+    unit part. Every rank of the group calls it.
+
+    Args:
+        params: the sharded parameters; frozen ones are exported too.
+        dst: the rank, in the shard group, that receives the parameters.
+
+    Returns:
+        On rank ``dst``, the full parameters by name, in the module's order (new tensors);
+        ``None`` on the other ranks.
     """
     layout = params.layout
     group, rank = layout.group, layout.rank
@@ -256,7 +283,23 @@ def import_state_dict(state_dict: Mapping[str, torch.Tensor], like: Sharded, *, 
     """Shards of a full ``state_dict`` (keyed by FQN) in ``like``'s layout, written into ``like``'s tensors.
 
     Each rank copies only its own pieces (values are cast to the shard dtype).
-    ``strict=False`` ignores entries the model does not have (e.g. buffers). No communication.
+    ``strict=False`` ignores entries the model does not have (e.g. buffers). Memory: one
+    piece at a time beyond the shards. No communication.
+
+    Args:
+        state_dict: full tensors keyed by fully-qualified name (a tied parameter under any
+            one of its names), the same on every rank.
+        like: the sharded parameters whose layout the result takes; their tensors are
+            written into (meta tensors are replaced by new ones).
+        strict: ``False`` ignores entries the model does not have.
+
+    Returns:
+        A ``Sharded`` in ``like``'s layout, holding ``like``'s tensors, now filled.
+
+    Raises:
+        KeyError: if ``state_dict`` has no entry for a parameter of the model (naming it
+            and its unit), or, with ``strict``, has one the model does not have.
+        ValueError: if an entry's shape is not its parameter's.
     """
     _check_shapes("the state dict", {k: tuple(v.shape) for k, v in state_dict.items()}, like)
     return _fill(like, set(state_dict), lambda n, index: state_dict[n].detach()[index], "the state dict", strict)
@@ -308,6 +351,25 @@ def import_safetensors(path: str | os.PathLike[str], like: Sharded, *, strict: b
     Each rank reads only the rectangles of each tensor that overlap its shard
     (``safe_open(...).get_slice``); values are cast to the shard dtype and written into
     ``like``'s tensors. Memory: one rectangle at a time beyond the shards. No communication.
+
+    Args:
+        path: a safetensors file, or a directory: its ``model.safetensors``, the files its
+            ``model.safetensors.index.json`` names, or else every ``*.safetensors`` in it.
+            A directory is untrusted: every file read from it must lie inside it.
+        like: the sharded parameters whose layout the result takes; their tensors are
+            written into (meta tensors are replaced by new ones).
+        strict: ``False`` ignores tensors the model does not have.
+
+    Returns:
+        A ``Sharded`` in ``like``'s layout, holding ``like``'s tensors, now filled.
+
+    Raises:
+        FileNotFoundError: if there are no safetensors files at ``path``.
+        CheckpointError: if the directory's index is not a safetensors index, or names a
+            file outside the directory (an absolute path, ``..``, a symlink out of it).
+        KeyError: if the files hold no tensor for a parameter of the model (naming it and
+            its unit), or, with ``strict``, one the model does not have.
+        ValueError: if a tensor's shape is not its parameter's.
     """
     from safetensors import safe_open
 

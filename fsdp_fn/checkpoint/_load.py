@@ -50,6 +50,34 @@ def load(
     A checkpoint written by torch's ``dcp.save`` (FSDP2) has no marker and no digests and
     loads with the other checks. Communication: DCP's planning (a gather and a scatter of
     small plans) and one small all-gather of the ranks' checks.
+
+    Args:
+        directory: the checkpoint to read (untrusted input).
+        like: a ``TrainState`` for the target run, of any world size, plan or mesh; its
+            tensors are filled in place (donated: use the state returned).
+        check_digests: ``False`` skips checking each chunk read against its SHA-256
+            digest (and only that).
+        timeout: seconds to wait for every rank of the group to call ``load``.
+
+    Returns:
+        The state loaded, in ``like``'s layout, with the step saved, and the ``extra``
+        saved with it (``None`` for a checkpoint written by torch, whose step is its
+        optimizer's step counter).
+
+    Raises:
+        TypeError: if ``like`` is not a ``TrainState``.
+        RuntimeError: if ``like``'s shards were donated to a step or left half-updated by
+            a failed one.
+        CheckpointError: on every rank, naming the fault, if the checkpoint is
+            incomplete, damaged or truncated, or misses, adds, reshapes or retypes a
+            parameter of ``like``; later, if a chunk does not match its digest, a rank's
+            RNG state or buffers are damaged, or the optimizer state was saved by another
+            chain of links. Also the failure of the previous background save, which it
+            waits for first.
+        ValueError: if a hybrid-sharded state's ranks are not the whole default group.
+        RankFailure: if a rank of the group does not call ``load`` within ``timeout``
+            seconds (naming it).
+        DivergenceError: if a rank of the group is in another call.
     """
     wait()
     path = Path(directory)

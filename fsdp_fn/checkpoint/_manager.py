@@ -33,6 +33,18 @@ class CheckpointManager:
     checkpoint saved there by hand (``root/best``) is never deleted, nor restored.
     ``restore(like)`` loads the newest of its checkpoints that loads, or returns ``None``
     when there is none; ``skipped`` then lists the newer ones it passed over, and why.
+    Making one touches no file and communicates nothing.
+
+    Args:
+        root: the directory the run's checkpoints go under (made by the first save).
+        keep: how many of its newest checkpoints to keep; ``None`` keeps every one.
+
+    Attributes:
+        skipped: ``(directory, why)`` of each checkpoint the last ``restore`` passed over,
+            newest first.
+
+    Raises:
+        ValueError: if ``keep`` is less than 1.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep: int | None = 3) -> None:
@@ -43,6 +55,14 @@ class CheckpointManager:
         self.skipped: list[tuple[Path, str]] = []  # by the last restore: (directory, why), newest first
 
     def directory(self, step: int) -> Path:
+        """Where the checkpoint of ``step`` goes: ``root/step_NNNNNNNN`` (eight digits at least).
+
+        Args:
+            step: the step the checkpoint is named after.
+
+        Returns:
+            The path; nothing is made or read.
+        """
         return self.root / f"step_{step:08d}"
 
     def _own(self) -> list[tuple[int, Path]]:
@@ -57,21 +77,48 @@ class CheckpointManager:
         return sorted(found)
 
     def steps(self) -> list[int]:
-        """The steps of its complete checkpoints (their directories' names), oldest first."""
+        """The steps of its complete checkpoints (their directories' names), oldest first.
+
+        Returns:
+            A list of steps; empty when it has none.
+        """
         return [n for n, _ in self._own()]
 
     def latest(self) -> Path | None:
-        """Its newest complete checkpoint (``restore`` falls back from it if it does not load)."""
+        """Its newest complete checkpoint (``restore`` falls back from it if it does not load).
+
+        Returns:
+            The checkpoint's directory, or ``None`` when it has none.
+        """
         own = self._own()
         return own[-1][1] if own else None
 
     def save(
         self, state: TrainState, *, step: int | None = None, extra: Any = None, blocking: bool = True, **kwargs: Any
     ) -> PendingSave | Path:
-        """``save(root/step_N, state, ...)`` then the retention (in the background too, with
-        ``blocking=False``). ``N`` is ``step``, by default ``state.step``: the steps applied,
-        which a step that ``apply_if_finite`` skipped leaves as it was; a loop that saves
-        every K calls names its checkpoints after its own count (``step=k + 1``)."""
+        """``save(root/step_N, state, ...)``, then the retention.
+
+        With ``blocking=False`` the retention runs too, once the background save is waited
+        for (by the next ``save``, or ``wait()``). ``N`` is ``step``, by default
+        ``state.step``: the steps applied, which a step that ``apply_if_finite`` skipped
+        leaves as it was; a loop that saves every K calls names its checkpoints after its
+        own count (``step=k + 1``). Memory and communication: ``save``'s; the retention,
+        on rank 0, deletes directories and communicates nothing.
+
+        Args:
+            state: the ``TrainState`` to save.
+            step: the step the checkpoint is named after; ``None``: ``state.step``.
+            extra: what to save beside the state, as in ``save``.
+            blocking: ``False`` saves in the background, as in ``save``.
+            **kwargs: the rest of ``save``'s options (``hyperparams``, ``timeout``).
+
+        Returns:
+            What ``save`` returns: the checkpoint's path, or a ``PendingSave``.
+
+        Raises:
+            CheckpointError: if the step is not a whole number >= 0; also what ``save``
+                raises, and the failure of the previous background save.
+        """
         self.wait()  # the previous background save, then its retention
         n = state.step if step is None else step
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -84,7 +131,14 @@ class CheckpointManager:
         return result
 
     def wait(self) -> Path | None:
-        """Wait for the background save, if any (raising its failure), then apply the retention."""
+        """Wait for the background save, if any (raising its failure), then apply the retention.
+
+        Returns:
+            The directory of the save waited for, or ``None`` when none was pending.
+
+        Raises:
+            CheckpointError: if that save failed (no checkpoint is deleted then).
+        """
         done = wait()
         layout, self._prune_after = self._prune_after, None
         if done is not None and layout is not None:
@@ -109,7 +163,24 @@ class CheckpointManager:
         A checkpoint that does not load (damaged, a file missing, a flipped bit) is skipped
         for the one before it: each skipped one is logged (``fsdp_fn.checkpoint``, warning)
         and kept in ``skipped`` with why. When none loads, ``CheckpointError`` lists each and
-        why; ``like``'s tensors may then hold part of what was read.
+        why; ``like``'s tensors may then hold part of what was read. Memory and
+        communication: ``load``'s, once per checkpoint tried.
+
+        Args:
+            like: a ``TrainState`` for the target run, as in ``load``.
+            check_digests: ``False`` skips checking each chunk read against its digest.
+            timeout: seconds to wait for every rank to call ``load``.
+
+        Returns:
+            The state and ``extra`` of the newest of its checkpoints that loads, as ``load``
+            returns them, or ``None`` when it has no checkpoint.
+
+        Raises:
+            CheckpointError: if none of its checkpoints loads, listing each and why.
+            TypeError: if ``like`` is not a ``TrainState`` (found at the first checkpoint
+                tried); ``load``'s other errors (``RuntimeError``, ``ValueError``,
+                ``RankFailure``, ``DivergenceError``) pass through too: only a checkpoint
+                that does not load is skipped.
         """
         self.skipped = []
         own = self._own()

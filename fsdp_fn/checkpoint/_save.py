@@ -57,6 +57,38 @@ def save(
     ``wait()``) never commits. Memory (blocking): one parameter chunk at a time beyond the
     state. Communication: DCP's planning (a gather and a scatter of small plans, the
     digests riding with the write results) and three small barriers.
+
+    Args:
+        directory: where the checkpoint appears; it must not exist yet (checkpoints are
+            never overwritten).
+        state: the ``TrainState`` to write (from ``step.init``); it stays usable.
+        extra: what to save beside the state (the data loader's position, say): JSON
+            values, tuples, sets and tensors; ``load`` returns it.
+        hyperparams: torch.optim's names for the optimizer's settings (``lr``, ``betas``,
+            ...), written as a torch param group for torch's loader; fsdp_fn never reads
+            them back.
+        blocking: ``False`` writes in a background thread on a second process group and
+            returns at once.
+        timeout: seconds to wait for every rank of the group to call ``save``.
+
+    Returns:
+        The checkpoint's path, once it is committed; with ``blocking=False``, a
+        ``PendingSave`` whose ``wait()`` returns the path.
+
+    Raises:
+        TypeError: if ``state`` is not a ``TrainState``.
+        RuntimeError: if ``state``'s shards were donated to a step or left half-updated by
+            a failed one.
+        CheckpointError: if ``extra`` (or the optimizer state's plain values) holds
+            anything but JSON values, tuples, sets and tensors (naming it, before any
+            communication); on every rank, if ``directory`` exists already, or creating,
+            writing or committing it fails on any rank; also the failure of the previous
+            background save, which it waits for first.
+        ValueError: if a hybrid-sharded state's ranks are not the whole default group, or
+            ``blocking=False`` is asked of a group that is not every rank.
+        RankFailure: if a rank of the group does not call ``save`` within ``timeout``
+            seconds (naming it).
+        DivergenceError: if a rank of the group is in another call.
     """
     wait()  # the previous background save, and its failure, come first
     final = Path(directory)

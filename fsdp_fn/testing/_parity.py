@@ -17,9 +17,16 @@ from fsdp_fn._plan import Plan, Policy, make_plan, unit_label
 class Divergence(AssertionError):
     """The sharded run and the unsharded reference differ; ``where`` names the first place.
 
-    ``where`` holds ``step`` (0-based), ``what`` (``"loss"``, ``"gradient"`` or
-    ``"parameter"``), ``unit`` and ``parameter`` (``None`` for the loss) and ``error`` (the
-    largest absolute difference).
+    An ``AssertionError``, so a test framework reports it as a failed assertion.
+
+    Args:
+        message: the step, unit and parameter, the largest difference and where it is.
+        where: the same place as values (see the attribute).
+
+    Attributes:
+        where: holds ``step`` (0-based), ``what`` (``"loss"``, ``"gradient"`` or
+            ``"parameter"``), ``unit`` and ``parameter`` (``None`` for the loss) and
+            ``error`` (the largest absolute difference).
     """
 
     def __init__(self, message: str, where: dict[str, Any]) -> None:
@@ -28,7 +35,22 @@ class Divergence(AssertionError):
 
 
 def split_batch(batch: Any, rank: int, world: int) -> Any:
-    """This rank's equal part (along dim 0) of every tensor in ``batch``."""
+    """This rank's equal part (along dim 0) of every tensor in ``batch``.
+
+    The parts are views of the batch's tensors: no copy, no communication.
+
+    Args:
+        batch: a pytree (``torch.utils._pytree``) of the global batch; leaves that are not
+            tensors are kept as they are.
+        rank: this rank's place among the ``world`` data-parallel ranks.
+        world: how many ranks the batch is split over.
+
+    Returns:
+        The batch in the same structure, each tensor replaced by its ``rank``-th part.
+
+    Raises:
+        ValueError: if a tensor's first dimension does not divide by ``world``.
+    """
 
     def part(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
@@ -70,6 +92,32 @@ def assert_matches_unsharded(
     the loss, the gradients and the parameters. Memory: the whole model twice on every
     rank (the reference and the unsharded result); communication: the run's own, plus one
     all-gather per unit per comparison.
+
+    Args:
+        module: the model; the reference is a copy of it.
+        loss_fn: ``loss_fn(model, batch) -> loss``, called with the sharded model's
+            function and this rank's part of the batch, and with the reference module and
+            the whole batch.
+        batches: one global batch per step (the same on every rank).
+        group: the ranks to shard over: a ``ProcessGroup``, a mesh, or ``None`` (the
+            default group), as ``shard`` takes it.
+        policy: the unit policy for ``make_plan`` when ``plan`` is not given.
+        plan: the plan to shard by; ``None``: ``make_plan(module, policy)``.
+        optimizer: a factory, tensors -> ``torch.optim.Optimizer``; ``None`` compares
+            gradients instead of training.
+        split: ``split(batch, rank, world)``: this rank's part of a global batch.
+        rtol: relative tolerance.
+        atol: absolute tolerance.
+        **step_options: passed on to ``train_step`` (only with ``optimizer``).
+
+    Returns:
+        The largest absolute difference seen, by kind, in a dict keyed ``"loss"``,
+        ``"gradient"`` and ``"parameter"``.
+
+    Raises:
+        Divergence: at the first difference beyond the tolerance, naming the step, the
+            unit and the parameter.
+        ValueError: if ``step_options`` are given without an ``optimizer``.
     """
     from fsdp_fn._collectives import all_gather, all_reduce_
     from fsdp_fn._functional import functionalize

@@ -28,7 +28,20 @@ _groups: dict[int, Any] = {}
 
 
 def pool_group(world: int) -> Any:
-    """Inside a pool rank: the pool's group of ranks ``0..world-1`` (``None`` where this rank is not in it)."""
+    """Inside a pool rank: the pool's group of ranks ``0..world-1`` (``None`` where this rank is not in it).
+
+    The pool made one group for every size at start-up: no communication, nothing made.
+
+    Args:
+        world: how many ranks, from rank 0, the group holds (at most the pool's size).
+
+    Returns:
+        The ``ProcessGroup``, or ``None`` on a rank that is not in it.
+
+    Raises:
+        KeyError: if the pool made no group of that size (``world`` larger than the pool,
+            or a call outside a pool rank).
+    """
     group = _groups[world]
     return group if isinstance(group, dist.ProcessGroup) else None
 
@@ -36,7 +49,12 @@ def pool_group(world: int) -> Any:
 class RankError(RuntimeError):
     """One or more ranks failed (or timed out); the message carries each rank's traceback.
 
-    ``results`` maps each rank that answered to ``("ok", value)`` or ``("err", traceback)``.
+    Args:
+        message: which function failed on how many ranks, and each failed rank's traceback.
+        results: what each rank that answered sent back.
+
+    Attributes:
+        results: maps each rank that answered to ``("ok", value)`` or ``("err", traceback)``.
     """
 
     def __init__(self, message: str, results: dict[int, tuple[str, Any]] | None = None) -> None:
@@ -103,6 +121,27 @@ class RankPool:
     """``world`` gloo ranks in spawned processes, each with ``threads`` torch threads.
 
     Inside a rank, warnings are errors (as in the test suite) unless ``warnings_as_errors=False``.
+    The ranks start at the first ``run`` (seconds: spawning processes and joining a process
+    group), with one group for every size ``1..world``, and live until ``close()`` (or the
+    end of a ``with`` block); a pool whose ranks may be stuck in a collective is closed and
+    started afresh at the next ``run``. Inside the ranks hypothesis runs with a deterministic
+    profile, so every rank draws the same examples.
+
+    Args:
+        world: how many ranks.
+        threads: torch threads per rank (``torch.set_num_threads``).
+        timeout: seconds a ``run`` waits for every rank's answer, unless it says otherwise.
+        collective_timeout: the process group's timeout, in seconds, for one collective.
+        warnings_as_errors: whether a warning inside a rank is an error.
+        backend: the ``torch.distributed`` backend (``"gloo"``; ``"nccl"`` puts rank ``r``
+            on GPU ``r`` modulo the GPUs there are).
+
+    Attributes:
+        last_pids: the process ids of the ranks the last ``close()`` ended.
+        last_exitcodes: how they ended (negative: killed by that signal).
+
+    Raises:
+        ValueError: if ``world`` is less than 1.
     """
 
     def __init__(
@@ -158,7 +197,29 @@ class RankPool:
     def run(
         self, fn: Callable[..., Any], *args: Any, world: int | None = None, timeout: float | None = None, **kwargs: Any
     ) -> list[Any]:
-        """``fn(group, *args, **kwargs)`` on ranks ``0..world-1``; their results in rank order."""
+        """``fn(group, *args, **kwargs)`` on ranks ``0..world-1``; their results in rank order.
+
+        ``group`` is the pool's ``ProcessGroup`` of exactly those ranks. Starts the ranks
+        first if they are not running. Once a rank has failed, the others get 10 seconds
+        more to answer; if some ranks did not fail, or did not answer, the pool is closed
+        (its ranks may be stuck in a collective) and the next ``run`` starts new ones.
+
+        Args:
+            fn: the function each rank calls; it, its arguments and its result travel
+                between processes, so they must pickle (a module-level function).
+            *args: passed on to ``fn``.
+            world: how many ranks run it; ``None``: every rank of the pool.
+            timeout: seconds to wait for every answer; ``None``: the pool's ``timeout``.
+            **kwargs: passed on to ``fn``.
+
+        Returns:
+            The ranks' results, in rank order.
+
+        Raises:
+            ValueError: if ``world`` is not between 1 and the pool's size.
+            RankError: if a rank raised, died or did not answer before the timeout, with
+                every failed rank's traceback; also if a rank does not start within 120 s.
+        """
         w = self.world if world is None else world
         if not 1 <= w <= self.world:
             raise ValueError(f"world={w} does not fit a pool of {self.world} ranks")
@@ -200,6 +261,11 @@ class RankPool:
         return [results[r][1] for r in range(w)]
 
     def close(self) -> None:
+        """Stop the ranks: each is asked to leave, and killed if it has not within 5 seconds.
+
+        Records their process ids and exit codes (``last_pids``, ``last_exitcodes``); the next
+        ``run`` starts new ranks. Does nothing when none is running.
+        """
         if self._procs:
             self.last_pids = [p.pid for p in self._procs]
         for conn in self._conns:

@@ -59,7 +59,15 @@ class StackMLP(nn.Module):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A drawn model, small enough to send to ranks: ``build()`` makes the same module on every rank."""
+    """A drawn model, small enough to send to ranks: ``build()`` makes the same module on every rank.
+
+    Args:
+        widths: the ``StackMLP``'s widths, input first (one layer per pair).
+        tied: whether the last layer uses the first layer's weight.
+        frozen: indices of the layers whose parameters do not require grad.
+        seed: the seed the parameters are drawn with.
+        dtype: the parameters' dtype, and the batches'.
+    """
 
     widths: tuple[int, ...]
     tied: bool = False
@@ -68,11 +76,36 @@ class ModelSpec:
     dtype: torch.dtype = torch.float64
 
     def build(self) -> StackMLP:
+        """The model, the same on every rank (it seeds the global generator with ``seed``).
+
+        Returns:
+            A new ``StackMLP`` in ``dtype``.
+
+        Raises:
+            ValueError: if the widths make no layer, or ``tied`` widths do not end as they
+                start.
+        """
         torch.manual_seed(self.seed)
         return StackMLP(self.widths, tied=self.tied, frozen=self.frozen).to(self.dtype)
 
     def batch(self, size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and regression targets, the same on every rank for the same ``seed``."""
+        """Inputs and regression targets, the same on every rank for the same ``seed``.
+
+        Drawn from a generator of its own: the global one is left as it was.
+
+        Args:
+            size: how many examples (the global batch; ``split_batch`` parts it).
+            seed: the seed of the draw.
+
+        Returns:
+            The inputs, ``(size, widths[0])``, and the targets, ``(size, widths[-1])``, in
+            the spec's dtype.
+
+        Examples:
+            >>> x, y = ModelSpec((3, 5, 2)).batch(4)
+            >>> tuple(x.shape), tuple(y.shape)
+            ((4, 3), (4, 2))
+        """
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(size, self.widths[0], generator=g, dtype=self.dtype)
         return x, torch.randn(size, self.widths[-1], generator=g, dtype=self.dtype)
@@ -81,13 +114,32 @@ class ModelSpec:
 @dataclass(frozen=True)
 class PlanSpec:
     """A drawn unit policy: ``"whole"`` (one root unit), ``"layers"`` (a unit per ``nn.Linear``)
-    or ``"size"`` (``size_policy(min_num_params)``); ``split_root`` as in ``make_plan``."""
+    or ``"size"`` (``size_policy(min_num_params)``); ``split_root`` as in ``make_plan``.
+
+    Args:
+        policy: ``"whole"``, ``"layers"`` or ``"size"``.
+        min_num_params: the size policy's threshold (for ``"size"``).
+        split_root: whether to shard the root like any other unit, as in ``make_plan``.
+    """
 
     policy: str = "layers"
     min_num_params: int = 1
     split_root: bool = False
 
     def make(self, module: nn.Module) -> Plan:
+        """The plan of ``module`` under this policy (``make_plan``: reads shapes only).
+
+        Args:
+            module: the model, e.g. ``ModelSpec.build()``'s.
+
+        Returns:
+            The ``Plan``, the same on every rank.
+
+        Raises:
+            KeyError: if ``policy`` is not ``"whole"``, ``"layers"`` or ``"size"``.
+            ValueError: what ``make_plan`` raises (``"layers"`` on a model without an
+                ``nn.Linear``, say).
+        """
         policies: dict[str, Policy | None] = {
             "whole": None,
             "layers": layer_policy([nn.Linear]),
@@ -134,9 +186,18 @@ def models(
 ) -> SearchStrategy[ModelSpec]:
     """``ModelSpec``s of ``depth`` layers whose widths no world size ``2..max_world`` divides.
 
-    ``tied``: ``None`` draws it, ``True``/``False`` forces it (tied models have at least
-    three layers). ``frozen``: whether to draw frozen layers (at least one layer stays
-    trainable).
+    Args:
+        depth: the fewest and the most layers.
+        max_world: the largest world size the widths must not divide by.
+        tied: ``None`` draws it, ``True``/``False`` forces it (tied models have at least
+            three layers).
+        frozen: whether to draw frozen layers (at least one layer stays trainable).
+
+    Returns:
+        A hypothesis strategy of ``ModelSpec``s.
+
+    Raises:
+        ImportError: if hypothesis (a test extra) is not installed.
     """
     from hypothesis import strategies as st
 
@@ -164,7 +225,14 @@ def models(
 
 
 def plans() -> SearchStrategy[PlanSpec]:
-    """``PlanSpec``s: one unit, a unit per layer (with or without a split root), or by size."""
+    """``PlanSpec``s: one unit, a unit per layer (with or without a split root), or by size.
+
+    Returns:
+        A hypothesis strategy of ``PlanSpec``s.
+
+    Raises:
+        ImportError: if hypothesis (a test extra) is not installed.
+    """
     from hypothesis import strategies as st
 
     return st.one_of(
@@ -175,7 +243,17 @@ def plans() -> SearchStrategy[PlanSpec]:
 
 
 def worlds(max_world: int = 4) -> SearchStrategy[int]:
-    """World sizes ``1..max_world``."""
+    """World sizes ``1..max_world``.
+
+    Args:
+        max_world: the largest world size (at most the pool's).
+
+    Returns:
+        A hypothesis strategy of ints.
+
+    Raises:
+        ImportError: if hypothesis (a test extra) is not installed.
+    """
     from hypothesis import strategies as st
 
     return st.integers(1, max_world)
@@ -183,7 +261,20 @@ def worlds(max_world: int = 4) -> SearchStrategy[int]:
 
 def layouts(max_world: int = 4, *, hybrid: bool = True) -> SearchStrategy[LayoutSpec]:
     """``LayoutSpec``s: any world size ``1..max_world`` sharded plainly and, with ``hybrid``,
-    ``max_world`` ranks as every proper factorisation into replicas x shards."""
+    ``max_world`` ranks as every proper factorisation into replicas x shards.
+
+    Args:
+        max_world: the largest world size; hybrid layouts use exactly this many ranks, so
+            it should be the pool's size.
+        hybrid: whether to draw hybrid layouts too (there are none when ``max_world`` is 1
+            or prime).
+
+    Returns:
+        A hypothesis strategy of ``LayoutSpec``s.
+
+    Raises:
+        ImportError: if hypothesis (a test extra) is not installed.
+    """
     from hypothesis import strategies as st
 
     plain = st.builds(LayoutSpec, worlds(max_world))
