@@ -111,8 +111,8 @@ MUTANTS = [
     (
         "schedule_off_by_one",
         "fsdp_fn/_optim.py",
-        '    return rate_at(lr, state.count, where), ScaleByScheduleState(state.count + 1)',
-        '    return rate_at(lr, state.count + 1, where), ScaleByScheduleState(state.count + 1)',
+        "    return rate_at(lr, state.count, where), ScaleByScheduleState(state.count + 1)",
+        "    return rate_at(lr, state.count + 1, where), ScaleByScheduleState(state.count + 1)",
         "tests/test_chain.py",
     ),
     (
@@ -530,6 +530,42 @@ MUTANTS = [
         "        if missing:\n            units = ",
         "        if False:\n            units = ",
         "tests/test_errors.py::test_torch_optimizer_built_on_some_shards_only",
+    ),
+    # --- the tenth batch: issue 35's house (behaviour unchanged) and what it turned up ----------
+    (
+        "tied_grad_under_its_first_name_only",
+        "fsdp_fn/_shard.py",
+        "for n in (spec.name, *spec.aliases) if (t := grads.get(n)) is not None]",
+        "for n in (spec.name,) if (t := grads.get(n)) is not None]",
+        "tests/test_features.py::test_reduce_grads_takes_a_tied_gradient_under_any_of_its_names",
+    ),
+    (
+        "tied_grads_that_differ_unchecked",
+        "fsdp_fn/_shard.py",
+        "            if any(t is not named[0][1] and not torch.equal(t, named[0][1])",
+        "            if False and any(t is not named[0][1] and not torch.equal(t, named[0][1])",
+        "tests/test_features.py::test_reduce_grads_takes_a_tied_gradient_under_any_of_its_names",
+    ),
+    (
+        "load_errors_not_shared",
+        "fsdp_fn/checkpoint/_load.py",
+        '    errors = gather_objects(None if raised is None else str(raised), group, "checkpoint.load")',
+        "    errors = [None if raised is None else str(raised)]",
+        "tests/test_checkpoint.py::test_a_load_failing_on_one_rank_fails_on_every_rank",
+    ),
+    (
+        "split_root_tied_unit_not_registered",
+        "fsdp_fn/_plan.py",
+        "            members.setdefault(home, []).append(spec)\n            shared[home] = holders",
+        "            members.setdefault(home, []).append(spec)",
+        "tests/test_plan.py::test_split_root_gives_a_weight_tied_across_modules_a_unit_both_gather",
+    ),
+    (
+        "lean_frozen_not_zeroed",
+        "fsdp_fn/_grad.py",
+        "None if composable else out[u.name]",
+        "None",
+        "tests/test_correctness.py::test_value_and_grad_gives_a_parameter_frozen_after_the_plan_no_gradient",
     ),
 ]
 

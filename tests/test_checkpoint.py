@@ -1436,6 +1436,33 @@ def test_the_demo_reads_on_from_the_same_sample_at_any_world_size():
     assert len({tuple(w.tolist()) for w in resumed}) == 24
 
 
+def _load_fails_on_one_rank(group, directory, phase):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3))
+    fn = ff.functionalize(model)
+    step = ff.train_step(fn, lambda m, x: m(x).square().mean(), ff.sgd(lr=0.1))
+    state = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group))
+    if phase == "save":
+        ckpt.save(directory, state)
+        return ""
+    mine = directory if dist.get_rank() == 0 else directory + "-gone"
+    try:
+        ckpt.load(mine, state, timeout=20)
+    except ckpt.CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_a_load_failing_on_one_rank_fails_on_every_rank(pool, tmp_path):
+    """Rank 1 is given a directory that does not exist: it raises, and rank 0, whose checkpoint
+    opens, raises naming rank 1 instead of waiting in DCP's collectives for it."""
+    d = str(tmp_path / "c")
+    pool.run(_load_fails_on_one_rank, d, "save", world=2)
+    on_zero, on_one = pool.run(_load_fails_on_one_rank, d, "load", world=2)
+    assert on_one == f"no checkpoint at {d}-gone: no such path"
+    assert on_zero.startswith("rank 1 cannot load") and "-gone" in on_zero
+
+
 def _accumulation_into_another_chain(group, directory, phase):
     """``accumulate(2, adamw)`` saved mid-round; loaded into a chain that clips before it."""
     torch.manual_seed(0)

@@ -634,6 +634,35 @@ def test_freezing_and_unfreezing_after_the_plan_trains_like_torch(pool, change, 
         assert got == pytest.approx(norms, rel=1e-5)
 
 
+def _value_and_grad_after_freezing(group):
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    module = Net()
+    fn = ff.functionalize(module)
+    params = ff.shard(fn.params, ff.make_plan(module, ff.layer_policy([Block])), group)
+    module.blocks[1].fc.bias.requires_grad_(False)  # after the plan: part of a unit
+    b = _batches(world, 1)[0]
+    _, grads = ff.value_and_grad(fn, make_loss(["plain"]))(params, fn.buffers, tuple(t.chunk(world)[rank] for t in b))
+    received = {s.name: got for u in grads.plan.units for s, got in zip(u.params, grads.received[u.name])}
+    return ff.unshard(grads), received
+
+
+def test_value_and_grad_gives_a_parameter_frozen_after_the_plan_no_gradient(pool):
+    """As torch gives it ``None``: zeros in the gradient shards (a norm of them counts nothing)
+    and not received; every other gradient is torch's, received where torch's is not ``None``."""
+    torch.manual_seed(0)
+    ref = Net()
+    ref.blocks[1].fc.bias.requires_grad_(False)
+    make_loss(["plain"])(ref, _batches(2, 1)[0]).backward()
+    for full, received in pool.run(_value_and_grad_after_freezing, world=2):
+        assert received == {name: p.grad is not None for name, p in ref.named_parameters()}
+        assert not received["blocks.1.fc.bias"]
+        assert not full["blocks.1.fc.bias"].any()
+        for name, p in ref.named_parameters():
+            if p.grad is not None:
+                torch.testing.assert_close(full[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _losses_that_change(group, per_step, optimizer, update_in_backward):
     """A different loss at each step (a multi-task loop: a head unused at some steps); every
     parameter keeps its own step count, as torch.optim does."""

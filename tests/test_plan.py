@@ -115,6 +115,17 @@ def test_tied_weights_in_different_units_go_to_their_common_unit():
     assert "head" not in plan.unit_names  # nothing left for it once its weight moved up
 
 
+def test_split_root_gives_a_weight_tied_across_modules_a_unit_both_gather():
+    # Catches: the tied weight's own unit made without the modules that use it (never gathered).
+    m = gpt(tie=True)
+    plan = ff.make_plan(m, ff.layer_policy([Block]), split_root=True)
+    tied = plan.unit_of("head.weight")
+    assert tied.name == "wte.weight", plan.unit_names
+    assert tied.modules == ("wte", "head")
+    assert [p.name for p in tied.params] == ["wte.weight"] and tied.params[0].aliases == ("head.weight",)
+    assert plan.unit_names.index("wte.weight") < plan.unit_names.index("blocks.0")  # gathered at its first use
+
+
 @st.composite
 def module_trees(draw, depth=0):
     n = draw(st.integers(1, 3))
