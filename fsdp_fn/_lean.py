@@ -74,7 +74,6 @@ class LeanRuntime(Runtime):
         self.forward_order = ForwardOrder(order_hint, self.unit_bytes, self.schedule)
         self.adds_during_backward = sink.deferred is not None  # full gradients summed over micro-batches
         self.watches: dict[GatheredUnit, InputsWatch] = {}  # frozen uses whose forward is running
-        self.row_lookups = self.wiring.row_lookups & self.lookups
         self._first_record = 0
 
     # --- the call ------------------------------------------------------------------------------------
@@ -113,7 +112,7 @@ class LeanRuntime(Runtime):
             if self.schedule.forward_prefetch:
                 self._prefetch(self.forward_order.advance(unit.name))
             return None
-        if unit.name in self.lookups:  # (a bad index names the unit, as a fetch does)
+        if unit.name in self.lookups.plain:  # (a bad index names the unit, as a fetch does)
             check_indices(indices_of(args, kwargs), unit, in_range=True)
         upcoming = self.forward_order.advance(unit.name)
         # The units after it are issued before this one's gather is waited for, when its own
@@ -145,21 +144,12 @@ class LeanRuntime(Runtime):
         reshard = not hidden and not self.forward_order.keep_gathered(unit.name, self.schedule)
         if reshard:
             use.reshard()
-            use.refill = self._backward_reads(unit)
+            use.refill = self.lookups.backward_reads(unit.name, self.forced)
             if outputs and use.refill:
                 use.refill_on_backward(outputs)
         return output
 
     # --- lookups of fetched rows ---------------------------------------------------------------------
-
-    def _fetches_rows(self, unit: Unit) -> bool:
-        """Whether this call of ``unit`` fetches its rows (not under a transform, which may rewrite
-        the lookup, nor inside a checkpoint region, which runs it again in backward)."""
-        return (
-            unit.name in self.row_lookups
-            and unit.name not in self.forced
-            and torch._C._functorch.maybe_current_level() is None
-        )
 
     def _lookup(self, unit: Unit, *args: Any, **kwargs: Any) -> torch.Tensor:
         """``nn.Embedding.forward`` on the rows its indices name, fetched from their holders."""
@@ -217,7 +207,7 @@ class LeanRuntime(Runtime):
     def _prefetch(self, names: Sequence[str]) -> None:
         """Start gathering ``names`` (the units expected to run next), in order, while they fit the limit."""
         for name in names:
-            if name in self.prefetched or name in self.row_lookups:  # a lookup's rows come at its call
+            if name in self.prefetched or name in self.lookups.fetching:  # a lookup's rows come at its call
                 continue
             if not may_start(self.inflight, self.unit_bytes.get(name, 0), self.inflight_limit):
                 return
@@ -291,17 +281,6 @@ class LeanRuntime(Runtime):
         if self.phase is Phase.BACKWARD and use in self.records:
             use.release()
             self._backward_done(use)
-
-    def _backward_reads(self, unit: Unit) -> bool:
-        """Whether this use's backward may read its gathered parameters: not for a lookup unit
-        run plainly (not rematerialised: it would run again in backward; a region around
-        other modules cannot hold a unit; under no transform, which may rewrite the lookup)."""
-        return not (
-            unit.name in self.lookups
-            and unit.name not in self.remat_units
-            and unit.name not in self.forced
-            and torch._C._functorch.maybe_current_level() is None
-        )
 
     # --- the loss is known, the backward over -------------------------------------------------------
 

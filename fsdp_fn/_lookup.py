@@ -19,19 +19,21 @@ twice (W=2, bench GPT: 16 MiB gathered and 16 MiB reduce-scattered per step, aga
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.autograd.function import FunctionCtx
 
 from fsdp_fn import _guard
-from fsdp_fn._collectives import _exchange, record
+from fsdp_fn._collectives import _exchange, pairwise, record
 from fsdp_fn._function import plain_apply
 from fsdp_fn._labels import label
-from fsdp_fn._plan import Unit, unit_label
+from fsdp_fn._plan import Plan, Unit, unit_label
 from fsdp_fn._policy import Schedule
+from fsdp_fn._shard import Sharded
 from fsdp_fn._unit import UnitState
 
 ROWS_MIN_BYTES = 1 << 20
@@ -55,6 +57,75 @@ def rows_fit(unit: Unit, schedule: Schedule, replicas: int = 1, world: int = 2) 
         and schedule.gather_dtype(unit.dtype) == unit.dtype == schedule.reduce_dtype(unit.dtype)
         and unit.gather_bytes(world) >= ROWS_MIN_BYTES
     )
+
+
+def fetchable(
+    plan: Plan,
+    params: Sharded,
+    schedule: Schedule,
+    modules: Mapping[str, nn.Module],
+    *,
+    rematerialised: Collection[str],
+    compiled: Collection[int],
+    composable: bool,
+    deferred: bool,
+) -> frozenset[str]:
+    """The lookup units that may fetch their rows, as far as what is the same at every call
+    decides (``Wiring`` asks once): ``rows_fit``, over gloo's pairwise sends, on CPU (not yet
+    measured on accelerators), on the lean pass, not summing micro-batches' full gradients, not
+    rematerialised or compiled, not renormalising rows or making sparse gradients.
+    ``LookupChoice`` adds what only a call knows."""
+    world = params.group.size()
+    if composable or world == 1 or deferred or not pairwise(params.group):
+        return frozenset()
+    return frozenset(
+        u.name
+        for u in plan.units
+        if u.lookup
+        and rows_fit(u, schedule, params.layout.replicas, world)
+        and params[u.name].device.type == "cpu"
+        and u.name not in rematerialised
+        and modules[u.name].max_norm is None
+        and not modules[u.name].sparse
+        and id(modules[u.name]) not in compiled
+    )
+
+
+class LookupChoice:
+    """For one call: which lookup units fetch their rows instead of gathering their table, and
+    whose backward reads the gathered table (so it is gathered again). The one place both are
+    decided: ``fetchable`` (made once) and, here, what only the call knows (a hook of the user's
+    on the module, a transform, a torch checkpoint region that runs it again in backward)."""
+
+    def __init__(
+        self, plan: Plan, modules: Mapping[str, nn.Module], fetchable: frozenset[str], rematerialised: Collection[str]
+    ) -> None:
+        global_hooks = nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
+        self.plain = frozenset(  # an nn.Embedding run as it is: its backward reads no parameter
+            u.name
+            for u in plan.units
+            if u.lookup
+            and not global_hooks
+            and not (modules[u.name]._forward_hooks or modules[u.name]._forward_pre_hooks)
+        )
+        self.fetching = fetchable & self.plain
+        self.rematerialised = rematerialised
+
+    def fetches_rows(self, name: str, forced: Collection[str]) -> bool:
+        """Whether this call of unit ``name`` fetches its rows (``forced``: the units a torch
+        checkpoint region rematerialises now)."""
+        return name in self.fetching and name not in forced and torch._C._functorch.maybe_current_level() is None
+
+    def backward_reads(self, name: str, forced: Collection[str]) -> bool:
+        """Whether the backward of this use of unit ``name`` may read its gathered parameters:
+        not for a lookup run plainly (a rematerialised one runs again in backward; a transform
+        may rewrite the lookup)."""
+        return not (
+            name in self.plain
+            and name not in self.rematerialised
+            and name not in forced
+            and torch._C._functorch.maybe_current_level() is None
+        )
 
 
 class RowFetch:

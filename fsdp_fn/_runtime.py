@@ -31,6 +31,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from fsdp_fn._functional import Functional, parameters_restored, requires_grad_tolerated
+from fsdp_fn._lookup import LookupChoice
 from fsdp_fn._phases import phased
 from fsdp_fn._plan import ROOT, Unit, unit_label
 from fsdp_fn._policy import Schedule
@@ -104,14 +105,7 @@ class Runtime:
         self.remat = remat
         self.remat_units = wiring.remat_units
         self.forced: set[str] = set()  # units a routed torch checkpoint region rematerialises now
-        # Lookup units (a plain nn.Embedding) whose module carries no hook of the user's: their
-        # backward reads no parameter, so their buffer is not gathered again for it.
-        global_hooks = nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
-        self.lookups = {
-            name
-            for name in wiring.lookups
-            if not global_hooks and not (self.modules[name]._forward_hooks or self.modules[name]._forward_pre_hooks)
-        }
+        self.lookups = LookupChoice(params.plan, self.modules, wiring.row_lookups, self.remat_units)
 
     # --- what subclasses say -----------------------------------------------------------------------
 
@@ -134,7 +128,7 @@ class Runtime:
 
     def _fetches_rows(self, unit: Unit) -> bool:
         """Whether this call of ``unit`` fetches its rows instead of gathering its table."""
-        return False
+        return self.lookups.fetches_rows(unit.name, self.forced)
 
     def _lookup(self, unit: Unit, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise NotImplementedError

@@ -4,7 +4,7 @@
 module: each unit's modules and where a gather puts its parameters, the stand-ins of the
 units not gathered, where each tensor of a call goes (what ``functional_call`` would work
 out at every call), compiled units, the units to rematerialise, the prefetch limit, the
-lookups whose rows are fetched. A step's call (``_runtime.py``) reads it and does none of
+lookups that may fetch their rows. A step's call (``_runtime.py``) reads it and does none of
 this again.
 """
 
@@ -19,7 +19,7 @@ from torch import nn
 
 from fsdp_fn._collectives import pairwise
 from fsdp_fn._functional import Functional, index_of
-from fsdp_fn._lookup import rows_fit
+from fsdp_fn._lookup import fetchable
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
 from fsdp_fn._policy import Schedule
 from fsdp_fn._prefetch import gathered_bytes, inflight_limit
@@ -45,7 +45,7 @@ def _not_gathered(spec: ParamSpec, unit: str, device: torch.device) -> StandIn:
 class Wiring:
     """What running a module over shards needs that is the same at every call: each unit's
     modules and where a gather puts its parameters, the units to rematerialise, the prefetch
-    limit, the lookups whose rows are fetched. Made once per module, plan, schedule and group
+    limit, the lookups that may fetch their rows. Made once per module, plan, schedule and group
     (``Wiring.of``), then shared by every call: a step's Runtime does none of this again."""
 
     def __init__(
@@ -105,7 +105,6 @@ class Wiring:
         # Each non-root unit's gathered bytes; prefetching may hold max_inflight times the largest.
         self.unit_bytes = gathered_bytes(plan, params.group.size(), schedule)
         self.inflight_limit = inflight_limit(self.unit_bytes, schedule)
-        self.lookups = frozenset(u.name for u in plan.units if u.lookup)
         # Outside its forward each non-root unit's parameter is a stand-in that raises if read.
         offload = schedule.cpu_offload
         self.standins = {
@@ -127,23 +126,16 @@ class Wiring:
             buffer = holder._buffers[attr]
             if buffer is not None:
                 self.swaps.append((holder, attr, first.setdefault(id(buffer), name), False))
-        # Lookups whose rows are fetched instead of their table gathered (``_lookup.py``): over
-        # gloo's pairwise sends, on CPU, in the shard's own dtype and place, reduced per
-        # micro-batch, without replicas, not rematerialised, and not renormalising rows or
-        # making sparse gradients (and without a hook of the user's: the call checks that).
-        self.row_lookups = frozenset(
-            name
-            for name in self.lookups
-            if not composable
-            and params.group.size() > 1
-            and pairwise(params.group)
-            and rows_fit(plan.unit(name), schedule, params.layout.replicas, params.group.size())
-            and params[name].device.type == "cpu"  # not yet measured on accelerators
-            and not deferred
-            and name not in self.remat_units
-            and self.modules[name].max_norm is None
-            and not self.modules[name].sparse
-            and id(self.modules[name]) not in self.compiled
+        # Lookups that may fetch their rows instead of gathering their table (``_lookup.py``).
+        self.row_lookups = fetchable(
+            plan,
+            params,
+            schedule,
+            self.modules,
+            rematerialised=self.remat_units,
+            compiled=self.compiled,
+            composable=composable,
+            deferred=deferred,
         )
 
     @staticmethod
