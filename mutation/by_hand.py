@@ -567,6 +567,20 @@ MUTANTS = [
         "None",
         "tests/test_correctness.py::test_value_and_grad_gives_a_parameter_frozen_after_the_plan_no_gradient",
     ),
+    (
+        "lookup_choice_ignores_the_users_hooks",
+        "fsdp_fn/_lookup.py",
+        "            and not (modules[u.name]._forward_hooks or modules[u.name]._forward_pre_hooks)\n",
+        "",
+        "tests/test_correctness.py::test_an_embedding_is_gathered_again_for_backward_only_when_backward_reads_it",
+    ),
+    (
+        "lookup_choice_ignores_checkpoint_regions",
+        "fsdp_fn/_lookup.py",
+        "            and name not in forced\n",
+        "",
+        "tests/test_correctness.py::test_an_embedding_is_gathered_again_for_backward_only_when_backward_reads_it",
+    ),
 ]
 
 
