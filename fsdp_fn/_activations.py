@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_fn._functional import Functional
+from fsdp_fn._functional import Functional, entries_set
 from fsdp_fn._plan import ROOT, Plan, Policy, unit_label
 from fsdp_fn._policy import MixedPrecision
 from fsdp_fn._remat import Remat, route_torch_checkpoint
@@ -152,21 +152,9 @@ def _device(batch: Any) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
 
 
-@contextlib.contextmanager
-def _forwards_replaced(replacements: Mapping[nn.Module, Callable[..., Any]]) -> Iterator[None]:
+def _forwards_replaced(replacements: Mapping[nn.Module, Callable[..., Any]]) -> contextlib.AbstractContextManager[None]:
     """For the block, each module's ``forward`` is the replacement (the module is left as it was)."""
-    missing = object()
-    previous = [(m, m.__dict__.get("forward", missing)) for m in replacements]
-    try:
-        for m, forward in replacements.items():
-            m.forward = forward
-        yield
-    finally:
-        for m, old in previous:
-            if old is missing:
-                del m.forward
-            else:
-                m.forward = old
+    return entries_set((m.__dict__, "forward", forward) for m, forward in replacements.items())
 
 
 class _Trace:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +96,28 @@ def index_of(module: nn.Module) -> ModuleIndex:
     if index is None:
         index = _indexes[module] = ModuleIndex(module)
     return index
+
+
+_ABSENT = object()
+
+
+@contextlib.contextmanager
+def entries_set(entries: Iterable[tuple[dict[str, Any], str, Any]]) -> Iterator[None]:
+    """Each ``table[key] = value`` for the block, the old entries put back after it in reverse
+    order (a key that was absent removed again), also on an exception: the one patch-and-restore
+    of a module's ``_parameters``, ``_buffers`` or instance ``__dict__``."""
+    previous: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for table, key, value in entries:
+            previous.append((table, key, table.get(key, _ABSENT)))
+            table[key] = value
+        yield
+    finally:
+        for table, key, old in reversed(previous):
+            if old is _ABSENT:
+                del table[key]
+            else:
+                table[key] = old
 
 
 @contextlib.contextmanager

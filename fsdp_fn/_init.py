@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fsdp_fn._agree import agree
+from fsdp_fn._functional import entries_set
 from fsdp_fn._group import Group, resolve_groups
 from fsdp_fn._guard import guarded
 from fsdp_fn._plan import Plan, Unit, unit_label
@@ -22,19 +23,12 @@ def _unit_seed(seed: int, unit: str) -> int:
     return int(hashlib.sha256(f"{seed}:{unit}".encode()).hexdigest()[:15], 16)
 
 
-@contextlib.contextmanager
-def _swapped(slots: list[tuple[nn.Module, str, str]], tensors: dict[str, torch.Tensor], kind: str) -> Iterator[None]:
+def _swapped(
+    slots: list[tuple[nn.Module, str, str]], tensors: dict[str, torch.Tensor], kind: str
+) -> contextlib.AbstractContextManager[None]:
     """Put ``tensors`` (by canonical name) into the module's slots; put the originals back after."""
     table = "_parameters" if kind == "param" else "_buffers"
-    saved = []
-    try:
-        for owner, attr, name in slots:
-            saved.append((owner, attr, getattr(owner, table)[attr]))
-            getattr(owner, table)[attr] = tensors[name]
-        yield
-    finally:
-        for owner, attr, original in reversed(saved):
-            getattr(owner, table)[attr] = original
+    return entries_set((getattr(owner, table), attr, tensors[name]) for owner, attr, name in slots)
 
 
 def _check_initialisable(module: nn.Module) -> None:

@@ -8,12 +8,13 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from fsdp_fn._functional import entries_set
 from fsdp_fn._standin import StandIn
 
 
@@ -39,20 +40,15 @@ def _state_slots(modules: Sequence[nn.Module]) -> tuple[list[torch.Tensor], list
     return tensors, slots
 
 
-@contextlib.contextmanager
-def _installed(slots: list[list[tuple[nn.Module, str, bool]]], tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+def _installed(
+    slots: list[list[tuple[nn.Module, str, bool]]], tensors: Sequence[torch.Tensor]
+) -> contextlib.AbstractContextManager[None]:
     """The modules' parameters and buffers are ``tensors`` for the block (restored after it)."""
-    previous: list[tuple[dict[str, Any], str, Any]] = []
-    try:
-        for places, t in zip(slots, tensors, strict=True):
-            for m, attr, is_param in places:
-                table: dict[str, Any] = m._parameters if is_param else m._buffers
-                previous.append((table, attr, table[attr]))
-                table[attr] = t
-        yield
-    finally:
-        for table, attr, old in reversed(previous):
-            table[attr] = old
+    return entries_set(
+        (m._parameters if is_param else m._buffers, attr, t)
+        for places, t in zip(slots, tensors, strict=True)
+        for m, attr, is_param in places
+    )
 
 
 class _Opaque:
