@@ -489,7 +489,22 @@ def _same_batch_size(size: int, group: dist.ProcessGroup, unit: str | None, op: 
 # --- the differentiable pair ------------------------------------------------------------
 
 
-class _AllGather(torch.autograd.Function):
+class _Linear(torch.autograd.Function):
+    """The scaffolding of the four collectives below, each linear in its one tensor input
+    ``(x, group, unit, scale)``: the context keeps ``group``, ``unit`` and ``scale``, and the
+    tangent of the output is the same collective of the tangent. Each says its own forward,
+    backward (its transpose) and vmap rule."""
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.group, ctx.unit, ctx.scale = inputs  # type: ignore[attr-defined]
+
+    @classmethod
+    def jvp(cls, ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:  # type: ignore[override]
+        return cast(torch.Tensor, cls.apply(tangent, ctx.group, ctx.unit, ctx.scale))
+
+
+class _AllGather(_Linear):
     """``shard`` (n) -> every rank's shard in rank order (W * n). Its transpose is ``_ReduceScatter``.
 
     Every rule calls the pair's differentiable ``apply`` (never the raw collective), so the
@@ -504,17 +519,8 @@ class _AllGather(torch.autograd.Function):
         return full
 
     @staticmethod
-    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, ctx.group, ctx.unit, ctx.grad_scale = inputs  # type: ignore[attr-defined]
-
-    @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _ReduceScatter.apply(grad, ctx.group, ctx.unit, ctx.grad_scale), None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
-        # AG is linear: its tangent is the all-gather of the tangent.
-        return cast(torch.Tensor, _AllGather.apply(tangent, ctx.group, ctx.unit, ctx.grad_scale))
+        return _ReduceScatter.apply(grad, ctx.group, ctx.unit, ctx.scale), None, None, None
 
     @staticmethod
     def vmap(
@@ -536,7 +542,7 @@ class _AllGather(torch.autograd.Function):
         return full.view(group.size(), size, n).transpose(0, 1).reshape(size, -1), 0
 
 
-class _ReduceScatter(torch.autograd.Function):
+class _ReduceScatter(_Linear):
     """``full`` (W * n) -> ``scale *`` this rank's slice of the sum over ranks (n). Its transpose is ``_AllGather``."""
 
     @staticmethod
@@ -544,19 +550,10 @@ class _ReduceScatter(torch.autograd.Function):
         return reduce_scatter(full, group, unit, scale)
 
     @staticmethod
-    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        ctx.group, ctx.unit, ctx.scale = inputs[1:4]  # type: ignore[attr-defined]
-
-    @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         # d(scale * RS(x)) = scale * AG(g) = AG(scale * g); AG's own vjp is then scale * RS.
         scaled = grad * ctx.scale if ctx.scale != 1.0 else grad
         return _AllGather.apply(scaled, ctx.group, ctx.unit, ctx.scale), None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
-        # scale * RS is linear: its tangent is scale * RS of the tangent.
-        return cast(torch.Tensor, _ReduceScatter.apply(tangent, ctx.group, ctx.unit, ctx.scale))
 
     @staticmethod
     def vmap(
@@ -643,7 +640,7 @@ def reduce_scatter_sum(
 # --- replicas (hybrid sharding): the same value on every replica, and its transpose -------
 
 
-class _Replicate(torch.autograd.Function):
+class _Replicate(_Linear):
     """Identity forward on a value every rank of ``group`` holds alike (hybrid sharding's replicas),
     tied as one value: its backward is ``_AllReduce``, so each rank's gradient flows into it
     (summed, times ``grad_scale``), as DDP ties its replicas."""
@@ -653,16 +650,8 @@ class _Replicate(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
-    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, ctx.group, ctx.unit, ctx.grad_scale = inputs  # type: ignore[attr-defined]
-
-    @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _AllReduce.apply(grad, ctx.group, ctx.unit, ctx.grad_scale), None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
-        return cast(torch.Tensor, _Replicate.apply(tangent, ctx.group, ctx.unit, ctx.grad_scale))
+        return _AllReduce.apply(grad, ctx.group, ctx.unit, ctx.scale), None, None, None
 
     @staticmethod
     def vmap(
@@ -676,7 +665,7 @@ class _Replicate(torch.autograd.Function):
         return _Replicate.apply(x, group, unit, grad_scale), in_dims[0]
 
 
-class _AllReduce(torch.autograd.Function):
+class _AllReduce(_Linear):
     """``scale *`` the sum over ranks (elementwise, any shape); self-adjoint, so its backward is itself."""
 
     @staticmethod
@@ -685,17 +674,9 @@ class _AllReduce(torch.autograd.Function):
         return out.mul_(scale) if scale != 1.0 else out
 
     @staticmethod
-    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, ctx.group, ctx.unit, ctx.scale = inputs  # type: ignore[attr-defined]
-
-    @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         # Every rank's output depends on every rank's input alike: the sum is its own transpose.
         return _AllReduce.apply(grad, ctx.group, ctx.unit, ctx.scale), None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
-        return cast(torch.Tensor, _AllReduce.apply(tangent, ctx.group, ctx.unit, ctx.scale))
 
     @staticmethod
     def vmap(
