@@ -1,6 +1,7 @@
 """How fast each way of all-gathering and reduce-scattering is on this backend (gloo on CPU).
 
     python bench/collectives.py                 # W = 2 and 4, a 16 MB buffer
+    python bench/collectives.py --worlds 2 --megabytes 0.2 --reps 200   # a tiny GPT block's size: latency
 
 The figures choose fsdp_fn's gloo algorithm (``fsdp_fn/_collectives.py``: ``pairwise``).
 Each rank sends (W-1)/W of the buffer in every variant except all_reduce (2x).
@@ -23,9 +24,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from fsdp_fn.testing import RankPool
 
 
-def measure(group: Any, megabytes: int, reps: int) -> dict[str, float]:
+def measure(group: Any, megabytes: float, reps: int) -> dict[str, float]:
     world, rank = group.size(), group.rank()
-    n = megabytes * 2**20 // 4 // world * world
+    n = int(megabytes * 2**20) // 4 // world * world
     full, shard = torch.randn(n), torch.randn(n // world)
     out, received = torch.empty(n // world), torch.empty(n)
 
@@ -80,7 +81,7 @@ def measure(group: Any, megabytes: int, reps: int) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default="2,4")
-    p.add_argument("--megabytes", type=int, default=16)
+    p.add_argument("--megabytes", type=float, default=16)
     p.add_argument("--reps", type=int, default=10)
     args = p.parse_args()
     for world in map(int, args.worlds.split(",")):
@@ -88,7 +89,7 @@ def main() -> None:
             result = pool.run(measure, args.megabytes, args.reps)[0]
         print(f"W={world}, {args.megabytes} MB buffer, ms per call:")
         for name, ms in result.items():
-            print(f"  {name:<46} {ms:7.1f}")
+            print(f"  {name:<46} {ms:8.3f}")
 
 
 if __name__ == "__main__":
