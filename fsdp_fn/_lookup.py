@@ -98,15 +98,17 @@ class LookupChoice:
     on the module, a transform, a torch checkpoint region that runs it again in backward)."""
 
     def __init__(
-        self, plan: Plan, modules: Mapping[str, nn.Module], fetchable: frozenset[str], rematerialised: Collection[str]
+        self,
+        lookups: frozenset[str],
+        modules: Mapping[str, nn.Module],
+        fetchable: frozenset[str],
+        rematerialised: Collection[str],
     ) -> None:
         global_hooks = nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
         self.plain = frozenset(  # an nn.Embedding run as it is: its backward reads no parameter
-            u.name
-            for u in plan.units
-            if u.lookup
-            and not global_hooks
-            and not (modules[u.name]._forward_hooks or modules[u.name]._forward_pre_hooks)
+            name
+            for name in lookups
+            if not global_hooks and not (modules[name]._forward_hooks or modules[name]._forward_pre_hooks)
         )
         self.fetching = fetchable & self.plain
         self.rematerialised = rematerialised

@@ -105,7 +105,7 @@ class Runtime:
         self.remat = remat
         self.remat_units = wiring.remat_units
         self.forced: set[str] = set()  # units a routed torch checkpoint region rematerialises now
-        self.lookups = LookupChoice(params.plan, self.modules, wiring.row_lookups, self.remat_units)
+        self.lookups = LookupChoice(wiring.lookups, self.modules, wiring.row_lookups, self.remat_units)
 
     # --- what subclasses say -----------------------------------------------------------------------
 

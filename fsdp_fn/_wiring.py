@@ -126,6 +126,7 @@ class Wiring:
             buffer = holder._buffers[attr]
             if buffer is not None:
                 self.swaps.append((holder, attr, first.setdefault(id(buffer), name), False))
+        self.lookups = frozenset(u.name for u in plan.units if u.lookup)
         # Lookups that may fetch their rows instead of gathering their table (``_lookup.py``).
         self.row_lookups = fetchable(
             plan,
