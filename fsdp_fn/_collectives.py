@@ -426,6 +426,16 @@ def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup, unit: str | None
     return tensor
 
 
+def all_reduce_over_(
+    tensor: torch.Tensor, groups: Sequence[dist.ProcessGroup], unit: str | None = None
+) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks of every group in ``groups`` (a mesh's axes: over their
+    product), in place: one all-reduce per group, in order."""
+    for group in groups:
+        all_reduce_(tensor, group, unit)
+    return tensor
+
+
 def all_reduce_start(
     tensor: torch.Tensor, group: dist.ProcessGroup, unit: str | None = None
 ) -> Callable[[], torch.Tensor]:

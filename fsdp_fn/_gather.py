@@ -50,6 +50,6 @@ def gather_differentiably(shard: torch.Tensor, layout: Layout, unit: str) -> tor
     """The full flat buffer of a unit from this rank's shard: its backward averages the
     gradient over the shard group (reduce-scatter) and, with hybrid sharding, over the
     replicas (all-reduce), so every ``torch.func`` transform sees the mean over all ranks."""
-    if layout.replicate is not None:
-        shard = replicate(shard, layout.replicate, unit=unit, grad_scale=1.0 / layout.replicas)
+    for axis in layout.replica_axes:
+        shard = replicate(shard, axis.group, unit=unit, grad_scale=1.0 / axis.size)
     return all_gather(shard, layout.group, unit=unit, grad_scale=1.0 / layout.world)

@@ -1,8 +1,11 @@
-"""Gradients as values: ``value_and_grad`` over shards, and the lean pass the train step runs.
+"""Gradients as values: ``value_and_grad`` over shards, and the one pass it and the train step run.
 
-The lean pass differentiates the loss with plain autograd over the shards; the
-gathers on the way are the lean ones of ``_gather.py``, whose backward hands each unit's
-full gradient to a ``GradSink`` instead of returning it through autograd. The sink
+``sharded_pass`` is that pass: the micro-batch loop, forward prefetch along the last call's
+order, compiled units, the checks of a checked call, the frozen parameters dropped, the
+mean over micro-batches. Each micro-batch's ``lean_pass`` differentiates the loss with
+plain autograd over the shards; the gathers on the way are the lean runtime's
+(``_lean.py``), whose backward hands each unit's full gradient to a ``GradSink``
+(``_sink.py``) instead of returning it through autograd. The sink
 issues the unit's reduce-scatter at once and waits for it only behind the next unit's
 backward, so communication overlaps the rest of backward; when backward is done the
 sink holds one gradient shard per unit that the loss reached, and which of each unit's
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -27,6 +30,7 @@ from fsdp_fn._errors import DivergenceError, RankFailure
 from fsdp_fn._functional import Functional, index_of
 from fsdp_fn._guard import guarded
 from fsdp_fn._lean import LeanRuntime
+from fsdp_fn._phases import phase
 from fsdp_fn._plan import Policy
 from fsdp_fn._policy import Schedule
 from fsdp_fn._remat import Remat
@@ -35,6 +39,14 @@ from fsdp_fn._sink import GradSink
 from fsdp_fn._standin import module_parameters_hidden
 
 LossFn = Callable[[Callable[..., Any], Any], torch.Tensor]
+CheckSchedule = Literal["first", "always", "never"]
+
+
+def compile_options(compile: bool | Mapping[str, Any]) -> dict[str, Any] | None:
+    """``compile=`` as ``torch.compile``'s options for every non-root unit (``None``: off)."""
+    if not isinstance(compile, bool | Mapping):
+        raise TypeError(f"compile must be True, False or torch.compile's options as a dict, got {compile!r}")
+    return dict(compile) if isinstance(compile, Mapping) else ({} if compile else None)
 
 
 def checked_loss(loss: Any) -> torch.Tensor:
@@ -171,6 +183,8 @@ def value_and_grad(
     remat: bool | Policy | Remat | None = None,
     timeout: float = 300.0,
     has_aux: bool = False,
+    compile: bool | Mapping[str, Any] = False,
+    check_schedule: CheckSchedule = "first",
 ) -> Callable[[Sharded, Mapping[str, torch.Tensor], Any], tuple[Any, Sharded]]:
     """Make ``value_and_grad(fn, loss_fn)(params, buffers, batch) -> (loss, grads)`` over shards.
 
@@ -179,9 +193,10 @@ def value_and_grad(
     with ``grads.received`` marking which parameters the loss reached (the others are
     zero, and optimizers skip them as torch.optim skips a ``None`` ``.grad``).
 
-    Called plainly it runs the train step's lean pass: each unit is gathered just before
-    it runs, freed after, gathered again for its backward, and its reduce-scatter runs
-    behind the next unit's backward. Called where something differentiates through it
+    Called plainly it runs the pass ``train_step`` runs (``sharded_pass``): each unit is
+    gathered just before it runs (prefetched along the last call's order), freed after,
+    gathered again for its backward, and its reduce-scatter runs behind the next unit's
+    backward; compiled units run their compiled code. Called where something differentiates through it
     (inside another ``torch.func`` transform: ``jvp`` of it for a Hessian-vector product,
     ``vmap``, ``grad``; or on shards that require grad or carry a forward-mode tangent) it
     runs the composable path instead, so the outer derivative sees through every collective.
@@ -204,6 +219,10 @@ def value_and_grad(
             ``((loss, aux), grads)``, as in JAX; ``aux`` (any pytree: predictions, a metric)
             is this rank's, not differentiated (inside an outer transform it carries that
             transform's derivative, as ``torch.func.grad``'s aux does).
+        compile: what ``train_step(compile=...)`` takes: ``True`` (or ``torch.compile``'s
+            options as a dict) runs every non-root unit's module compiled that way.
+        check_schedule: ``"first"`` (check the first call), ``"always"`` or ``"never"``:
+            on checked calls ranks agree before every collective, as a train step's.
 
     Returns:
         ``run(params, buffers, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with
@@ -211,12 +230,13 @@ def value_and_grad(
         batch and the module's buffers (``fn.buffers``).
 
     Raises:
-        TypeError: if ``remat`` is not one of the accepted kinds; from ``run``, if
-            ``loss_fn`` does not return a floating scalar tensor (with ``has_aux``, a pair).
-        ValueError: from ``run``: the loss does not require grad (detached from the
-            parameters), the batch is not a list of ``micro_batches`` micro-batches, a
-            parameter the plan holds frozen is trainable now, or the shards were made for
-            another plan or world size.
+        TypeError: if ``remat`` is not one of the accepted kinds or ``compile`` neither a
+            bool nor a dict; from ``run``, if ``loss_fn`` does not return a floating scalar
+            tensor (with ``has_aux``, a pair).
+        ValueError: if ``check_schedule`` is not one of its values; from ``run``: the loss
+            does not require grad (detached from the parameters), the batch is not a list
+            of ``micro_batches`` micro-batches, a parameter the plan holds frozen is
+            trainable now, or the shards were made for another plan or world size.
         RuntimeError: from ``run``: ``params`` was donated to a train step (or left
             half-updated by a failed one), or the loss reaches a parameter of the module
             itself through a reference taken outside ``model(...)``.
@@ -237,62 +257,146 @@ def value_and_grad(
     """
     schedule = schedule or Schedule()
     rematerialise = Remat.of(remat)
+    compiled = compile_options(compile)
+    if check_schedule not in ("first", "always", "never"):
+        raise ValueError(f"check_schedule must be 'first', 'always' or 'never', got {check_schedule!r}")
+    memo = PassMemo()  # the order the last call ran the units in: forward prefetch follows it
+    checks = {"next": check_schedule != "never"}
 
     def run(params: Sharded, buffers: Mapping[str, torch.Tensor], batch: Any) -> tuple[Any, Sharded]:
         ensure_live(params, "value_and_grad")
         frozen = params.plan.check_trainable(fn.module)  # since the plan: reach no gradient
         micro = micro_batches(schedule, batch)
-        composable = _differentiated_outside(params)
-        path = _composable if composable else functools.partial(_lean, timeout=timeout)
-        loss, aux, out = path(fn, loss_fn, schedule, rematerialise, params, buffers, micro, has_aux)
-        if frozen:
-            # (The composable path's gradients may be an outer transform's: not zeroed in place.)
-            out = out.with_received(
-                {
-                    u.name: drop_frozen(u, None if composable else out[u.name], out.mask(u), frozen, out.layout)
-                    for u in out.plan.units
-                }
-            )
+        if _differentiated_outside(params):
+            loss, aux, out = _composable(fn, loss_fn, schedule, rematerialise, params, buffers, micro, has_aux)
+            if frozen:  # (its gradients may be an outer transform's: masked, not zeroed in place)
+                out = out.with_received(
+                    {u.name: drop_frozen(u, None, out.mask(u), frozen, out.layout) for u in out.plan.units}
+                )
+        else:
+            check, checks["next"] = checks["next"], check_schedule == "always"
+            with guarded(params.group, "value_and_grad", timeout, check=check) as guard:
+                result = sharded_pass(
+                    fn,
+                    loss_fn,
+                    params,
+                    buffers,
+                    micro,
+                    schedule=schedule,
+                    remat=rematerialise,
+                    has_aux=has_aux,
+                    memo=memo,
+                    frozen=frozen,
+                    check_unchanged=guard is not None and guard.check,
+                    compile=compiled,
+                )
+                masks = reached.merge(result.masks, params.layout)
+            loss, aux, out = result.loss, result.aux, params.replace(result.grads).with_received(masks)
         return ((loss, aux) if has_aux else loss), out
 
     return run
 
 
-def _lean(
+class PassMemo:
+    """What one call of the pass leaves for the next (kept by the caller: a ``TrainStep``, a
+    ``value_and_grad`` function): the order the units ran in, which forward prefetch follows."""
+
+    __slots__ = ("order",)
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+
+
+class PassResult(NamedTuple):
+    """What the pass over a step's micro-batches gives.
+
+    Attributes:
+        loss: the mean of the micro-batches' losses on this rank, detached.
+        aux: the aux of ``loss_fn`` (``has_aux``), detached; a list with micro-batches.
+        grads: each unit's gradient shard, the mean over micro-batches (zeros where no
+            gradient came); empty when each unit was handed to ``on_unit`` instead.
+        masks: which of each unit's parameters this rank's loss reached, frozen ones
+            dropped (not yet merged over the ranks).
+    """
+
+    loss: torch.Tensor
+    aux: Any
+    grads: dict[str, torch.Tensor]
+    masks: dict[str, tuple[bool, ...]]
+
+
+OnUnit = Callable[[str, torch.Tensor, tuple[bool, ...]], None]
+
+
+def sharded_pass(
     fn: Functional,
     loss_fn: LossFn,
-    schedule: Schedule,
-    remat: Remat | None,
     params: Sharded,
     buffers: Mapping[str, torch.Tensor],
     micro: Sequence[Any],
-    has_aux: bool,
     *,
-    timeout: float,
-) -> tuple[torch.Tensor, Any, Sharded]:
-    """The train step's lean pass over ``micro`` (micro-batches), one after the other: the mean
-    of their losses and gradients, reduced per micro-batch or (``reduce_each_micro_batch=False``)
-    summed in full first and reduced once, as torch's ``no_sync``."""
+    schedule: Schedule,
+    remat: Remat | None,
+    has_aux: bool,
+    memo: PassMemo,
+    frozen: frozenset[str] = frozenset(),
+    check_unchanged: bool = False,
+    compile: Mapping[str, Any] | None = None,
+    on_unit: OnUnit | None = None,
+) -> PassResult:
+    """The pass ``train_step`` and ``value_and_grad`` both run: the lean pass over ``micro``
+    (micro-batches), one after the other, forward prefetch along ``memo``'s order.
+
+    The result is the mean of their losses and gradients, reduced per micro-batch or
+    (``reduce_each_micro_batch=False``) summed in full first and reduced once, as torch's
+    ``no_sync``; parameters ``frozen`` since the plan count as reached by nothing (their
+    elements zeroed). ``on_unit(unit, grad, received)`` (``update_in_backward``) gets each
+    unit's gradient shard the moment it exists instead. Memory: what ``lean_pass`` holds,
+    plus every unit's full gradient across micro-batches when they are summed before
+    reducing. Runs inside the caller's guard.
+    """
+    plan, layout = params.plan, params.layout
+
+    def without_frozen(unit: str, grad: torch.Tensor | None, mask: tuple[bool, ...]) -> tuple[bool, ...]:
+        return drop_frozen(plan.unit(unit), grad, mask, frozen, layout) if frozen else mask
+
+    deliver: OnUnit | None = None
+    if on_unit is not None:
+        step_unit = on_unit
+
+        def deliver(unit: str, grad: torch.Tensor, received: tuple[bool, ...]) -> None:
+            step_unit(unit, grad, without_frozen(unit, grad, received))
+
     deferred: dict[str, torch.Tensor] | None = {} if len(micro) > 1 and not schedule.reduce_each_micro_batch else None
-    sink = GradSink(params, schedule, defer=deferred)
+    sink = GradSink(params, schedule, defer=deferred, on_unit=deliver)
     losses, auxes = [], []
-    with guarded(params.group, "value_and_grad", timeout):
-        for mb in micro:
-            runtime = LeanRuntime(fn, params, schedule=schedule, sink=sink, remat=remat)
-            loss, aux = lean_pass(runtime, params, buffers, mb, loss_fn, has_aux)
-            losses.append(loss)
-            auxes.append(aux)
-        if deferred is not None:
-            sink.reduce_deferred()
-        masks = reached.merge(sink.received_masks(), params.layout)
-    grads = {u.name: sink.totals.get(u.name) for u in params.plan.units}
+    for mb in micro:
+        with phase("setup"):
+            runtime = LeanRuntime(
+                fn,
+                params,
+                schedule=schedule,
+                order_hint=memo.order,
+                sink=sink,
+                remat=remat,
+                check_unchanged=check_unchanged,
+                compile=compile,
+            )
+        loss, aux = lean_pass(runtime, params, buffers, mb, loss_fn, has_aux)
+        losses.append(loss)
+        auxes.append(aux)
+        memo.order = runtime.order
+    if deferred is not None:
+        sink.reduce_deferred()
+    totals = sink.totals if on_unit is None else {}
+    masks = {u: without_frozen(u, totals.get(u), m) for u, m in sink.received_masks().items()}
     if len(micro) > 1:
-        for g in grads.values():
-            if g is not None:
-                g.div_(len(micro))
-    shards = {u: g if g is not None else torch.zeros_like(params[u]) for u, g in grads.items()}
+        for g in totals.values():
+            g.div_(len(micro))
+    names = plan.unit_names if on_unit is None else ()  # (on_unit has had every gradient)
+    grads = {u: totals[u] if u in totals else torch.zeros_like(params[u]) for u in names}
     loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
-    return loss, (auxes if len(micro) > 1 else auxes[0]), params.replace(shards).with_received(masks)
+    return PassResult(loss, auxes if len(micro) > 1 else auxes[0], grads, masks)
 
 
 def _composable(

@@ -658,14 +658,15 @@ def watch(works: Sequence[Any]) -> Watched:
 
 
 @contextlib.contextmanager
-def guarded(group: dist.ProcessGroup, call: str, timeout: float) -> Iterator[Guard | None]:
+def guarded(group: dist.ProcessGroup, call: str, timeout: float, *, check: bool = False) -> Iterator[Guard | None]:
     """Run a call that communicates outside a step under a guard: every rank of ``group``
-    must enter the same call (within ``timeout``), and every wait in it is guarded.
-    Inside an already guarded call (a step, say) that guard goes on."""
+    must enter the same call (within ``timeout``), and every wait in it is guarded
+    (``check``: in check mode, ranks agree before every collective). Inside an already
+    guarded call (a step, say) that guard goes on."""
     if current() is not None or group.size() == 1:
         yield current()
         return
-    guard = Guard(group, 0, timeout=timeout, check=False, call=call)
+    guard = Guard(group, 0, timeout=timeout, check=check, call=call)
     with guard.active():
         guard.enter(rendezvous=True)
         yield guard

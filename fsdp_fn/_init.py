@@ -11,7 +11,7 @@ from torch import nn
 
 from fsdp_fn._agree import agree
 from fsdp_fn._functional import entries_set
-from fsdp_fn._group import Group, resolve_groups
+from fsdp_fn._group import Group, Role, resolve_axes
 from fsdp_fn._guard import guarded
 from fsdp_fn._plan import Plan, Unit, unit_label
 from fsdp_fn._shard import Layout, Sharded, local_slice
@@ -74,7 +74,7 @@ def init_shards(
         module: the model, built under ``torch.device("meta")``; left on meta.
         plan: the plan to shard by (``make_plan(module, ...)``), the same on every rank.
         group: the ranks that shard together: a ``ProcessGroup``, a 1-D ``DeviceMesh``, a
-            2-D one (replicate, shard) for hybrid sharding, or ``None`` (the default group).
+            mesh of named axes for hybrid sharding (as ``shard`` takes), or ``None`` (the default group).
         init: ``init(module)``, called on every module of a unit, children first, as
             ``module.apply(init)`` calls it; ``None``: each module's own
             ``reset_parameters()``.
@@ -95,20 +95,20 @@ def init_shards(
         DivergenceError: if the ranks' plans differ.
         RankFailure: if another rank failed or went silent for ``timeout``.
     """
-    pg, replicate = resolve_groups(group)
+    axes = resolve_axes(group)
+    pg = next(a.group for a in axes if a.role is Role.SHARD)
     if init is not None and not callable(init):
         raise TypeError(f"init must be callable as init(module), got {type(init).__name__}")
     if init is None:
         _check_initialisable(module)
-    for g in (pg, replicate):
-        if g is not None:
-            with guarded(g, "init_shards", timeout):
-                agree(
-                    g,
-                    "plan",
-                    {"plan": plan.fingerprint()},
-                    hint="build the plan from the same model and policy on every rank",
-                )
+    for g in (a.group for a in axes):
+        with guarded(g, "init_shards", timeout):
+            agree(
+                g,
+                "plan",
+                {"plan": plan.fingerprint()},
+                hint="build the plan from the same model and policy on every rank",
+            )
     world, rank = pg.size(), pg.rank()
 
     param_slots: dict[str, list[tuple[nn.Module, str, str]]] = {}
@@ -146,7 +146,7 @@ def init_shards(
             if unit.frozen:
                 frozen[unit.name] = local_slice(unit.frozen_part, full, world, rank)
             del full
-    return Sharded(shards, Layout(plan, pg, frozen, replicate)), buffers
+    return Sharded(shards, Layout(plan, axes, frozen)), buffers
 
 
 def _materialise(unit: Unit, device: torch.device | str) -> dict[str, torch.Tensor]:

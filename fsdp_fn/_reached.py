@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fsdp_fn._collectives import all_reduce_, all_reduce_start
+from fsdp_fn._collectives import all_reduce_, all_reduce_over_, all_reduce_start
 from fsdp_fn._plan import Plan
 from fsdp_fn._shard import Layout
 
@@ -80,11 +80,11 @@ def over_replicas(
     stepped here too), in one all-reduce that also sums ``carry`` (a step's loss and norm);
     without replicas, as they are."""
     plan = layout.plan
-    if layout.replicate is None:
+    if not layout.replica_groups:
         return dict(merged), carry
     head = carry if carry is not None else torch.zeros(0, dtype=torch.float64)
     mine = torch.tensor(flags(merged, plan), dtype=head.dtype, device=head.device)
-    both = all_reduce_(torch.cat([head, mine]), layout.replicate)
+    both = all_reduce_over_(torch.cat([head, mine]), layout.replica_groups)
     n = head.numel()
     return from_flags((both[n:] > 0).tolist(), plan), (both[:n] if carry is not None else None)
 
@@ -96,8 +96,8 @@ def merge(masks: Masks, layout: Layout) -> dict[str, tuple[bool, ...]]:
     flat = torch.tensor([float(b) for b in flags(masks, plan)], dtype=torch.float32)
     if flat.numel() and layout.world > 1:
         all_reduce_(flat, layout.group)
-    if flat.numel() and layout.replicate is not None:
-        all_reduce_(flat, layout.replicate)
+    if flat.numel():
+        all_reduce_over_(flat, layout.replica_groups)
     return from_flags((flat > 0).tolist(), plan)
 
 
@@ -113,12 +113,11 @@ def merge_start(
     finish = all_reduce_start(torch.tensor(mask, dtype=torch.float32, device=device), layout.group, unit)
 
     def result() -> tuple[bool, ...]:
-        if all(mask) and layout.replicate is None:
+        if all(mask) and not layout.replica_groups:
             unsettled.append(finish)
             return mask
         got = finish()
-        if layout.replicate is not None:
-            all_reduce_(got, layout.replicate, unit)
+        all_reduce_over_(got, layout.replica_groups, unit)
         return tuple(bool(f) for f in (got > 0).tolist())
 
     return result

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import optree
@@ -13,7 +13,7 @@ import torch.utils._pytree as torch_pytree
 
 from fsdp_fn._agree import agree
 from fsdp_fn._collectives import _ReduceScatter, all_gather, all_reduce_sum
-from fsdp_fn._group import Group, resolve_groups
+from fsdp_fn._group import Axis, Group, Role, resolve_axes
 from fsdp_fn._guard import guarded
 from fsdp_fn._plan import Plan, Unit, unit_label
 from fsdp_fn._tree import NAMESPACE
@@ -21,44 +21,83 @@ from fsdp_fn._tree import NAMESPACE
 __all__ = ["NAMESPACE", "Layout", "Sharded", "reduce_grads", "shard", "unshard"]
 
 
-@dataclass(frozen=True, eq=False)
 class Layout:
-    """Static metadata of a ``Sharded`` tree: the plan, the groups, and the frozen shards.
+    """Static metadata of a ``Sharded`` tree: the plan, the mesh's named axes, and the frozen shards.
 
-    ``group`` shards the units; ``replicate`` (hybrid sharding) holds the replicas that
-    average their gradients. ``frozen`` holds this rank's shards of the units' frozen
-    parameters: constants that ride along, so gradients and optimizer state built by
-    ``tree_map`` never include them.
+    ``axes`` (``_group.Axis``, in mesh order): exactly one shards the units (``group``:
+    its process group); any others replicate them (hybrid sharding: their ranks average
+    their gradients). ``frozen`` holds this rank's shards of the units' frozen parameters:
+    constants that ride along, so gradients and optimizer state built by ``tree_map``
+    never include them.
+
+    Args:
+        plan: the plan the shards follow.
+        mesh: the axes (``resolve_axes``'s), or a ``ProcessGroup``: one shard axis.
+        frozen: this rank's frozen shards by unit name.
     """
 
-    plan: Plan
-    group: dist.ProcessGroup
-    frozen: Mapping[str, torch.Tensor] = field(default_factory=dict)
-    replicate: dist.ProcessGroup | None = None
+    __slots__ = ("axes", "frozen", "group", "plan", "replica_axes", "replica_groups", "replicas")
+
+    def __init__(
+        self,
+        plan: Plan,
+        mesh: tuple[Axis, ...] | dist.ProcessGroup,
+        frozen: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        axes = (Axis(Role.SHARD.value, Role.SHARD, mesh),) if isinstance(mesh, dist.ProcessGroup) else tuple(mesh)
+        shards = [a for a in axes if a.role is Role.SHARD]
+        if len(shards) != 1:
+            raise ValueError(f"a layout shards over exactly one axis, got {axes}")
+        self.plan, self.axes = plan, axes
+        self.frozen: Mapping[str, torch.Tensor] = {} if frozen is None else frozen
+        self.group: dist.ProcessGroup = shards[0].group
+        self.replica_axes = tuple(a for a in axes if a.role is Role.REPLICATE)
+        self.replica_groups = tuple(a.group for a in self.replica_axes)
+        self.replicas = math.prod(a.size for a in self.replica_axes)  # 1: no replicas
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if hasattr(self, name):
+            raise AttributeError(f"a Layout is immutable: {name!r} cannot change (make another one)")
+        object.__setattr__(self, name, value)
 
     @property
     def world(self) -> int:
+        """Ranks of the shard axis: each unit is split in this many shards."""
         return self.group.size()
 
     @property
     def rank(self) -> int:
+        """This rank's place on the shard axis: which shard it holds."""
         return self.group.rank()
 
     @property
-    def replicas(self) -> int:
-        return self.replicate.size() if self.replicate is not None else 1
+    def groups(self) -> tuple[dist.ProcessGroup, ...]:
+        """Every axis's group, in mesh order."""
+        return tuple(a.group for a in self.axes)
+
+    @property
+    def first_replica(self) -> bool:
+        """Whether this rank is the first along every replicate axis (the one that writes what replicas share)."""
+        return all(g.rank() == 0 for g in self.replica_groups)
+
+    def with_frozen(self, frozen: Mapping[str, torch.Tensor]) -> Layout:
+        """The same plan and axes with other frozen shards (moved, loaded)."""
+        return Layout(self.plan, self.axes, frozen)
 
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, Layout)
-            and other.group is self.group
-            and other.replicate is self.replicate
+            and len(other.axes) == len(self.axes)
+            and all(a.group is b.group and a.role is b.role for a, b in zip(other.axes, self.axes, strict=True))
             and other.frozen is self.frozen
             and other.plan == self.plan
         )
 
     def __hash__(self) -> int:
-        return hash((self.plan, id(self.group), id(self.replicate), id(self.frozen)))
+        return hash((self.plan, tuple(id(a.group) for a in self.axes), id(self.frozen)))
+
+    def __repr__(self) -> str:
+        return f"Layout({len(self.plan.units)} units, axes {self.axes})"
 
 
 class Sharded:
@@ -319,7 +358,9 @@ def shard(params: Mapping[str, torch.Tensor], plan: Plan, group: Group = None, *
             ``dict(module.named_parameters())``), the same values on every rank.
         plan: the plan to shard by, the same on every rank.
         group: the ranks that shard together: a ``ProcessGroup``, a 1-D ``DeviceMesh``, a
-            2-D one (replicate, shard) for hybrid sharding, or ``None`` (the default group).
+            mesh of named axes for hybrid sharding (one shard axis, replicate axes: see
+            ``resolve_axes``; a 2-D mesh without such names is (replicate, shard)), or
+            ``None`` (the default group).
         timeout: seconds to wait on the other ranks while they agree on the plan and the
             values.
 
@@ -332,7 +373,8 @@ def shard(params: Mapping[str, torch.Tensor], plan: Plan, group: Group = None, *
         KeyError: if ``params`` misses a parameter of the plan or has one it does not.
         ValueError: if a parameter's shape or dtype differs from the plan's, it is on the
             meta device, a unit's parameters are on several devices, or ``group`` is a
-            mesh of more than two dimensions or a group this rank is not a member of.
+            mesh without exactly one shard axis (or with an axis of a parallelism not run
+            yet, such as ``"tp"``) or a group this rank is not a member of.
         RuntimeError: if ``torch.distributed`` is not initialised.
         DivergenceError: if the ranks' plans or initial values differ (naming the unit).
         RankFailure: if another rank failed or went silent for ``timeout``.
@@ -347,14 +389,13 @@ def shard(params: Mapping[str, torch.Tensor], plan: Plan, group: Group = None, *
     >>> p[""].shape  # 8 elements on one rank
     torch.Size([8])
     """
-    pg, replicate = resolve_groups(group)
+    axes = resolve_axes(group)
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a Plan (from make_plan), got {type(plan).__name__}")
     check_params(params, plan)
-    world, rank = pg.size(), pg.rank()
-    for g in (pg, replicate):
-        if g is None:
-            continue
+    shard_axis = next(a for a in axes if a.role is Role.SHARD)
+    world, rank = shard_axis.size, shard_axis.group.rank()
+    for g in (a.group for a in axes):
         with guarded(g, "shard", timeout):
             agree(
                 g,
@@ -372,7 +413,7 @@ def shard(params: Mapping[str, torch.Tensor], plan: Plan, group: Group = None, *
                 hint="initialise the model with the same seed on every rank",
             )
     frozen = {u.name: local_slice(u.frozen_part, params, world, rank) for u in plan.units if u.frozen}
-    layout = Layout(plan, pg, frozen, replicate)
+    layout = Layout(plan, axes, frozen)
     return Sharded({u.name: local_slice(u, params, world, rank) for u in plan.units}, layout)
 
 
@@ -474,8 +515,7 @@ def reduce_grads(grads: Mapping[str, torch.Tensor | None], like: Sharded, *, mea
         flat = torch.cat(pieces)
         scale = 1.0 / world if mean else 1.0
         shard = _ReduceScatter.apply(flat, like.group, unit.name, scale)
-        replicate = like.layout.replicate
-        if replicate is not None:  # hybrid sharding: then across the replicas (differentiably)
-            shard = all_reduce_sum(shard, replicate, unit=unit.name, scale=1.0 / like.layout.replicas if mean else 1.0)
+        for axis in like.layout.replica_axes:  # hybrid sharding: then across the replicas (differentiably)
+            shard = all_reduce_sum(shard, axis.group, unit=unit.name, scale=1.0 / axis.size if mean else 1.0)
         out[unit.name] = shard
     return like.replace(out)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fsdp_fn import _reached as reached
-from fsdp_fn._collectives import all_reduce_, reduce_scatter_start
+from fsdp_fn._collectives import all_reduce_over_, reduce_scatter_start
 from fsdp_fn._labels import label
 from fsdp_fn._plan import Unit
 from fsdp_fn._policy import Schedule
@@ -174,8 +174,8 @@ def reduce_unit(params: Sharded, unit: Unit, full: torch.Tensor, schedule: Sched
 
     def result() -> torch.Tensor:
         out = finish()
-        if layout.replicate is not None:
-            all_reduce_(out, layout.replicate, unit.name).div_(layout.replicas)
+        if layout.replicas > 1:
+            all_reduce_over_(out, layout.replica_groups, unit.name).div_(layout.replicas)
         return out.to(dtype=shard.dtype, device=shard.device)
 
     return result

@@ -1,4 +1,4 @@
-"""The sharded train step: ``torch.func.vjp`` over the gathered forward, then the optimizer."""
+"""The sharded train step: ``value_and_grad``'s pass (``_grad.sharded_pass``), then the optimizer in place."""
 
 from __future__ import annotations
 
@@ -18,17 +18,15 @@ from fsdp_fn._base import (
     GradientTransformation,
     Outcome,
     describe_kinds,
-    drop_frozen,
     state_kinds,
     update_in_place,
     whole_gradient_links,
 )
 from fsdp_fn._collectives import all_gather_into, all_reduce_, broadcast_
 from fsdp_fn._functional import Functional
-from fsdp_fn._grad import LossFn, lean_pass, micro_batches
+from fsdp_fn._grad import CheckSchedule, LossFn, PassMemo, compile_options, micro_batches, sharded_pass
 from fsdp_fn._guard import Guard, guarded
 from fsdp_fn._labels import label
-from fsdp_fn._lean import LeanRuntime
 from fsdp_fn._norms import square_norm
 from fsdp_fn._phases import phase, phased
 from fsdp_fn._plan import Policy, unit_label
@@ -36,14 +34,12 @@ from fsdp_fn._policy import Schedule
 from fsdp_fn._predict import metrics_words
 from fsdp_fn._remat import Remat
 from fsdp_fn._shard import Layout, Sharded, ensure_live, sharded_in
-from fsdp_fn._sink import GradSink
 from fsdp_fn._transforms import global_norm
 from fsdp_fn._tree import NAMESPACE, tree_map
 
 logger = logging.getLogger("fsdp_fn")
 
 BufferSync = Literal["broadcast", "mean"] | None
-CheckSchedule = Literal["first", "always", "never"]
 
 
 class TrainState(NamedTuple):
@@ -171,12 +167,8 @@ class TrainStep:
                     "Schedule(update_in_backward=True) steps each unit during backward, before the whole gradient "
                     f"exists; it cannot be combined with {', '.join(whole)}"
                 )
-        if not isinstance(compile, bool | Mapping):
-            raise TypeError(f"compile must be True, False or torch.compile's options as a dict, got {compile!r}")
         # Each non-root unit's module compiled (torch.compile's options), its gathering left out of the graph.
-        self.compile: dict[str, Any] | None = (
-            dict(compile) if isinstance(compile, Mapping) else ({} if compile else None)
-        )
+        self.compile = compile_options(compile)
         self.fn, self.loss_fn, self.optimizer, self.donate = fn, loss_fn, optimizer, donate
         self._kinds: Any = None  # the kinds of this optimizer's state (``state_kinds``), at the first call
         self.has_aux = has_aux
@@ -186,7 +178,7 @@ class TrainStep:
         # An optimizer that may apply nothing (apply_if_finite) has an outcome: buffers the forward
         # moved are restored when it rejects a step.
         self._may_skip = optimizer.outcome is not None
-        self.unit_order: list[str] = []  # the order the last step ran the units in: forward prefetch follows it
+        self.memo = PassMemo()  # the order the last step ran the units in: forward prefetch follows it
         self.timeout, self.check_schedule = timeout, check_schedule
         self.calls = 0  # steps attempted: every rank counts the same
         self._check_next = check_schedule != "never"
@@ -232,16 +224,15 @@ class TrainStep:
         precision = self.schedule.mixed_precision
         copies = {k: v.detach().to(device=device, dtype=precision.buffer(v), copy=True) for k, v in source.items()}
         layout = params.layout
-        for g in (layout.group, layout.replicate):
-            if g is not None:
-                with guarded(g, "step.init", self.timeout):
-                    for b in copies.values():
-                        broadcast_(b, g)
+        for g in layout.groups:
+            with guarded(g, "step.init", self.timeout):
+                for b in copies.values():
+                    broadcast_(b, g)
         if self.schedule.cpu_offload is not None:
             cpu = {k: v.to("cpu") for k, v in layout.frozen.items()}
             params = Sharded(
                 {k: v.to("cpu") for k, v in params.shards.items()},
-                Layout(layout.plan, layout.group, cpu, layout.replicate),
+                layout.with_frozen(cpu),
             )
         with label("optimizer"):
             opt_state = self.optimizer.init(params)
@@ -377,8 +368,6 @@ class TrainStep:
 
         def step_unit(unit: str, grad: torch.Tensor, received: tuple[bool, ...]) -> None:
             nonlocal opt_state
-            if frozen:  # frozen since the plan: as if no gradient reached them
-                received = drop_frozen(plan.unit(unit), grad, received, frozen, layout)
             square_norms[unit] = square_norm(grad)
             only = params.replace({u: grad if u == unit else params[u] for u in plan.unit_names})
             with phase("optimizer"):
@@ -386,47 +375,30 @@ class TrainStep:
             stepped.append(unit)
 
         schedule = self.schedule
-        deferred: dict[str, torch.Tensor] | None = (
-            {} if schedule.micro_batches > 1 and not schedule.reduce_each_micro_batch else None
-        )
-        sink = GradSink(params, schedule, defer=deferred, on_unit=step_unit if schedule.update_in_backward else None)
-        losses, auxes = [], []
         try:
-            for mb in micro:
-                with phase("setup"):
-                    runtime = LeanRuntime(
-                        self.fn,
-                        params,
-                        schedule=self.schedule,
-                        order_hint=self.unit_order,
-                        sink=sink,
-                        remat=self.remat,
-                        check_unchanged=guard.check,
-                        compile=self.compile,
-                    )
-                loss, aux = lean_pass(runtime, params, buffers, mb, self.loss_fn, self.has_aux)
-                losses.append(loss)
-                auxes.append(aux)
-                self.unit_order = runtime.order
-            if deferred is not None:  # reduce_each_micro_batch=False: one reduce-scatter per unit, now
-                sink.reduce_deferred()
-            loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
-            masks = sink.received_masks()
-            if frozen and not schedule.update_in_backward:  # frozen since the plan: as if no gradient reached them
-                masks = {u: drop_frozen(plan.unit(u), sink.totals.get(u), m, frozen, layout) for u, m in masks.items()}
+            result = sharded_pass(
+                self.fn,
+                self.loss_fn,
+                params,
+                buffers,
+                micro,
+                schedule=schedule,
+                remat=self.remat,
+                has_aux=self.has_aux,
+                memo=self.memo,
+                frozen=frozen,
+                check_unchanged=guard.check,
+                compile=self.compile,
+                on_unit=step_unit if schedule.update_in_backward else None,
+            )
+            loss, auxes = result.loss, result.aux
             outcome = Outcome.APPLIED
             if schedule.update_in_backward:  # (each unit was stepped with what any rank reached)
-                stats, merged, _ = self._global(loss, square_norms.values(), masks, layout, guard, "")
+                stats, merged, _ = self._global(loss, square_norms.values(), result.masks, layout, guard, "")
             else:
-                totals = sink.totals
-                if len(micro) > 1:
-                    for g in totals.values():
-                        g.div_(len(micro))
-                norms = (square_norm(totals[u]) for u in plan.unit_names if u in totals)
-                stats, merged, _ = self._global(loss, norms, masks, layout, guard, "the step was not applied")
-                grads = params.replace(
-                    {u: totals[u] if u in totals else torch.zeros_like(params[u]) for u in plan.unit_names}
-                ).with_received(merged)
+                norms = (square_norm(g) for g in result.grads.values())
+                stats, merged, _ = self._global(loss, norms, result.masks, layout, guard, "the step was not applied")
+                grads = params.replace(result.grads).with_received(merged)
                 with phase("optimizer"):
                     opt_state = update_in_place(self.optimizer, grads, opt_state, params)
                 if self.optimizer.outcome is not None:
@@ -434,7 +406,8 @@ class TrainStep:
                 if saved_buffers is not None and outcome is Outcome.REJECTED:
                     for k, b in buffers.items():
                         b.copy_(saved_buffers[k])
-                del grads, totals
+                del grads
+            del result
         except BaseException as e:
             if stepped:
                 note = (
@@ -449,10 +422,9 @@ class TrainStep:
         skipped = torch.tensor(outcome is Outcome.REJECTED)
         metrics: dict[str, Any] = {"loss": stats[0].float(), "grad_norm": stats[1].sqrt().float(), "skipped": skipped}
         if self.has_aux:
-            metrics["aux"] = auxes[0] if len(auxes) == 1 else auxes
-        sync_buffers(buffers, layout.group, self.buffer_sync)
-        if layout.replicate is not None:
-            sync_buffers(buffers, layout.replicate, self.buffer_sync)
+            metrics["aux"] = auxes
+        for g in layout.groups:
+            sync_buffers(buffers, g, self.buffer_sync)
         # TrainState.step counts the updates applied: not a rejected step, nor a call accumulate deferred
         new = TrainState(
             params.replace(params.shards), _fresh(opt_state), buffers, state.step + int(outcome is Outcome.APPLIED)
@@ -512,8 +484,7 @@ class TrainStep:
         # (replicas hold the same gradient shards: their norms are counted once)
         merged, stats = reached.over_replicas(merged, layout, everyone[:, :2].sum(0))
         assert stats is not None
-        if layout.replicate is not None:
-            stats[1] /= layout.replicas
+        stats[1] /= layout.replicas
         stats[0] /= layout.world * layout.replicas
         return stats, merged, same
 

@@ -28,7 +28,7 @@ from fsdp_fn._base import (
     per_element,
     received_units,
 )
-from fsdp_fn._collectives import all_reduce_
+from fsdp_fn._collectives import all_reduce_, all_reduce_over_
 from fsdp_fn._norms import square_norm
 from fsdp_fn._plan import Unit
 from fsdp_fn._shard import Layout, Sharded
@@ -175,8 +175,8 @@ def global_norm(grads: Sharded) -> torch.Tensor:
     for unit in received_units(grads):
         square += square_norm(grads[unit.name]).cpu()
     all_reduce_(square, layout.group)
-    if layout.replicate is not None:
-        all_reduce_(square, layout.replicate).div_(layout.replicas)
+    if layout.replicas > 1:
+        all_reduce_over_(square, layout.replica_groups).div_(layout.replicas)
     return square.sqrt()
 
 

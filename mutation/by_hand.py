@@ -294,14 +294,14 @@ MUTANTS = [
     (
         "replica_mask_grad",
         "fsdp_fn/_reached.py",
-        "    if flat.numel() and layout.replicate is not None:\n        all_reduce_(flat, layout.replicate)\n",
+        "    if flat.numel():\n        all_reduce_over_(flat, layout.replica_groups)\n",
         "",
         "tests/test_correctness.py::test_an_expert_only_some_ranks_route_to_is_stepped_on_every_rank",
     ),
     (
         "replica_mask_in_backward",
         "fsdp_fn/_reached.py",
-        "        if layout.replicate is not None:\n            all_reduce_(got, layout.replicate, unit)\n",
+        "        all_reduce_over_(got, layout.replica_groups, unit)\n",
         "",
         "tests/test_correctness.py::test_an_expert_only_some_ranks_route_to_is_stepped_on_every_rank",
     ),
@@ -329,8 +329,8 @@ MUTANTS = [
     (
         "merge_shortcut_always",
         "fsdp_fn/_reached.py",
-        "        if all(mask) and layout.replicate is None:",
-        "        if layout.replicate is None:",
+        "        if all(mask) and not layout.replica_groups:",
+        "        if not layout.replica_groups:",
         "tests/test_correctness.py::test_an_expert_only_some_ranks_route_to_is_stepped_on_every_rank",
     ),
     # --- the eighth batch: checkpoints from untrusted or damaged directories (issue 32) ---
@@ -563,8 +563,8 @@ MUTANTS = [
     (
         "lean_frozen_not_zeroed",
         "fsdp_fn/_grad.py",
-        "None if composable else out[u.name]",
-        "None",
+        "    masks = {u: without_frozen(u, totals.get(u), m)",
+        "    masks = {u: without_frozen(u, None, m)",
         "tests/test_correctness.py::test_value_and_grad_gives_a_parameter_frozen_after_the_plan_no_gradient",
     ),
     (

@@ -94,7 +94,7 @@ def _target(like: TrainState) -> _Target:
     layout = like.params.layout
     frozen = {k: _ready(v) for k, v in layout.frozen.items()}
     if any(frozen[k] is not v for k, v in layout.frozen.items()):
-        layout = Layout(layout.plan, layout.group, frozen, layout.replicate)
+        layout = layout.with_frozen(frozen)
 
     def ready(tree: Sharded) -> Sharded:
         return Sharded({k: _ready(v) for k, v in tree.shards.items()}, layout)

@@ -139,7 +139,7 @@ def export_safetensors(
     root = Path(directory)
     paths = [root / n for n in files["names"]]
     group = layout.group
-    first = group.rank() == 0 and (layout.replicate is None or layout.replicate.rank() == 0)
+    first = group.rank() == 0 and layout.first_replica
     with _settled(layout, "export_safetensors: the files' headers"):
         if first:
             root.mkdir(parents=True, exist_ok=True)
@@ -149,7 +149,7 @@ def export_safetensors(
                     f.write(header)
                     f.truncate(8 + len(header) + size)
     with _settled(layout, "export_safetensors: the parameters' bytes"):
-        if layout.replicate is None or layout.replicate.rank() == 0:  # replicas hold the same bytes
+        if layout.first_replica:  # replicas hold the same bytes
             with ExitStack() as stack:
                 fds = [os.open(p, os.O_WRONLY) for p in paths]
                 for fd in fds:
@@ -181,7 +181,7 @@ def _settled(layout: Layout, what: str) -> Iterator[None]:
     except Exception as e:
         error = e
     found = failures(
-        None if error is None else f"{type(error).__name__}: {error}", [layout.group, layout.replicate], what
+        None if error is None else f"{type(error).__name__}: {error}", list(layout.groups), what
     )
     if error is not None:
         raise error
@@ -256,7 +256,7 @@ def _fill(like: Sharded, names: set[str], read: Reader, source: str, strict: boo
     shards = {k: ready(v) for k, v in like.shards.items()}
     frozen = {k: ready(v) for k, v in layout.frozen.items()}
     if any(frozen[k] is not v for k, v in layout.frozen.items()):
-        layout = Layout(layout.plan, layout.group, frozen, layout.replicate)
+        layout = layout.with_frozen(frozen)
     out = Sharded(shards, layout)
     for _, part, flat in _parts(out):
         for spec, a, b, piece in _local(part, flat, layout):

@@ -16,7 +16,7 @@ from fsdp_fn.checkpoint._integrity import CheckpointError
 
 def _group(layout: Layout) -> dist.ProcessGroup:
     """Every rank that holds the state: the shard group, or the whole world with replicas."""
-    if layout.replicate is None:
+    if not layout.replica_axes:
         return layout.group
     world = dist.group.WORLD
     assert world is not None

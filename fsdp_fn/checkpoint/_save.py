@@ -103,7 +103,7 @@ def save(
     encode(meta["optimizer"], "the optimizer state")
     own_entries = _document(_META, meta, "the checkpoint", copy=not blocking)
     join(group, "checkpoint.save", timeout)  # a rank that saves alone is named, not left waiting in DCP
-    write_shards = layout.replicate is None or layout.replicate.rank() == 0
+    write_shards = layout.first_replica
     if not blocking:
         params, opt_state, buffers = _tree_clone((state.params, state.opt_state, state.buffers))
         state = TrainState(params, opt_state, buffers, state.step)

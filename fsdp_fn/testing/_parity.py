@@ -119,7 +119,7 @@ def assert_matches_unsharded(
             unit and the parameter.
         ValueError: if ``step_options`` are given without an ``optimizer``.
     """
-    from fsdp_fn._collectives import all_gather, all_reduce_
+    from fsdp_fn._collectives import all_gather, all_reduce_over_
     from fsdp_fn._functional import functionalize
     from fsdp_fn._grad import value_and_grad
     from fsdp_fn._optim import from_torch
@@ -134,16 +134,15 @@ def assert_matches_unsharded(
     pg = params.group
     # Data parallel over every rank: with replicas (hybrid sharding), over the whole mesh.
     world = params.layout.world * params.layout.replicas
-    rank = pg.rank() if params.layout.replicate is None else dist.get_rank()
+    rank = pg.rank() if not params.layout.replica_axes else dist.get_rank()
     reference = copy.deepcopy(module)
     trainable = {k: p for k, p in reference.named_parameters() if p.requires_grad}
     worst = {"loss": 0.0, "gradient": 0.0, "parameter": 0.0}
 
     def mean_over_ranks(x: torch.Tensor) -> float:
         every = all_gather(x.detach().double().reshape(1), pg)
-        if params.layout.replicate is not None:
-            all_reduce_(every, params.layout.replicate)
-            every = every / params.layout.replicas
+        if params.layout.replicas > 1:
+            every = all_reduce_over_(every, params.layout.replica_groups) / params.layout.replicas
         return float(every.mean())
 
     def compare(
