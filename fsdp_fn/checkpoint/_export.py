@@ -180,9 +180,7 @@ def _settled(layout: Layout, what: str) -> Iterator[None]:
         yield
     except Exception as e:
         error = e
-    found = failures(
-        None if error is None else f"{type(error).__name__}: {error}", list(layout.groups), what
-    )
+    found = failures(None if error is None else f"{type(error).__name__}: {error}", list(layout.groups), what)
     if error is not None:
         raise error
     if found:
