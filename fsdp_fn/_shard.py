@@ -51,7 +51,9 @@ class Layout:
         self.plan, self.axes = plan, axes
         self.frozen: Mapping[str, torch.Tensor] = {} if frozen is None else frozen
         self.group: dist.ProcessGroup = shards[0].group
-        self.replica_axes = tuple(a for a in axes if a.role is Role.REPLICATE)
+        self.replica_axes = tuple(
+            a for a in axes if a.role is Role.REPLICATE and a.size > 1
+        )  # size 1: nothing to average
         self.replica_groups = tuple(a.group for a in self.replica_axes)
         self.replicas = math.prod(a.size for a in self.replica_axes)  # 1: no replicas
 

@@ -251,17 +251,29 @@ def test_torch_optimizer_built_on_unsharded_parameters(pool):
     assert "ValueError: the torch optimizer holds 6 tensors, 6 of them not this state's shards" in msg
 
 
-def _two_d_mesh(group):
+def _meshes_fsdp_fn_cannot_read(group):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 1, 2))
     model, policy, _ = make("mlp")
     fn = ff.functionalize(model)
-    return _error(ff.shard, fn.params, ff.make_plan(model, policy), mesh)
+    plan = ff.make_plan(model, policy)
+    meshes = {
+        "tp": (("dp_replicate", "tp", "fsdp"), (1, 2, 2)),
+        "two shard axes": (("fsdp", "dp_shard"), (2, 2)),
+        "no shard axis": (("replicate", "ddp"), (2, 2)),
+    }
+    return {
+        k: _error(ff.shard, fn.params, plan, init_device_mesh("cpu", s, mesh_dim_names=n))
+        for k, (n, s) in meshes.items()
+    }
 
 
-def test_three_d_mesh(pool):
-    assert "ValueError: a 3-D DeviceMesh was given" in pool.run(_two_d_mesh, world=4)[0]
+def test_meshes_without_exactly_one_shard_axis(pool):
+    msg = pool.run(_meshes_fsdp_fn_cannot_read, world=4)[0]
+    assert "ValueError: the mesh's axis 'tp' names tensor parallelism, which fsdp_fn does not run yet" in msg["tp"]
+    assert "mesh[('dp_replicate', 'fsdp')]" in msg["tp"]
+    assert "has 2 shard axes ('fsdp', 'dp_shard')" in msg["two shard axes"]
+    assert "has 0 shard axes (none)" in msg["no shard axis"]
 
 
 def _shard_over_a_group_without_this_rank(group):

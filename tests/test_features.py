@@ -12,6 +12,7 @@ import itertools
 import math
 from collections import Counter
 from functools import partial
+from typing import Any
 
 import pytest
 import torch
@@ -48,6 +49,7 @@ def _train_with(
     model_kw=None,
     freeze=(),
     hsdp=False,
+    mesh=None,
     micro=1,
     lr=1e-2,
     ref_kw=None,
@@ -63,11 +65,14 @@ def _train_with(
         if any(f in name for f in freeze):
             p.requires_grad_(False)
     fn = ff.functionalize(model)
-    target = group
+    target: Any = group
     if hsdp:
+        mesh = ((2, world // 2), ("replicate", "shard"))
+    if mesh is not None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        target = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        shape, names = mesh
+        target = init_device_mesh("cpu", shape, mesh_dim_names=names)
     plan = ff.make_plan(model, policy, **plan_kw)
     params = ff.shard(fn.params, plan, target)
     clip, remat = step_kw.pop("clip", None), step_kw.pop("remat", None)  # the rest are Schedule fields
@@ -615,6 +620,30 @@ def test_hybrid_sharding_2x2(pool):
     records = results[0]["logs"][1]
     predicted = ff.predict_collectives(plan, 2, first_step=False, replicas=2)
     assert Counter((c.op, c.unit, c.numel, c.world) for c in records) == Counter(
+        (c.op, c.unit, c.numel, c.world) for c in predicted
+    )
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        ((2, 1, 2), None),  # unnamed: the last axis shards, the two before it replicate
+        ((2, 2), ("shard", "replicate")),  # the names decide: the first axis shards here
+        ((1, 2, 2), ("ddp", "dp_replicate", "fsdp")),
+    ],
+    ids=["3d-positional", "shard-first", "3d-named"],
+)
+def test_meshes_of_named_axes(pool, mesh):
+    # Catches: a role read from the axis's position when its name says otherwise, a replica
+    # axis left out of a reduction (parity breaks), a size-1 axis that changes the traffic.
+    results = pool.run(_train_with, mesh=mesh, log_comm=True, world=4)
+    exact(results[0])
+    shape, names = mesh
+    shard = 2 if names is None else shape[names.index("shard" if "shard" in names else "fsdp")]
+    plan = results[0]["plan"]
+    assert results[0]["shard_bytes"] == sum(u.shard_numel(shard) * 4 for u in plan.units)
+    predicted = ff.predict_collectives(plan, shard, first_step=False, replicas=4 // shard)
+    assert Counter((c.op, c.unit, c.numel, c.world) for c in results[0]["logs"][1]) == Counter(
         (c.op, c.unit, c.numel, c.world) for c in predicted
     )
 
