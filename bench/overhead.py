@@ -93,6 +93,21 @@ def _build(system: str, cfg: Config, layers: int, group: Any) -> Any:
             return metrics["loss"]
 
         return run
+    if system == "fsdp_fn_functional":  # the loop a JAX user writes: value_and_grad, update, apply_updates
+        fn = ff.functionalize(model)
+        plan = ff.make_plan(model, ff.layer_policy([Block]))
+        tx = ff.adamw(lr=1e-3)
+        grad_fn = ff.value_and_grad(fn, lm_loss)
+        params = ff.shard(fn.params, plan, group)
+        holder = {"params": params, "opt": tx.init(params)}
+
+        def run(batch: torch.Tensor) -> torch.Tensor:
+            loss, grads = grad_fn(holder["params"], fn.buffers, batch)
+            updates, holder["opt"] = tx.update(grads, holder["opt"], holder["params"])
+            holder["params"] = ff.apply_updates(holder["params"], updates)
+            return loss.detach()
+
+        return run
     if system == "fsdp2":
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
@@ -161,7 +176,7 @@ def run_system(group: Any, system: str, cfg: Config, layers: int) -> dict[str, A
     if cfg.compile:
         now = _dynamo_counts()
         out["dynamo"] = {**now, "recompiles_after_warmup": now["recompiles"] - after_warmup["recompiles"]}
-    if system == "fsdp_fn":  # the split by phase, over as many more steps
+    if system.startswith("fsdp_fn"):  # the split by phase, over as many more steps
         cpu = 0.0
         with phase_clock() as clock:
             for _ in range(cfg.steps):
@@ -209,7 +224,7 @@ def main() -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--layers", default="2,16", help="block counts, comma-separated")
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--systems", default="fsdp_fn,fsdp2,ddp")
+    p.add_argument("--systems", default="fsdp_fn,fsdp2,ddp", help="of fsdp_fn, fsdp_fn_functional, fsdp2, ddp")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=pathlib.Path)
@@ -294,12 +309,12 @@ def print_report(report: dict[str, Any], cfg: Config, args: Any) -> None:
     print(
         f"# host cost, {report['platform']}, tiny GPT (d {cfg.d_model}, vocab {cfg.vocab}, seq {cfg.seq} x {cfg.batch})"
     )
-    print(f"{'system':10} {'blocks':>6} {'step ms':>9} {'per rep':>22} {'thread cpu ms':>14}")
+    print(f"{'system':18} {'blocks':>6} {'step ms':>9} {'per rep':>22} {'thread cpu ms':>14}")
     for row in sorted(rows.values(), key=lambda r: (r["layers"], r["system"])):
         reps = ", ".join(f"{m:.1f}" for m in row["step_ms_reps"])
         extra = f"  MFU {100 * row['mfu']:.1f}%" if "mfu" in row else ""
         print(
-            f"{row['system']:10} {row['layers']:>6} {row['step_ms']:>9.1f} {reps:>22} {row['thread_cpu_ms']:>14.1f}{extra}"
+            f"{row['system']:18} {row['layers']:>6} {row['step_ms']:>9.1f} {reps:>22} {row['thread_cpu_ms']:>14.1f}{extra}"
         )
     for n in sorted({r["layers"] for r in rows.values()}):
         ours, fsdp2, ddp = (rows.get(f"{s}@{n}") for s in ("fsdp_fn", "fsdp2", "ddp"))
@@ -308,6 +323,10 @@ def print_report(report: dict[str, Any], cfg: Config, args: Any) -> None:
                 f"{n} blocks: fsdp_fn {ours['step_ms'] / fsdp2['step_ms']:.2f}x FSDP2, "
                 f"{ours['step_ms'] / ddp['step_ms']:.2f}x DDP"
             )
+    for n in sorted({r["layers"] for r in rows.values()}):
+        ours, functional = rows.get(f"fsdp_fn@{n}"), rows.get(f"fsdp_fn_functional@{n}")
+        if ours and functional:
+            print(f"{n} blocks: functional loop {functional['step_ms'] / ours['step_ms']:.2f}x train_step")
     if report["us_per_block"]:
         print("one more block, us per step: " + ", ".join(f"{s} {v:.0f}" for s, v in report["us_per_block"].items()))
     for row in rows.values():
