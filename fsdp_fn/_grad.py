@@ -275,7 +275,7 @@ def value_and_grad(
                 )
         else:
             check, checks["next"] = checks["next"], check_schedule == "always"
-            with guarded(params.group, "value_and_grad", timeout, check=check) as guard:
+            with guarded(params.group, "value_and_grad", timeout, check=check, rendezvous=check) as guard:
                 result = sharded_pass(
                     fn,
                     loss_fn,

@@ -658,17 +658,21 @@ def watch(works: Sequence[Any]) -> Watched:
 
 
 @contextlib.contextmanager
-def guarded(group: dist.ProcessGroup, call: str, timeout: float, *, check: bool = False) -> Iterator[Guard | None]:
-    """Run a call that communicates outside a step under a guard: every rank of ``group``
-    must enter the same call (within ``timeout``), and every wait in it is guarded
-    (``check``: in check mode, ranks agree before every collective). Inside an already
-    guarded call (a step, say) that guard goes on."""
+def guarded(
+    group: dist.ProcessGroup, call: str, timeout: float, *, check: bool = False, rendezvous: bool = True
+) -> Iterator[Guard | None]:
+    """Run a call that communicates outside a step under a guard: every wait in it is guarded
+    (``check``: in check mode, ranks agree before every collective), and with ``rendezvous``
+    every rank of ``group`` must first enter the same call (within ``timeout``; one round trip
+    through the store). Without it a rank in another call is found by the first wait it
+    stalls, as in a train step after its checked first step. Inside an already guarded call
+    (a step, say) that guard goes on."""
     if current() is not None or group.size() == 1:
         yield current()
         return
     guard = Guard(group, 0, timeout=timeout, check=check, call=call)
     with guard.active():
-        guard.enter(rendezvous=True)
+        guard.enter(rendezvous=rendezvous)
         yield guard
 
 
