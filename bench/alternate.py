@@ -11,7 +11,7 @@ over ranks, after a barrier) of each arm, over the timed steps.
 Changes:
 
 - ``sender``: the pairwise exchanges' sends leave from fsdp_fn's sender thread (on) or
-  from the step's own thread (off), see ``fsdp_fn/_collectives.py``.
+  from the step's own thread (off), see ``fsdp_fn/_comm.py``.
 - ``pieces``: the optimizer steps each shard in cache-sized pieces (on) or whole (off),
   see ``fsdp_fn/_optim.py``.
 - ``tail``: the units that ran last stay gathered for backward while they fit the in-flight
@@ -38,17 +38,17 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import fsdp_fn as ff
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
-from fsdp_fn import _collectives, _optim, _prefetch
+from fsdp_fn import _comm, _optim, _prefetch
 from fsdp_fn.testing import RankPool
 
-QUEUED = _collectives._QueuedSend
+QUEUED = _comm._QueuedSend
 
 
 def _sender(on: bool) -> None:
     def inline(tensor: torch.Tensor, group: Any, peer: int) -> Any:
-        return dist.isend(tensor, group=group, group_dst=peer, tag=_collectives.TAG)
+        return dist.isend(tensor, group=group, group_dst=peer, tag=_comm.TAG)
 
-    _collectives._QueuedSend = QUEUED if on else inline  # type: ignore[assignment,misc]
+    _comm._QueuedSend = QUEUED if on else inline  # type: ignore[assignment,misc]
 
 
 PIECE_BYTES = _optim._PIECE_BYTES

@@ -3,7 +3,7 @@
     python bench/collectives.py                 # W = 2 and 4, a 16 MB buffer
     python bench/collectives.py --worlds 2 --megabytes 0.2 --reps 200   # a tiny GPT block's size: latency
 
-The figures choose fsdp_fn's gloo algorithm (``fsdp_fn/_collectives.py``: ``pairwise``).
+The figures choose fsdp_fn's gloo algorithm (``fsdp_fn/_comm.py``: ``PairwiseComm``).
 Each rank sends (W-1)/W of the buffer in every variant except all_reduce (2x).
 """
 

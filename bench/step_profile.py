@@ -37,7 +37,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import fsdp_fn as ff
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
-from fsdp_fn import _collectives, _guard
+from fsdp_fn import _comm, _guard
 from fsdp_fn.testing import RankPool
 
 
@@ -71,7 +71,7 @@ def profile_rank(group: Any, system: str, steps: int, warmup: int, top: int) -> 
             events.append(("wait", what, w0, time.time()))
 
         _guard.Guard.wait = wait  # type: ignore[method-assign]
-        original_exchange = _collectives._exchange
+        original_exchange = _comm.PairwiseComm.exchange
 
         def exchange(*args: Any) -> Any:
             w0 = time.time()
@@ -79,7 +79,7 @@ def profile_rank(group: Any, system: str, steps: int, warmup: int, top: int) -> 
             events.append(("issue", args[-1], w0, time.time()))
             return pending
 
-        _collectives._exchange = exchange
+        _comm.PairwiseComm.exchange = exchange  # type: ignore[method-assign]
         step_module.lean_pass = _timed("forward+backward", step_module.lean_pass, parts)
         with torch.device("meta"):
             model = GPT(cfg)

@@ -19,7 +19,8 @@ from fsdp_fn._base import (
     identity,
     update_in_place,
 )
-from fsdp_fn._collectives import Collective, CommLog, all_gather, comm_log, reduce_scatter_sum
+from fsdp_fn._collectives import Collective, CommLog, all_gather, comm_log, comm_of, reduce_scatter_sum, set_comm
+from fsdp_fn._comm import Comm
 from fsdp_fn._composable import apply_sharded
 from fsdp_fn._errors import DivergenceError, RankFailure
 from fsdp_fn._functional import Functional, functionalize
@@ -112,6 +113,7 @@ __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "Collective",
+    "Comm",
     "CommLog",
     "DivergenceError",
     "Functional",
@@ -135,6 +137,7 @@ __all__ = [
     "chunked_cross_entropy",
     "clip_grad_norm_",
     "comm_log",
+    "comm_of",
     "estimate_activations",
     "estimate_memory",
     "functionalize",
@@ -145,6 +148,7 @@ __all__ = [
     "predict_collectives",
     "reduce_grads",
     "reduce_scatter_sum",
+    "set_comm",
     "shard",
     "size_policy",
     "sync_buffers",

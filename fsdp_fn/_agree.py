@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_fn import _guard
+from fsdp_fn._comm import Polled
 from fsdp_fn._errors import DivergenceError
 
 __all__ = ["DivergenceError", "agree", "failures", "gather_objects"]
@@ -20,21 +20,21 @@ _MISSING = "<absent>"
 def gather_objects(obj: Any, group: dist.ProcessGroup, what: str) -> list[Any]:
     """Every rank's ``obj`` (picklable), in rank order.
 
-    Two all-gathers (the sizes, then the padded bytes) whose waits go through the active
-    guard, so a rank that never joins is an error, not a hang (``all_gather_object``
+    Two all-gathers (the sizes, then the padded bytes), the backend's own, polled through
+    the active guard (``_comm.Polled``), so a rank that never joins is an error, not a hang (``all_gather_object``
     blocks without a deadline).
     """
     world = group.size()
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     sizes = torch.empty(world, dtype=torch.int64)
     work = dist.all_gather_single(sizes, torch.tensor([data.numel()]), group=group, async_op=True)
-    _guard.wait([work], lambda: what)
+    Polled([work], lambda: what).wait()
     longest = int(sizes.max())
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: data.numel()] = data
     everyone = torch.empty(world * longest, dtype=torch.uint8)
     work = dist.all_gather_single(everyone, padded, group=group, async_op=True)
-    _guard.wait([work], lambda: what)
+    Polled([work], lambda: what).wait()
     rows = everyone.view(world, longest)
     return [pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(world)]
 

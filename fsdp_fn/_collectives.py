@@ -9,7 +9,9 @@ again, so nested transforms (grad of grad, jvp of grad, vmap of grad, jacrev, ja
 hessian) see every collective they need. Both are ``torch.autograd.Function``s with a
 separate ``setup_context``, as ``torch.func`` requires; the collectives themselves run
 with functorch disabled on plain tensors (they write into buffers, which a transform
-would refuse).
+would refuse), through the group's ``Comm`` (``_comm.py``), chosen once per group
+(``comm_of``) or set by the user (``set_comm``). Every collective is logged (``comm_log``)
+and checked by the guard here, before the comm is called, whichever comm it is.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,9 +28,21 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
-from fsdp_fn import _guard
-from fsdp_fn._labels import label, retag
+from fsdp_fn import _comm, _guard
+from fsdp_fn._comm import SENDER_BYTES as SENDER_BYTES  # (the sender thread's, where tests and benches look)
+from fsdp_fn._comm import TAG as TAG
+from fsdp_fn._comm import Comm, default_comm
+from fsdp_fn._comm import _QueuedSend as _QueuedSend
+from fsdp_fn._comm import _sender as _sender
+from fsdp_fn._labels import retag
 from fsdp_fn._phases import phased
+
+
+def __getattr__(name: str) -> Any:
+    """The sender thread's state, read where it lives (``_comm``): ``_last``, ``_sends``."""
+    if name in ("_last", "_sends"):
+        return getattr(_comm, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -148,159 +161,92 @@ def record(op: str, unit: str | None, numel: int, dtype: torch.dtype, group: dis
         log.records.append(Collective(op, unit, numel, dtype, world))
 
 
-# --- the raw collectives, on plain tensors -----------------------------------------------
+# --- which comm a group uses: chosen once per group ------------------------------------------
 
 
 def pairwise(group: dist.ProcessGroup) -> bool:
-    """Whether to run all-gather and reduce-scatter as pairwise sends and receives.
+    """The rule the default choice follows: whether ``group`` runs all-gather and reduce-scatter
+    as pairwise sends and receives (``PairwiseComm``): gloo, two ranks or more, unless the
+    environment variable ``FSDP_FN_COLLECTIVES=native`` asks for gloo's own collectives
+    (``bench/compare.py --collectives native``). Asked once per group, by ``comm_of``; NCCL
+    and other backends use their own all-gather and reduce-scatter."""
+    return (
+        str(dist.get_backend(group)) == "gloo"
+        and group.size() > 1
+        and os.environ.get("FSDP_FN_COLLECTIVES") != "native"
+    )
 
-    On gloo, measured on loopback with a 16 MB buffer (``python bench/collectives.py``,
-    W=2 / W=4, ms): all_gather 18.1 / 24.8, as isend/irecv 6.4 / 13.2; reduce_scatter
-    21.8 / 30.8 (gloo copies the buffer and runs a full all-reduce), as isend/irecv and
-    a sum 10.7 / 16.6. Each rank still sends exactly ``(W-1)/W`` of the buffer. NCCL and
-    other backends use their own all-gather and reduce-scatter; so does gloo with the
-    environment variable ``FSDP_FN_COLLECTIVES=native`` (``bench/compare.py --collectives native``).
+
+# group -> (the rule it was chosen by, or None when set by the user; its comm). A group is
+# chosen for again only if the rule was replaced since (a test runs gloo's own collectives so).
+_chosen: dict[dist.ProcessGroup, tuple[Callable[[dist.ProcessGroup], bool] | None, Comm]] = {}
+
+
+def comm_of(group: dist.ProcessGroup) -> Comm:
+    """The ``Comm`` every collective fsdp_fn issues on ``group`` goes through.
+
+    Chosen at the group's first use and kept (one dict lookup per call afterwards): the one
+    ``set_comm`` gave the group, else ``PairwiseComm`` on gloo (``NativeComm`` with
+    ``FSDP_FN_COLLECTIVES=native``), ``CudaComm`` on NCCL, ``NativeComm`` on other backends.
+    Allocates nothing; communicates nothing.
+
+    Args:
+        group: the process group.
+
+    Returns:
+        The group's comm.
+
+    Examples:
+        >>> import torch.distributed as dist
+        >>> comm = comm_of(dist.group.WORLD)  # one rank here: gloo's own collectives
+        >>> type(comm).__name__, comm.pairwise, comm_of(dist.group.WORLD) is comm
+        ('NativeComm', False, True)
     """
-    return _backend(group) == "gloo" and group.size() > 1 and os.environ.get("FSDP_FN_COLLECTIVES") != "native"
+    chosen = _chosen.get(group)
+    if chosen is not None and (chosen[0] is None or chosen[0] is pairwise):
+        return chosen[1]
+    rule = pairwise
+    comm = default_comm(group, rule(group))
+    _chosen[group] = (rule, comm)
+    return comm
 
 
-_backends: dict[str, str] = {}  # group name -> its backend (asked once: dist.get_backend looks through maps)
+def set_comm(group: dist.ProcessGroup, comm: Comm | None) -> Comm | None:
+    """Make ``comm`` carry every collective fsdp_fn issues on ``group`` from now on (FSDP2's
+    ``set_custom_all_gather``): the unit all-gathers and their buffers, reduce-scatters,
+    all-reduces, broadcasts, a lookup's row exchanges. ``None``: back to the default choice.
+
+    Every rank of the group must set a comm that communicates alike. Call it between steps:
+    a step made before keeps the lookups it chose (a non-``pairwise`` comm fetches no rows).
+    fsdp_fn still logs each collective (``comm_log``) and runs the guard's checks before it
+    calls the comm, and waits on what the comm returns. Allocates nothing; communicates nothing.
+
+    Args:
+        group: the process group (a ``Layout``'s ``group``).
+        comm: a ``Comm`` over ``group`` (a subclass, or one that wraps ``comm_of(group)``), or ``None``.
+
+    Returns:
+        The comm the group used before, if one was chosen or set (``None`` otherwise).
+
+    Raises:
+        ValueError: if ``comm`` communicates over another group.
+    """
+    if comm is not None and comm.group is not group:
+        raise ValueError(
+            f"set_comm: the comm communicates over group {comm.group.group_name!r}, not {group.group_name!r}: "
+            "make it over the group it is set for"
+        )
+    before = _chosen.pop(group, None)
+    if comm is not None:
+        _chosen[group] = (None, comm)
+    return None if before is None else before[1]
 
 
-def _backend(group: dist.ProcessGroup) -> str:
-    name = group.group_name
-    backend = _backends.get(name)
-    if backend is None:
-        backend = _backends[name] = str(dist.get_backend(group))
-    return backend
+# --- the raw collectives, on plain tensors -----------------------------------------------
 
 
-Describe = Callable[[], str]
-
-
-class Pending:
-    """Work handles issued together; ``wait()`` waits for all of them (through the active guard).
-
-    Point-to-point works (``watch=True``) are handed to a waiter thread the moment they are
-    issued (gloo cannot say whether they are done, nor stop a blocked wait); gloo's own
-    collectives are polled; NCCL's are waited on directly (the wait orders streams only).
-    ``what`` names the collective, built only when a message needs it."""
-
-    def __init__(
-        self,
-        works: list[Any],
-        what: Describe,
-        keep: tuple[torch.Tensor, ...] = (),
-        *,
-        watch: bool = False,
-        polled: bool = True,
-    ) -> None:
-        self.works, self.what = works, what
-        self.keep = keep  # buffers the collective reads or writes: alive until it is done
-        self.watched = _guard.watch(works) if watch and works else None
-        self.polled = polled
-
-    @phased("wait")
-    def wait(self) -> None:
-        if self.works:
-            _guard.wait(self.works, self.what, self.watched, self.polled)
-        self.works, self.keep, self.watched = [], (), None
-
-
-def _native(group: dist.ProcessGroup, works: list[Any], what: Describe, keep: tuple[torch.Tensor, ...]) -> Pending:
-    """The backend's own collective: polled on gloo, waited on directly elsewhere."""
-    return Pending(works, what, keep, polled=_backend(group) == "gloo")
-
-
-TAG = 0xF5D  # fsdp_fn's point-to-point messages: a user's own sends on the group (tag 0) never match them
-
-
-def _exchange(
-    group: dist.ProcessGroup, sends: list[torch.Tensor | None], recvs: list[torch.Tensor | None], what: Describe
-) -> Pending:
-    """Send ``sends[j]`` to group rank ``j`` and receive ``recvs[j]`` from it, for every other rank.
-
-    The receives are posted here, and so are small sends; a large one leaves from this
-    process's sender thread (``_send``). A waiter thread blocks on them all from now on."""
-    works: list[Any] = []
-    for j, into in enumerate(recvs):
-        if into is not None:  # (the process group's own receive: dist.irecv's checks cost as much again)
-            works.append(group.recv([into], j, TAG))
-    works += [_send(out, group, j) for j, out in enumerate(sends) if out is not None]
-    kept = tuple(t for t in (*sends, *recvs) if t is not None)
-    return Pending(works, what, kept, watch=True)
-
-
-SENDER_BYTES = 1 << 18  # a send at least this large leaves from the sender thread
-
-
-def _send(tensor: torch.Tensor, group: dist.ProcessGroup, peer: int) -> Any:
-    """Issue a send of ``tensor`` to group rank ``peer``, after every send issued before it.
-
-    Why a sender thread for large sends: gloo writes a send's payload into the socket on the
-    thread that issues it when the peer's receive is already posted, so the rank that arrived
-    second would copy every payload on its step's thread while the first one waits; on the
-    sender thread the copy runs beside the step, on a core that is otherwise idle (~2% of the
-    bench GPT's step at W=2: ``python bench/alternate.py sender``). A small send costs less
-    to copy than to hand over (``python bench/overhead.py``), so it is issued here, unless
-    a queued send has not left yet (it would be overtaken: gloo matches messages in order)."""
-    if tensor.numel() * tensor.element_size() < SENDER_BYTES and (_last is None or _last.issued.is_set()):
-        return group.send([tensor], peer, TAG)
-    return _QueuedSend(tensor, group, peer)
-
-
-class _QueuedSend:
-    """A send handed to the sender thread; ``wait()`` waits until it is issued, then until it is done."""
-
-    def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup, peer: int) -> None:
-        global _last
-        self.tensor, self.group, self.peer = tensor, group, peer
-        self.issued = threading.Event()
-        self.work: Any = None
-        self.error: BaseException | None = None
-        _sender().put(self)
-        _last = self
-
-    def issue(self) -> None:
-        try:
-            self.work = self.group.send([self.tensor], self.peer, TAG)
-        except BaseException as e:  # raised again by wait(), on the thread that waits
-            self.error = e
-        self.issued.set()
-
-    def wait(self) -> None:
-        self.issued.wait()
-        if self.error is not None:
-            raise self.error
-        self.work.wait()
-
-
-_sends: queue.SimpleQueue[_QueuedSend] | None = None
-_last: _QueuedSend | None = None  # the send queued last: later sends go on the queue until it has left
-_starting = threading.Lock()  # one sender thread per process, or sends could overtake each other
-
-
-def _sender() -> queue.SimpleQueue[_QueuedSend]:
-    """This process's queue of sends, served by one daemon thread (started at the first send)."""
-    global _sends
-    with _starting:
-        if _sends is None:
-            _sends = queue.SimpleQueue()
-            threading.Thread(target=_send_all, args=(_sends,), daemon=True, name="fsdp_fn-send").start()
-        return _sends
-
-
-def _send_all(sends: queue.SimpleQueue[_QueuedSend]) -> None:
-    while True:
-        sends.get().issue()
-
-
-def _forget_sender() -> None:
-    global _sends, _starting, _last
-    _sends, _starting, _last = None, threading.Lock(), None  # a forked child has no sender thread: it starts its own
-
-
-os.register_at_fork(after_in_child=_forget_sender)
+def _describe(op: str, unit: str | None) -> Callable[[], str]:
+    return functools.partial(_guard.describe, op, unit)
 
 
 @phased("all_gather")
@@ -314,43 +260,21 @@ def all_gather_into(
     own: Sequence[tuple[int, int]] | None = None,
     op: str = "all_gather",
 ) -> Any:
-    """``out`` (W * n) <- every rank's ``shard`` (n), in rank order. ``async_op``: returns what to ``wait()`` on.
+    """``out`` (W * n) <- every rank's ``shard`` (n), in rank order, through the group's comm.
+    ``async_op``: returns what to ``wait()`` on.
 
-    ``own``: the ``[lo, hi)`` pieces of this rank's slot to fill from ``shard`` when the gather is
-    pairwise (the rest of that slot is left as it is: the caller reads it from ``shard``); by
-    default all of it. ``op``: its name in the log, the schedule check and errors."""
-    world, rank = group.size(), group.rank()
+    ``own``: the ``[lo, hi)`` pieces of this rank's slot that must be filled from ``shard``
+    (a comm may leave the rest of that slot as it is: the caller reads it from ``shard``); by
+    default all of it. ``op``: its name in the log, the schedule check and errors. Memory:
+    none beyond ``out``; communication: one all-gather."""
     record(op, unit, out.numel(), out.dtype, group)
-    what = functools.partial(_guard.describe, op, unit)
     # A unit's buffer is gathered again for its backward, into tensors autograd saved in
     # forward: the same values, so the write must not count as an in-place change of them.
     with torch._C._DisableFuncTorch(), torch.no_grad(), torch.autograd.grad_mode._unsafe_preserve_version_counter(out):
-        if world == 1:
+        if group.size() == 1:
             out.copy_(shard)
             return None
-        if pairwise(group):
-            chunks = list(out.chunk(world))
-            pending = _exchange(
-                group,
-                [None if j == rank else shard for j in range(world)],
-                [None if j == rank else c for j, c in enumerate(chunks)],
-                what,
-            )
-            mine = chunks[rank]
-            for lo, hi in [(0, shard.numel())] if own is None else own:
-                mine[lo:hi].copy_(shard[lo:hi])
-        else:
-            # Into an alias of ``out``'s storage with a version counter of its own: a backend's
-            # collective counts its output as changed in place when it completes (on its own
-            # thread, after the preserving block here), and a refill, the same values again, must
-            # not look like a change to the views autograd saved ("a view created inside a custom
-            # Function ... has been modified inplace"). Pairwise receives write unseen anyway.
-            into = torch.empty(0, dtype=out.dtype, device=out.device).set_(
-                out.untyped_storage(), out.storage_offset(), out.shape, out.stride()
-            )
-            pending = _native(
-                group, [dist.all_gather_single(into, shard, group=group, async_op=True)], what, (into, shard)
-            )
+        pending = comm_of(group).all_gather(out, shard, _describe(op, unit), own)
         if not async_op:
             pending.wait()
             return None
@@ -361,50 +285,24 @@ def all_gather_into(
 def reduce_scatter_start(
     full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float = 1.0
 ) -> Callable[[], torch.Tensor]:
-    """Issue a reduce-scatter without waiting; call the result to wait and get this rank's shard.
+    """Issue a reduce-scatter through the group's comm without waiting; call the result to wait
+    and get this rank's shard, times ``scale``.
 
-    Memory: (pairwise) ``W-1`` received shards, one of which becomes the result, so no
-    shard more; ``full`` stays alive until the result is taken. The sum runs in rank order
-    on every rank.
+    Memory: one shard (``PairwiseComm``: ``W-1`` received shards, one of which becomes the
+    result); ``full`` stays alive until the result is taken. The sum comes out alike on every rank.
     """
-    world, rank = group.size(), group.rank()
     record("reduce_scatter", unit, full.numel(), full.dtype, group)
-    what = functools.partial(_guard.describe, "reduce_scatter", unit)
     with torch._C._DisableFuncTorch(), torch.no_grad():
         full = full.contiguous()
-        if world == 1:  # nothing to reduce: no copy either
+        if group.size() == 1:  # nothing to reduce: no copy either
             alone = full.view(-1) if scale == 1.0 else full * scale
             return lambda: alone
-        n = full.numel() // world
-        if not pairwise(group):
-            out = full.new_empty(n)
-            work = _native(
-                group, [dist.reduce_scatter_single(out, full, group=group, async_op=True)], what, (full, out)
-            )
-
-            def finish_native() -> torch.Tensor:
-                work.wait()
-                return out.mul_(scale) if scale != 1.0 else out
-
-            return finish_native
-        chunks = list(full.chunk(world))
-        with label("comm"):  # one buffer per peer: the sum lands in one of them, the others go
-            into: list[torch.Tensor | None] = [None if j == rank else full.new_empty(n) for j in range(world)]
-        pending = _exchange(group, [None if j == rank else c for j, c in enumerate(chunks)], into, what)
+        taken = comm_of(group).reduce_scatter(full, _describe("reduce_scatter", unit))
 
         @phased("reduce_scatter")
         def finish() -> torch.Tensor:
-            pending.wait()
+            out = taken()
             with torch._C._DisableFuncTorch(), torch.no_grad():
-                parts = [chunks[rank] if t is None else t for t in into]  # in rank order: every rank sums alike
-                into.clear()
-                # The first sum goes into whichever of the two is a received buffer (a + b is b + a
-                # exactly); the rest add on in rank order.
-                first, second = parts[0], parts[1]
-                out = second.add_(first) if rank == 0 else first.add_(second)
-                for part in parts[2:]:
-                    out.add_(part)
-                del parts, first, second
                 retag(out, "grads")
                 return out.mul_(scale) if scale != 1.0 else out
 
@@ -417,12 +315,11 @@ def reduce_scatter(full: torch.Tensor, group: dist.ProcessGroup, unit: str | Non
 
 
 def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup, unit: str | None = None) -> torch.Tensor:
-    """Sum ``tensor`` over ranks, in place."""
+    """Sum ``tensor`` over ranks, in place, through the group's comm; waits."""
     record("all_reduce", unit, tensor.numel(), tensor.dtype, group)
     with torch._C._DisableFuncTorch():
         if group.size() > 1:
-            work = dist.all_reduce(tensor, group=group, async_op=True)
-            _native(group, [work], functools.partial(_guard.describe, "all_reduce", unit), ()).wait()
+            comm_of(group).all_reduce(tensor, _describe("all_reduce", unit)).wait()
     return tensor
 
 
@@ -440,41 +337,21 @@ def all_reduce_start(
     tensor: torch.Tensor, group: dist.ProcessGroup, unit: str | None = None
 ) -> Callable[[], torch.Tensor]:
     """Issue a sum over ranks of a small ``tensor`` without waiting; call the result to wait and
-    get the sum (a new tensor). Pairwise: this rank's tensor goes to every peer and theirs are
-    received (``W-1`` copies of it), so it waits on nothing but those peers' messages, not on
-    collectives queued before it (a synchronous all-reduce here waited for the peer's next unit)."""
+    get the sum (a new tensor). On ``PairwiseComm`` it waits on nothing but the peers' messages,
+    not on collectives queued before it (``Comm.all_reduce_apart``)."""
     record("all_reduce", unit, tensor.numel(), tensor.dtype, group)
-    world, rank = group.size(), group.rank()
-    what = functools.partial(_guard.describe, "all_reduce", unit)
     with torch._C._DisableFuncTorch(), torch.no_grad():
-        mine = tensor.clone()
-        if world == 1:
+        if group.size() == 1:
+            mine = tensor.clone()
             return lambda: mine
-        if not pairwise(group):
-            work = _native(group, [dist.all_reduce(mine, group=group, async_op=True)], what, (mine,))
-
-            def finish_native() -> torch.Tensor:
-                work.wait()
-                return mine
-
-            return finish_native
-        into = [None if j == rank else torch.empty_like(mine) for j in range(world)]
-        pending = _exchange(group, [None if j == rank else mine for j in range(world)], into, what)
-
-        def finish() -> torch.Tensor:
-            pending.wait()
-            parts = [mine if t is None else t for t in into]  # in rank order: every rank sums alike
-            return torch.stack(parts).sum(0)
-
-        return finish
+        return comm_of(group).all_reduce_apart(tensor, _describe("all_reduce", unit))
 
 
 def broadcast_(tensor: torch.Tensor, group: dist.ProcessGroup, src: int = 0) -> torch.Tensor:
-    """``tensor`` <- group rank ``src``'s ``tensor``, in place."""
+    """``tensor`` <- group rank ``src``'s ``tensor``, in place, through the group's comm; waits."""
     record("broadcast", None, tensor.numel(), tensor.dtype, group)
     if group.size() > 1:
-        work = dist.broadcast(tensor, group=group, group_src=src, async_op=True)
-        _native(group, [work], lambda: "broadcast", (tensor,)).wait()
+        comm_of(group).broadcast(tensor, src, _describe("broadcast", None)).wait()
     return tensor
 
 

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from fsdp_fn._errors import DivergenceError, RankFailure
 from fsdp_fn._plan import unit_label
 
-__all__ = ["DivergenceError", "Guard", "RankFailure", "current", "guarded", "wait"]
+__all__ = ["DivergenceError", "Guard", "RankFailure", "current", "guarded", "watch"]
 
 _local = threading.local()
 _POLL = 0.005  # seconds a wait on works that can say they are done polls them before a waiter thread takes over
@@ -682,23 +682,3 @@ def join(group: dist.ProcessGroup, call: str, timeout: float) -> None:
     whose collectives run elsewhere (DCP's), so a rank that calls alone is named, not hung."""
     with guarded(group, call, timeout):
         pass
-
-
-def wait(works: Sequence[Any], what: Callable[[], str], watched: Watched | None = None, polled: bool = True) -> None:
-    """Wait for works: through the active guard when a call is guarded, plainly otherwise.
-
-    ``watched``: the works' waiter (gloo's point-to-point works); ``polled``: the backend can
-    say when they are done (gloo's own collectives). Others (NCCL's, whose wait only orders
-    the device's streams) are waited on directly."""
-    guard = current()
-    if watched is not None:
-        if guard is not None:
-            guard.wait_watched(watched, what)
-        else:
-            watched.wait(timeout=-1)
-            watched.result()
-    elif guard is not None and polled:
-        guard.wait_polled(works, what)
-    else:
-        for w in works:
-            w.wait()

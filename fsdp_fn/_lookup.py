@@ -1,7 +1,7 @@
 """A lookup unit's rows, fetched from the ranks that hold them instead of gathering its table.
 
 A plain ``nn.Embedding`` (``Unit.lookup``) reads only the rows its indices name. In the
-lean pass, over gloo's pairwise sends, its forward fetches just those rows: every rank
+lean pass, over a pairwise comm (gloo's sends, ``Comm.pairwise``), its forward fetches just those rows: every rank
 tells every other how many distinct indices it looks up and which, each answers with the
 elements of those rows that lie in its shard (a row that crosses a slot edge comes in two
 pieces), and the module computes ``F.embedding`` on the rows it got, indexed by position.
@@ -28,7 +28,7 @@ from torch import nn
 from torch.autograd.function import FunctionCtx
 
 from fsdp_fn import _guard
-from fsdp_fn._collectives import _exchange, pairwise, record
+from fsdp_fn._collectives import comm_of, record
 from fsdp_fn._function import plain_apply
 from fsdp_fn._labels import label
 from fsdp_fn._plan import Plan, Unit, unit_label
@@ -46,7 +46,7 @@ def rows_fit(unit: Unit, schedule: Schedule, replicas: int = 1, world: int = 2) 
     """Whether the schedule lets a lookup unit fetch its rows: a table of at least
     ``ROWS_MIN_BYTES`` gathered, its shard used as it is (no cast, no offload), reduced per
     micro-batch (not summed first), without replicas. The train step adds what only a call
-    knows: gloo's pairwise collectives, CPU shards, no transform, no remat, no hook, no
+    knows: a pairwise comm (``Comm.pairwise``), CPU shards, no transform, no remat, no hook, no
     ``max_norm`` or ``sparse``."""
     summed = schedule.micro_batches > 1 and not schedule.reduce_each_micro_batch
     return (
@@ -71,12 +71,12 @@ def fetchable(
     deferred: bool,
 ) -> frozenset[str]:
     """The lookup units that may fetch their rows, as far as what is the same at every call
-    decides (``Wiring`` asks once): ``rows_fit``, over gloo's pairwise sends, on CPU (not yet
+    decides (``Wiring`` asks once): ``rows_fit``, over a pairwise comm (the group's ``Comm.pairwise``), on CPU (not yet
     measured on accelerators), on the lean pass, not summing micro-batches' full gradients, not
     rematerialised or compiled, not renormalising rows or making sparse gradients.
     ``LookupChoice`` adds what only a call knows."""
     world = params.group.size()
-    if composable or world == 1 or deferred or not pairwise(params.group):
+    if composable or world == 1 or deferred or not comm_of(params.group).pairwise:
         return frozenset()
     return frozenset(
         u.name
@@ -139,6 +139,7 @@ class RowFetch:
 
     def __init__(self, unit: Unit, shard: torch.Tensor, group: dist.ProcessGroup, owner: Any) -> None:
         self.unit, self.shard, self.group, self.owner = unit, shard, group, owner
+        self.comm = comm_of(group)  # pairwise: ``fetchable`` chose this unit for it
         self.world, self.rank = group.size(), group.rank()
         self.rows_in_table, self.dim = unit.params[0].shape
         self.distinct = torch.empty(0, dtype=torch.long)
@@ -184,10 +185,10 @@ class RowFetch:
         self.distinct = distinct
         counts = [None if j == rank else torch.empty(1, dtype=torch.long) for j in range(world)]
         count = torch.tensor([distinct.numel()])
-        _exchange(self.group, [None if j == rank else count for j in range(world)], counts, what).wait()
+        self.comm.exchange([None if j == rank else count for j in range(world)], counts, what).wait()
         self.theirs = [None if c is None or not int(c) else torch.empty(int(c), dtype=torch.long) for c in counts]
         sends = [None if j == rank or not distinct.numel() else distinct for j in range(world)]
-        _exchange(self.group, sends, self.theirs, what).wait()
+        self.comm.exchange(sends, self.theirs, what).wait()
         self.runs = [(self._before(distinct, j * n), self._before(distinct, (j + 1) * n)) for j in range(world)]
         with label("gathered"):
             rows = torch.empty(distinct.numel() * self.dim, dtype=self.shard.dtype, device=self.shard.device)
@@ -195,7 +196,7 @@ class RowFetch:
         answers = [
             None if t is None or not self._served(j) else self.shard[self._held(t)] for j, t in enumerate(self.theirs)
         ]
-        _exchange(self.group, answers, into, what).wait()
+        self.comm.exchange(answers, into, what).wait()
         a, b = self.runs[rank]
         rows[a:b] = self.shard[self._held(distinct)]
         return rows.view(-1, self.dim), inverse.view(indices.shape), distinct
@@ -211,7 +212,7 @@ class RowFetch:
         served = [self._served(j) for j in range(world)]
         with label("comm"):
             got = [flat.new_empty(k) if k else None for k in served]
-        pending = _exchange(self.group, sends, got, what)
+        pending = self.comm.exchange(sends, got, what)
 
         def finish() -> torch.Tensor:
             pending.wait()

@@ -7,6 +7,7 @@ import torch
 from fsdp_fn import _reached as reached
 from fsdp_fn._base import GradientTransformation, count_global_norms
 from fsdp_fn._collectives import Collective
+from fsdp_fn._comm import Comm
 from fsdp_fn._lookup import rows_fit
 from fsdp_fn._plan import ROOT, Plan
 from fsdp_fn._policy import Schedule
@@ -27,8 +28,9 @@ def predict_collectives(
     *,
     first_step: bool = True,
     replicas: int = 1,
-    lookup_rows: bool = True,
+    lookup_rows: bool | None = None,
     optimizer: GradientTransformation | None = None,
+    comm: Comm | None = None,
 ) -> list[Collective]:
     """Predict what one train step issues on each rank, from the plan alone (units run in plan order).
 
@@ -56,8 +58,8 @@ def predict_collectives(
             gathered for backward.
         replicas: the replicate group's size with hybrid sharding (1: none).
         lookup_rows: a lookup unit's rows are fetched instead of its table gathered (the
-            train step on gloo's pairwise collectives; pass ``False`` for other backends or
-            ``FSDP_FN_COLLECTIVES=native``): one ``row_fetch`` in forward and one
+            train step over a pairwise comm, gloo's default; ``None``: what ``comm`` says,
+            ``Comm.pairwise``, or ``True`` without one): one ``row_fetch`` in forward and one
             ``row_reduce`` in backward (``numel`` 0: their size follows the indices), unless
             the table is small (``ROWS_MIN_BYTES``), the schedule casts or moves its shard,
             micro-batches are summed before reducing, or there are replicas.
@@ -65,6 +67,9 @@ def predict_collectives(
             applies it (for ``accumulate``, the call that ends a round): one all-reduce of
             one float64 number per global norm it computes (``clip_by_global_norm``,
             ``apply_if_finite``), over the ranks and over the replicas.
+        comm: the step's group's comm (``comm_of(layout.group)``), asked whether lookups
+            fetch rows when ``lookup_rows`` is ``None`` (``False`` on NCCL, on
+            ``FSDP_FN_COLLECTIVES=native``, or on a comm of the user's that is not pairwise).
 
     Returns:
         The ``Collective``s, unit by unit in plan order (not interleaved as the step
@@ -72,6 +77,8 @@ def predict_collectives(
         nothing). Compare with a ``comm_log()``'s records as a multiset.
     """
     schedule = schedule or Schedule()
+    if lookup_rows is None:
+        lookup_rows = comm.pairwise if comm is not None else True
     nbytes = gathered_bytes(plan, world, schedule)
     order = [u.name for u in plan.units if u.name != ROOT]
     kept = set(order[kept_tail(order, nbytes, schedule) :])

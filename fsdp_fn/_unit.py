@@ -34,7 +34,7 @@ import torch
 from torch.autograd.function import FunctionCtx
 from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
 
-from fsdp_fn._collectives import all_gather_into
+from fsdp_fn._collectives import all_gather_into, comm_of
 from fsdp_fn._function import plain_apply
 from fsdp_fn._labels import label, retag
 from fsdp_fn._phases import phased
@@ -69,11 +69,15 @@ def plain(t: torch.Tensor) -> torch.Tensor:
 
 
 class FlatPart:
-    """One flat part of a gathered unit: this rank's shard, the gathered buffer, the pending gather."""
+    """One flat part of a gathered unit: this rank's shard, the gathered buffer, the pending gather.
+
+    The buffer comes from the group's comm (``Comm.buffer``, ``regrow``, ``free``), so a comm
+    with streams of its own decides which stream its memory belongs to."""
 
     def __init__(self, part: Unit, shard: torch.Tensor, group: Any, dtype: torch.dtype, device: torch.device) -> None:
         self.part, self.shard, self.group = part, shard, group  # shard: plain, 1-D
         self.dtype, self.device = dtype, device
+        self.comm = comm_of(group)
         # One rank, same dtype and device (or nothing to hold): the shard is the whole unit, used in place.
         self.in_place = part.numel == 0 or (group.size() == 1 and shard.dtype == dtype and shard.device == device)
         self.buffer: torch.Tensor | None = None
@@ -98,15 +102,17 @@ class FlatPart:
         self._start = part.shard_numel(world) * group.rank() if world > 1 else 0
 
     def start(self) -> None:
+        """Allocate (or regrow) the gathered buffer through the comm and issue its all-gather;
+        does not wait. Memory: the full (padded) part, and a cast or moved copy of the shard
+        while the gather runs (when the gather dtype or device differs)."""
         if self.in_place:
             self.buffer = self.shard.view_as(self.shard)
             return
         world = self.group.size()
         if self.buffer is None:
-            with label("gathered"):
-                self.buffer = torch.empty(self.shard.numel() * world, dtype=self.dtype, device=self.device)
+            self.buffer = self.comm.buffer(self.shard.numel() * world, self.dtype, self.device)
         else:
-            self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
+            self.comm.regrow(self.buffer)
         source = self.shard
         if world > 1 and (source.dtype != self.dtype or source.device != self.device):
             with label("comm"):
@@ -135,9 +141,10 @@ class FlatPart:
         self.work = self._source = None
 
     def drop(self) -> None:
+        """Wait for the gather, then free the buffer's storage through the comm (``Comm.free``)."""
         self.wait()
         if not self.in_place and self.buffer is not None:
-            self.buffer.untyped_storage().resize_(0)
+            self.comm.free(self.buffer)
 
 
 class Owner(Protocol):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_fn._collectives import pairwise
+from fsdp_fn._collectives import comm_of
 from fsdp_fn._functional import Functional, index_of
 from fsdp_fn._lookup import fetchable
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Unit, unit_label
@@ -159,7 +159,7 @@ class Wiring:
             composable,
             deferred,
             group.group_name,
-            pairwise(group),
+            comm_of(group).pairwise,  # (a lookup fetches rows over a pairwise comm only)
             params.layout.replicas,
             shard.device.type if shard is not None else "",
             None if compile is None else tuple(sorted(compile.items())),

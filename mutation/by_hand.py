@@ -441,7 +441,7 @@ MUTANTS = [
     ),
     (
         "small_send_overtakes_a_queued_one",
-        "fsdp_fn/_collectives.py",
+        "fsdp_fn/_comm.py",
         "and (_last is None or _last.issued.is_set()):",
         ":",
         "tests/test_collectives.py::test_sends_leave_from_the_sender_thread",
