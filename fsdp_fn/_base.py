@@ -277,7 +277,8 @@ def chain(*links: GradientTransformation) -> GradientTransformation:
         return Outcome.APPLIED
 
     def fused(grads: Updates, state: tuple[Any, ...], params: Params) -> tuple[Any, ...]:
-        if not links:
+        if not links:  # the identity: the gradients are the updates
+            apply_updates_(params, grads)
             return state
         new = []
         for t, old in zip(links[:-1], state[:-1], strict=True):

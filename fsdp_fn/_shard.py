@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -61,6 +62,19 @@ class Layout:
         if hasattr(self, name):
             raise AttributeError(f"a Layout is immutable: {name!r} cannot change (make another one)")
         object.__setattr__(self, name, value)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Layout:
+        # The plan and the axes' process groups are shared (a group is a live connection, not
+        # data); the frozen shards are copied, as every other tensor of the copied tree.
+        return Layout(self.plan, self.axes, copy.deepcopy(dict(self.frozen), memo))
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "sharded parameters and optimizer states cannot be pickled: their layout holds process groups "
+            "(live connections to the other ranks); copy.deepcopy them in the same job, save them with "
+            "fsdp_fn.checkpoint.save(dir, state) (loadable at another world size), or pickle plain tensors "
+            "(dict(params): this rank's shards; ff.unshard(params): the whole parameters)"
+        )
 
     @property
     def world(self) -> int:

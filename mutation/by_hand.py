@@ -570,9 +570,23 @@ MUTANTS = [
     (
         "lookup_choice_ignores_the_users_hooks",
         "fsdp_fn/_lookup.py",
-        "            and not (modules[u.name]._forward_hooks or modules[u.name]._forward_pre_hooks)\n",
-        "",
+        "            if not global_hooks and not (modules[name]._forward_hooks or modules[name]._forward_pre_hooks)\n",
+        "            if not global_hooks\n",
         "tests/test_correctness.py::test_an_embedding_is_gathered_again_for_backward_only_when_backward_reads_it",
+    ),
+    (
+        "deepcopy_of_a_layout_not_defined",
+        "fsdp_fn/_shard.py",
+        "    def __deepcopy__(self, memo: dict[int, Any]) -> Layout:",
+        "    def _no_deepcopy(self, memo: dict[int, Any]) -> Layout:",
+        "tests/test_features.py::test_a_deep_copy_of_a_state_is_a_snapshot_that_trains_on_and_pickle_says_what_to_use",
+    ),
+    (
+        "empty_chain_applies_nothing_in_place",
+        "fsdp_fn/_base.py",
+        "            apply_updates_(params, grads)\n            return state\n",
+        "            return state\n",
+        "tests/test_chain.py::test_an_empty_chain_applies_the_gradients_in_place_too",
     ),
     (
         "lookup_choice_ignores_checkpoint_regions",

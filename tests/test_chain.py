@@ -663,3 +663,22 @@ def test_value_and_grad_takes_micro_batches_as_the_step_does(pool):
             assert loss < 1e-6 and grad < 1e-6 and received, (name, diffs[name])
         assert aux == [3, 3]  # one aux per micro-batch
         assert error.startswith("with Schedule(micro_batches=2) the batch must be a list of 2 micro-batches, got a")
+
+
+def _empty_chain_in_place(group):
+    """chain() is the identity: the train step (update_in_place) adds the gradients, as
+    update + apply_updates does (before, in place it applied nothing)."""
+    model, fn, plan, step, state = _setup(group, ff.chain())
+    batch = local_part(batch_for("mlp", model, 0), group.rank(), group.size())
+    before = {k: state.params[k].clone() for k in state.params}
+    _, grads = ff.value_and_grad(fn, mse_loss)(state.params, fn.buffers, batch)
+    by_hand = ff.apply_updates(state.params, ff.chain().update(grads, (), state.params)[0])
+    state, _ = step(state, batch)
+    moved = max((state.params[k] - before[k]).abs().max().item() for k in before)
+    return moved, max((state.params[k] - by_hand[k]).abs().max().item() for k in before)
+
+
+def test_an_empty_chain_applies_the_gradients_in_place_too(pool):
+    for moved, off in pool.run(_empty_chain_in_place, world=2):
+        assert moved > 1e-3
+        assert off < 1e-7

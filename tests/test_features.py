@@ -859,3 +859,42 @@ def test_unshard_leaves_out_the_frozen_parameters_of_a_gradient(pool):
         assert full == ["0.bias", "0.weight", "1.bias", "1.weight"]
         assert grads == ["0.bias"]
         assert same
+
+
+# --- copies of states ----------------------------------------------------------------------------
+
+
+def _copies_of_states(group):
+    import pickle
+
+    model, policy, loss_fn = make("gpt")
+    fn = ff.functionalize(model)
+    step = ff.train_step(fn, loss_fn, ff.adamw(lr=1e-2))
+    state = step.init(ff.shard(fn.params, ff.make_plan(model, policy), group))
+    batches = [local_part(batch_for("gpt", model, k, size=BATCH), group.rank(), group.size()) for k in range(3)]
+    state, _ = step(state, batches[0])
+    snapshot = copy.deepcopy(state)  # a rollback point (the step donates the state it is given)
+    kept = {k: snapshot.params[k].clone() for k in snapshot.params}
+    ahead, _ = step(state, batches[1])
+    ahead, _ = step(ahead, batches[2])
+    moved = max((ahead.params[k] - kept[k]).abs().max().item() for k in kept)
+    untouched = all(torch.equal(snapshot.params[k], kept[k]) for k in kept)
+    again, _ = step(snapshot, batches[1])  # trains from the snapshot as from the state it copied
+    again, _ = step(again, batches[2])
+    same = all(torch.equal(again.params[k], ahead.params[k]) for k in kept)
+    shared = again.params.layout.group is ahead.params.layout.group
+    try:
+        pickle.dumps(ahead)
+        pickled = "no error"
+    except TypeError as e:
+        pickled = str(e)
+    return moved, untouched, same, shared, pickled
+
+
+def test_a_deep_copy_of_a_state_is_a_snapshot_that_trains_on_and_pickle_says_what_to_use(pool):
+    # Catches: a copy that shares the shards or the moments (rolled back to a trained-on state),
+    # a copy whose layout lost its group, pickle's raw "cannot pickle 'ProcessGroup' object".
+    for moved, untouched, same, shared, pickled in pool.run(_copies_of_states, world=2):
+        assert moved > 0 and untouched and same and shared
+        assert "cannot be pickled: their layout holds process groups" in pickled
+        assert "fsdp_fn.checkpoint.save" in pickled
