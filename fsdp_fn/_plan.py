@@ -231,6 +231,9 @@ class Plan:
             ``named_parameters(remove_duplicate=False)`` order, so a full state dict can
             follow the module's key order (not part of the layout: not serialised, not
             compared).
+        non_persistent: the module's buffers that its ``state_dict`` leaves out
+            (``register_buffer(..., persistent=False)``), by name: a checkpoint may lack
+            them (not part of the layout: not serialised, not compared).
 
     Raises:
         ValueError: if a parameter (or an alias of one) is in two units.
@@ -238,6 +241,7 @@ class Plan:
 
     units: tuple[Unit, ...]
     order: tuple[str, ...] = field(default=(), compare=False)
+    non_persistent: frozenset[str] = field(default=frozenset(), compare=False)
 
     def __post_init__(self) -> None:
         seen: dict[str, str] = {}
@@ -592,7 +596,15 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
     if split_root:
         _split_root(module, members, shared)
     units = _units_in_order(module, members, shared)
-    return Plan(tuple(units), order=tuple(name for name, _ in module.named_parameters(remove_duplicate=False)))
+    return Plan(
+        tuple(units),
+        order=tuple(name for name, _ in module.named_parameters(remove_duplicate=False)),
+        non_persistent=frozenset(
+            f"{prefix}.{b}" if prefix else b
+            for prefix, m in module.named_modules(remove_duplicate=False)
+            for b in m._non_persistent_buffers_set
+        ),
+    )
 
 
 def _parameters(module: nn.Module) -> tuple[dict[int, nn.Parameter], dict[int, list[str]]]:

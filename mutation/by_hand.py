@@ -589,6 +589,13 @@ MUTANTS = [
         "tests/test_chain.py::test_an_empty_chain_applies_the_gradients_in_place_too",
     ),
     (
+        "missing_persistent_buffer_kept_silently",
+        "fsdp_fn/checkpoint/_load.py",
+        'if what.startswith("buffer") and key[6:] in like.params.plan.non_persistent:',
+        'if what.startswith("buffer"):',
+        "tests/test_checkpoint.py::test_a_checkpoint_that_lacks_a_persistent_buffer_is_refused_naming_it",
+    ),
+    (
         "lookup_choice_ignores_checkpoint_regions",
         "fsdp_fn/_lookup.py",
         "            and name not in forced\n",

@@ -1410,6 +1410,41 @@ def test_buffers_that_differ_between_ranks_are_saved_per_rank(pool, tmp_path):
         assert torch.equal(mu, saved[0][1])
 
 
+def _buffers_a_checkpoint_lacks(group, directory):
+    """Saved from a model without buffers; loaded into one with a persistent buffer (torch's
+    strict load raises) and into one with only a non-persistent one (it may be absent)."""
+
+    def model(persistent: bool | None) -> nn.Module:
+        torch.manual_seed(0)
+        m = _RunningMean()
+        del m._buffers["mu"]
+        if persistent is not None:
+            m.register_buffer("mu", torch.full((7,), 3.0), persistent=persistent)
+        return m
+
+    def state_of(m):
+        fn = ff.functionalize(m)
+        step = ff.train_step(fn, _mse, ff.adamw(lr=LR))
+        return step.init(ff.shard(fn.params, ff.make_plan(m, ff.layer_policy([nn.Linear])), group))
+
+    ckpt.save(directory, state_of(model(None)))
+    try:
+        ckpt.load(directory, state_of(model(True)))
+        persistent = "no error"
+    except ckpt.CheckpointError as e:
+        persistent = str(e)
+    loaded, _ = ckpt.load(directory, state_of(model(False)))
+    return persistent, loaded.buffers["mu"]
+
+
+def test_a_checkpoint_that_lacks_a_persistent_buffer_is_refused_naming_it(pool, tmp_path):
+    # Catches: a missing persistent buffer loaded silently (the template's value kept), and a
+    # missing non-persistent one refused (a state_dict never holds it).
+    for persistent, kept in pool.run(_buffers_a_checkpoint_lacks, str(tmp_path / "c"), world=2):
+        assert "has no buffer 'mu', a persistent buffer of the target model" in persistent
+        assert torch.equal(kept, torch.full((7,), 3.0))
+
+
 def test_the_demo_reads_on_from_the_same_sample_at_any_world_size():
     """examples/train_gpt.py draws sample ``n`` of the run the same whatever the world size:
     3 steps at W=2 then 2 at W=3 read 24 distinct windows, the ones a run at W=4 with the same

@@ -158,12 +158,17 @@ def _check(path: Path, opened: Opened, target: _Target, like: TrainState) -> Non
     fresh = _never_stepped(saved, target)
     for key, (shape, dtype, what) in target.expected.items():
         if key not in saved:
-            if what.startswith("buffer"):
-                del target.entries[key]  # non-persistent buffers (and FSDP2's checkpoints lack them): keep like's
+            if what.startswith("buffer") and key[6:] in like.params.plan.non_persistent:
+                del target.entries[key]  # not in a state_dict (FSDP2's checkpoints lack it): keep like's
                 continue
             if key in fresh:  # as torch.optim has it: no state yet, a fresh start
                 _zero(target.entries.pop(key, None))
                 continue
+            if what.startswith("buffer"):
+                raise CheckpointError(
+                    f"{path} has no {what}, a persistent buffer of the target model (in its state_dict): saved "
+                    "from another model? (only buffers registered with persistent=False may be missing)"
+                )
             raise CheckpointError(f"{path} has no {what}: missing from the checkpoint")
         entry = saved[key]
         if not isinstance(entry, TensorStorageMetadata):
