@@ -596,6 +596,13 @@ MUTANTS = [
         "tests/test_checkpoint.py::test_a_checkpoint_that_lacks_a_persistent_buffer_is_refused_naming_it",
     ),
     (
+        "forged_document_size_reaches_the_allocator",
+        "fsdp_fn/checkpoint/_document.py",
+        "        if claimed > stored.get(k, 0):",
+        "        if claimed > 10**15:",
+        "tests/test_checkpoint.py::test_damage_is_refused_naming_the_file_and_the_parameter",
+    ),
+    (
         "lookup_choice_ignores_checkpoint_regions",
         "fsdp_fn/_lookup.py",
         "            and name not in forced\n",

@@ -11,6 +11,7 @@ import pickle
 import re
 import shutil
 import signal
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -831,6 +832,18 @@ def _import_from(group, directory):
     return "imported"
 
 
+def _claim_elements(md, key, numel):
+    """A forger's claim: entry ``key`` (one chunk) holds ``numel`` bytes, its chunk and its
+    storage entry as many (the data file is as it was)."""
+    entry = md.state_dict_metadata[key]
+    entry.size = torch.Size([numel])
+    (chunk,) = entry.chunks
+    chunk.sizes = torch.Size([numel])
+    index = MetadataIndex(key, (0,))
+    info = md.storage_data[index]
+    md.storage_data[index] = _StorageInfo(info.relative_path, info.offset, numel)
+
+
 def test_damage_is_refused_naming_the_file_and_the_parameter(pool, pristine, tmp_path):
     """One flipped bit in a tensor's bytes, two chunks' storage entries swapped, a chunk removed from
     the metadata (digests forged to match), an edited ``extra``, a metadata field of the wrong type:
@@ -864,6 +877,10 @@ def test_damage_is_refused_naming_the_file_and_the_parameter(pool, pristine, tmp
     (d / ckpt.COMMIT_MARKER).write_text(json.dumps({"step": 2, "world": 2, "time": 0.0}))
     d = cases["type"] = _copy(pristine, tmp_path / "type")
     _metadata_edit(d, lambda md: setattr(md.state_dict_metadata["model.wte.weight"], "chunks", "many"))
+    for name, key in (("forged-size", "fsdp_fn"), ("forged-rng", "rng.1")):  # a claim of 1e12 elements
+        d = cases[name] = _copy(pristine, tmp_path / name)
+        _metadata_edit(d, partial(_claim_elements, key=key, numel=10**12))
+        _digests_edit(d, lambda rs, key=key: [[*r[:4], 10**12, r[5]] if r[0] == key else r for r in rs])
     expected = {
         "bit": r"the data of 'model\.blocks\.1\.fc\.weight' \(chunk at \(\d+, \d+\)\) in __1_0\.distcp does not match "
         r"its digest \(sha256\): the file is damaged",
@@ -873,6 +890,10 @@ def test_damage_is_refused_naming_the_file_and_the_parameter(pool, pristine, tmp
         "extra": r"the data of 'fsdp_fn' \(chunk at \(0,\)\) in __0_0\.distcp does not match its digest",
         "format-1": r"was written by an earlier fsdp_fn \(checkpoint format 1\), which pickled its own entries",
         "type": r"its metadata is damaged: the entry 'model\.wte\.weight' has the chunks 'many'",
+        # (load: before anything is allocated; verify: as it reads the bytes)
+        "forged-size": r"its entry 'fsdp_fn' claims \(1000000000000,\) torch\.uint8 elements \(1000000000000 bytes\), but "
+        r"its data files hold \d+ bytes of it|the data of 'fsdp_fn' \(chunk at \(0,\)\) in __0_0\.distcp is cut short",
+        "forged-rng": r"its entry 'rng\.1' claims \(1000000000000,\) torch\.uint8 elements|the data of 'rng\.1' .* is cut short",
     }
     got = pool.run(_load_each, [str(d) for d in cases.values()], world=2)
     for rank in got:

@@ -22,6 +22,7 @@ fsdp_fn.checkpoint._integrity.CheckpointError: extra['when'] is a builtins.objec
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -141,7 +142,19 @@ def _document_keys(md: Metadata, key: str) -> list[str]:
 
 
 def _document_targets(path: Path, md: Metadata, key: str) -> dict[str, torch.Tensor]:
-    """Tensors to read the document ``key`` and its tensors into, as the metadata describes them."""
+    """Tensors to read the document ``key`` and its tensors into, as the metadata describes them.
+
+    Memory: each entry's claimed size, allocated only once the bytes its storage entries name
+    are found to hold it (a forged size of 10**12 elements is refused, not handed to the
+    allocator)."""
+    stored: dict[str, int] = {}  # the bytes each entry's data files really hold for it
+    sizes: dict[str, int] = {}
+    for index, info in md.storage_data.items():
+        name = info.relative_path
+        if name not in sizes:
+            file = path / name
+            sizes[name] = file.stat().st_size if file.is_file() else 0
+        stored[index.fqn] = stored.get(index.fqn, 0) + max(0, min(info.length, sizes[name] - info.offset))
     out = {}
     for k in _document_keys(md, key):
         entry = md.state_dict_metadata[k]
@@ -150,6 +163,12 @@ def _document_targets(path: Path, md: Metadata, key: str) -> dict[str, torch.Ten
             text and (entry.properties.dtype, len(entry.size)) != (torch.uint8, 1)
         ):
             raise CheckpointError(f"{path}: its entry {k!r} is not what fsdp_fn writes (JSON bytes, or a tensor)")
+        claimed = math.prod(entry.size) * entry.properties.dtype.itemsize
+        if claimed > stored.get(k, 0):
+            raise CheckpointError(
+                f"{path}: its entry {k!r} claims {tuple(entry.size)} {entry.properties.dtype} elements "
+                f"({claimed} bytes), but its data files hold {stored.get(k, 0)} bytes of it: the metadata is damaged"
+            )
         out[k] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
     return out
 
