@@ -891,9 +891,11 @@ def test_damage_is_refused_naming_the_file_and_the_parameter(pool, pristine, tmp
         "format-1": r"was written by an earlier fsdp_fn \(checkpoint format 1\), which pickled its own entries",
         "type": r"its metadata is damaged: the entry 'model\.wte\.weight' has the chunks 'many'",
         # (load: before anything is allocated; verify: as it reads the bytes)
-        "forged-size": r"its entry 'fsdp_fn' claims \(1000000000000,\) torch\.uint8 elements \(1000000000000 bytes\), but "
-        r"its data files hold \d+ bytes of it|the data of 'fsdp_fn' \(chunk at \(0,\)\) in __0_0\.distcp is cut short",
-        "forged-rng": r"its entry 'rng\.1' claims \(1000000000000,\) torch\.uint8 elements|the data of 'rng\.1' .* is cut short",
+        "forged-size": r"its entry 'fsdp_fn' claims \(1000000000000,\) torch\.uint8 elements \(1000000000000 "
+        r"bytes\), but its data files hold \d+ bytes of it|the data of 'fsdp_fn' \(chunk at \(0,\)\) in __0_0\.distcp "
+        r"is cut short",
+        "forged-rng": r"its entry 'rng\.1' claims \(1000000000000,\) torch\.uint8 elements"
+        r"|the data of 'rng\.1' .* is cut short",
     }
     got = pool.run(_load_each, [str(d) for d in cases.values()], world=2)
     for rank in got:
