@@ -603,6 +603,20 @@ MUTANTS = [
         "tests/test_checkpoint.py::test_damage_is_refused_naming_the_file_and_the_parameter",
     ),
     (
+        "per_rank_documents_not_digest_checked",
+        "fsdp_fn/checkpoint/_integrity.py",
+        "    if opened.digests is not None and digest != opened.digests[_key(index)][3]:",
+        '    if opened.digests is not None and digest != opened.digests[_key(index)][3] and not index.fqn.startswith("rng."):',
+        "tests/test_checkpoint.py::test_damage_is_refused_naming_the_file_and_the_parameter",
+    ),
+    (
+        "confinement_by_string_prefix",
+        "fsdp_fn/checkpoint/_integrity.py",
+        "    if real == root or not real.is_relative_to(root):",
+        "    if real == root or not str(real).startswith(str(root)):",
+        "tests/test_checkpoint.py::test_loading_reads_nothing_outside_the_directory",
+    ),
+    (
         "lookup_choice_ignores_checkpoint_regions",
         "fsdp_fn/_lookup.py",
         "            and name not in forced\n",

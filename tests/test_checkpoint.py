@@ -792,12 +792,18 @@ def test_loading_reads_nothing_outside_the_directory(pool, pristine, tmp_path):
     d = cases["symlink"] = _copy(pristine, tmp_path / "symlink")
     (d / "__1_0.distcp").unlink()
     (d / "__1_0.distcp").symlink_to(outside / "__1_0.distcp")
+    # through a symlink into a sibling whose name extends the checkpoint's ("symlink-sibling-x"
+    # beside "symlink-sibling"): a check that compared string prefixes would let it through
+    d = cases["symlink-sibling"] = _copy(pristine, tmp_path / "symlink-sibling")
+    (tmp_path / "symlink-sibling-x").mkdir()
+    shutil.move(d / "__1_0.distcp", tmp_path / "symlink-sibling-x" / "__1_0.distcp")
+    (d / "__1_0.distcp").symlink_to(tmp_path / "symlink-sibling-x" / "__1_0.distcp")
     got = pool.run(_load_each, [str(d) for d in cases.values()], world=2)
     for rank in got:
         for name, text in zip(cases, rank):
             assert text.startswith("CheckpointError: "), (name, text)
             assert re.search(r"the storage entry of '[\w.]+' \(chunk at \([\d, ]+\)\) names '[^']+', ", text), text
-            assert ("through a symlink" in text) == (name == "symlink"), text
+            assert ("through a symlink" in text) == name.startswith("symlink"), text
     for d in cases.values():
         assert "leave" in _verify_error(d) or "leads outside" in _verify_error(d)
     # safetensors: an index's weight_map that leads out of the directory, by .. or by a symlink
@@ -852,6 +858,8 @@ def test_damage_is_refused_naming_the_file_and_the_parameter(pool, pristine, tmp
     silently with other values; the wrong type raised a raw ``AttributeError``."""
     cases = {}
     _flip_a_bit(cases.setdefault("bit", _copy(pristine, tmp_path / "bit")), "model.blocks.1.fc.weight")
+    # a per-rank document (rank 1's RNG state): its digest is checked as a parameter's is
+    _flip_a_bit(cases.setdefault("rng-bit", _copy(pristine, tmp_path / "rng-bit")), "rng.1")
     d = cases["swap"] = _copy(pristine, tmp_path / "swap")
     # two chunks of one shape, (1, 6): the halves of row 22 of a weight, one in each rank's file
 
@@ -884,6 +892,7 @@ def test_damage_is_refused_naming_the_file_and_the_parameter(pool, pristine, tmp
     expected = {
         "bit": r"the data of 'model\.blocks\.1\.fc\.weight' \(chunk at \(\d+, \d+\)\) in __1_0\.distcp does not match "
         r"its digest \(sha256\): the file is damaged",
+        "rng-bit": r"the data of 'rng\.1' \(chunk at \(0,\)\) in __1_0\.distcp does not match its digest",
         "swap": r"the storage entry of 'model\.blocks\.0\.fc\.weight' \(chunk at \(22, [06]\)\) names bytes "
         r"\d+\.\.\d+ of '__\d_0\.distcp', which digests\.json does not record",
         "removed": r"the chunks of 'model\.blocks\.0\.fc\.weight' cover 570 of its 576 elements \(a chunk is missing\)",
