@@ -606,7 +606,8 @@ MUTANTS = [
         "per_rank_documents_not_digest_checked",
         "fsdp_fn/checkpoint/_integrity.py",
         "    if opened.digests is not None and digest != opened.digests[_key(index)][3]:",
-        '    if opened.digests is not None and digest != opened.digests[_key(index)][3] and not index.fqn.startswith("rng."):',
+        "    if opened.digests is not None and digest != opened.digests[_key(index)][3]"
+        ' and not index.fqn.startswith("rng."):',
         "tests/test_checkpoint.py::test_damage_is_refused_naming_the_file_and_the_parameter",
     ),
     (
