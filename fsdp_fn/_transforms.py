@@ -277,11 +277,14 @@ def rate_at(lr: ScalarOrSchedule, count: int, where: str) -> float:
 
 class _Masks:
     """Which parameters of each unit a ``ParamMask`` selects, and the element masks of the
-    units it splits (made once per layout)."""
+    units it splits (made once per unit and layout).
+
+    Keyed by the unit itself (its name, parameters' names, shapes and dtypes), never by its
+    name alone: one transformation value may serve several parameter trees, as optax's."""
 
     def __init__(self, select: ParamMask | None) -> None:
         self.select = select
-        self._elements: dict[tuple[str, int, int], torch.Tensor | None] = {}
+        self._elements: dict[tuple[Unit, int, int], torch.Tensor | None] = {}
 
     def of(self, unit: Unit) -> tuple[bool, ...]:
         if self.select is None:
@@ -290,7 +293,7 @@ class _Masks:
 
     def elements(self, unit: Unit, layout: Layout, device: torch.device) -> torch.Tensor | None:
         """``None`` where the mask takes every parameter of ``unit``, else its element mask."""
-        key = (unit.name, layout.world, layout.rank)
+        key = (unit, layout.world, layout.rank)
         if key not in self._elements:
             mask = self.of(unit)
             self._elements[key] = None if all(mask) else element_mask(unit, mask, layout, device)

@@ -316,12 +316,12 @@ def masked(inner: GradientTransformation, mask: ParamMask | Mapping[str, bool]) 
     """
     inner = _check(inner, "masked")
     select = _as_select(mask, "masked")
-    cache: dict[str, tuple[bool, ...]] = {}
+    cache: dict[Unit, tuple[bool, ...]] = {}  # by the unit itself: the value may serve several trees
 
     def chosen(unit: Unit) -> tuple[bool, ...]:
-        if unit.name not in cache:
-            cache[unit.name] = tuple(bool(select(p.name, p.shape)) for p in unit.params)
-        return cache[unit.name]
+        if unit not in cache:
+            cache[unit] = tuple(bool(select(p.name, p.shape)) for p in unit.params)
+        return cache[unit]
 
     def init(params: Params) -> MaskedState:
         return MaskedState(inner.init(params))
@@ -392,10 +392,10 @@ def multi_transform(
     """
     links = {label: _check(t, "multi_transform") for label, t in transforms.items()}
     select = _as_select(param_labels, "multi_transform")
-    cache: dict[str, tuple[str, ...]] = {}
+    cache: dict[Unit, tuple[str, ...]] = {}  # by the unit itself: the value may serve several trees
 
     def labels(unit: Unit) -> tuple[str, ...]:
-        if unit.name not in cache:
+        if unit not in cache:
             found = tuple(select(p.name, p.shape) for p in unit.params)
             unknown = [(p.name, label) for p, label in zip(unit.params, found, strict=True) if label not in links]
             if unknown:
@@ -403,8 +403,8 @@ def multi_transform(
                     f"multi_transform: parameter {unknown[0][0]!r} has label {unknown[0][1]!r}, which names no "
                     f"transformation (labels: {sorted(links)})"
                 )
-            cache[unit.name] = found
-        return cache[unit.name]
+            cache[unit] = found
+        return cache[unit]
 
     def only(label: str) -> Callable[[Unit], tuple[bool, ...]]:
         return lambda unit: tuple(x == label for x in labels(unit))

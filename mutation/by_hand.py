@@ -581,6 +581,23 @@ MUTANTS = [
         "",
         "tests/test_correctness.py::test_an_embedding_is_gathered_again_for_backward_only_when_backward_reads_it",
     ),
+    # issue 44: the gradient layer against optax (docs/testing.md, the eleventh batch)
+    (
+        "masked_mask_by_unit_name",
+        "fsdp_fn/_wrappers.py",
+        "        if unit not in cache:\n            cache[unit] = tuple(bool(select(p.name, p.shape)) for p in unit.params)\n"
+        "        return cache[unit]",
+        "        if unit.name not in cache:\n            cache[unit.name] = tuple(bool(select(p.name, p.shape)) for p in unit.params)\n"
+        "        return cache[unit.name]",
+        "tests/test_optax.py::test_a_transformation_value_used_on_a_second_tree_applies_that_trees_masks",
+    ),
+    (
+        "decay_mask_by_unit_name",
+        "fsdp_fn/_transforms.py",
+        "        key = (unit, layout.world, layout.rank)",
+        "        key = (unit.name, layout.world, layout.rank)  # type: ignore[assignment]",
+        "tests/test_optax.py::test_a_transformation_value_used_on_a_second_tree_applies_that_trees_masks",
+    ),
 ]
 
 

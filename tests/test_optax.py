@@ -343,3 +343,133 @@ def test_apply_if_finite_applies_after_max_consecutive_errors_as_optax(pool):
         ("applied", True, True),
         ("rejected", False, True),
     ]
+
+
+# --- one transformation value, many trees; NaN, dtypes and wrappers as optax has them (issue 44) ---
+
+
+class _Tree(nn.Module):
+    """A module holding only the parameters named, in that order: one unit (the root)."""
+
+    def __init__(self, shapes, dtype=torch.float32):
+        super().__init__()
+        g = torch.Generator().manual_seed(len(shapes))
+        for n, s in shapes:
+            self.register_parameter(n, nn.Parameter(torch.randn(s, generator=g).to(dtype)))
+
+    def forward(self, x):
+        return x
+
+
+def _grads_of(params, step, scale=0.3):
+    g = torch.Generator().manual_seed(200 + step)
+    return {n: scale * torch.randn(v.shape, generator=g).to(v.dtype) for n, v in params.items()}
+
+
+def _ours_and_optax(group, ours, theirs, shapes, *, steps=3, grads=_grads_of, dtype=torch.float32, extra=None):
+    """``ours`` and optax's ``theirs`` from the same parameters on the same gradients (the full
+    ones to optax, reduced to the shards for ours), through ``update`` + ``apply_updates`` and
+    through ``update_in_place``. Returns the unsharded parameters of both forms and optax's."""
+    import jax.numpy as jnp
+    import optax
+
+    model = _Tree(shapes, dtype)
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model), group)
+    in_place = ff.tree_map(torch.clone, params)
+    state, state_ip = ours.init(params), ours.init(in_place)
+    tonp = lambda t: jnp.asarray(t.detach().float().numpy()).astype(jnp.bfloat16 if t.dtype == torch.bfloat16 else None)  # noqa: E731
+    jparams = {n: tonp(v) for n, v in fn.params.items()}
+    jstate = theirs.init(jparams)
+    for k in range(steps):
+        full = grads(fn.params, k)
+        g = ff.reduce_grads(full, params)
+        updates, state = ours.update(g, state, params, **(extra or {}))
+        params = ff.apply_updates(params, updates)
+        state_ip = ff.update_in_place(ours, ff.reduce_grads(full, params), state_ip, in_place)
+        jupdates, jstate = theirs.update({n: tonp(v) for n, v in full.items()}, jstate, jparams, **(extra or {}))
+        jparams = optax.apply_updates(jparams, jupdates)
+    want = {n: torch.from_numpy(np.array(v.astype(jnp.float32))) for n, v in jparams.items()}
+    return (
+        {n: v.float() for n, v in ff.unshard(params).items()},
+        {n: v.float() for n, v in ff.unshard(in_place).items()},
+        want,
+    )
+
+
+def _off(got, want):
+    """The largest difference, NaN where both are NaN counting as equal (inf: NaN in one only)."""
+    out = 0.0
+    for n, w in want.items():
+        g = got[n]
+        if not torch.equal(g.isnan(), w.isnan()):
+            return math.inf
+        keep = ~w.isnan()
+        out = max(out, (g[keep] - w[keep]).abs().max().item() if keep.any() else 0.0)
+    return out
+
+
+def _matrix_tree(jax):
+    return lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+
+
+def _reused_cases(jax, optax):
+    matrix = lambda n, s: len(s) >= 2  # noqa: E731
+    tree = _matrix_tree(jax)
+    labels = lambda p: jax.tree.map(lambda x: "w" if x.ndim >= 2 else "b", p)  # noqa: E731
+    return {
+        "masked": (ff.masked(ff.scale(-1.0), matrix), optax.masked(optax.scale(-1.0), tree)),
+        "multi_transform": (
+            ff.multi_transform(
+                {"w": ff.sgd(0.1, momentum=0.9), "b": ff.scale(-0.5)}, lambda n, s: "w" if matrix(n, s) else "b"
+            ),
+            optax.multi_transform({"w": optax.sgd(0.1, momentum=0.9), "b": optax.scale(-0.5)}, labels),
+        ),
+        "add_decayed_weights": (
+            ff.chain(ff.add_decayed_weights(0.5, matrix), ff.scale(-0.1)),
+            optax.chain(optax.add_decayed_weights(0.5, tree), optax.scale(-0.1)),
+        ),
+        "adamw": (
+            ff.adamw(1e-2, weight_decay=0.5, weight_decay_mask=matrix),
+            optax.adamw(1e-2, weight_decay=0.5, mask=tree),
+        ),
+        "adam": (
+            ff.adam(1e-2, weight_decay=0.5, weight_decay_mask=matrix),
+            optax.chain(optax.add_decayed_weights(0.5, tree), optax.adam(1e-2)),
+        ),
+        "sgd": (
+            ff.sgd(0.1, momentum=0.9, weight_decay=0.5, weight_decay_mask=matrix),
+            optax.chain(optax.add_decayed_weights(0.5, tree), optax.sgd(0.1, momentum=0.9)),
+        ),
+        "lion": (
+            ff.lion(1e-2, weight_decay=0.5, weight_decay_mask=matrix),
+            optax.lion(1e-2, weight_decay=0.5, mask=tree),
+        ),
+    }
+
+
+def _reused(group):
+    """Each value used on a tree ``w1 (2, 2), b1 (4,)`` and then on ``b2 (4,), w2 (2, 2)``: one unit
+    of the same name, its parameters in the other order."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import optax
+
+    out = {}
+    for name, (ours, theirs) in _reused_cases(jax, optax).items():
+        offs = []
+        for shapes in ([("w1", (2, 2)), ("b1", (4,))], [("b2", (4,)), ("w2", (2, 2))]):
+            got, got_ip, want = _ours_and_optax(group, ours, theirs, shapes)
+            offs.append((_off(got, want), _off(got_ip, want)))
+        out[name] = offs
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_transformation_value_used_on_a_second_tree_applies_that_trees_masks(pool, world):
+    # Catches: masks cached by unit name (before: the second tree's root unit got the first's
+    # masks, so masked negated b2 and left w2, the decay went to the bias).
+    for results in pool.run(_reused, world=world):
+        assert set(results) == {"masked", "multi_transform", "add_decayed_weights", "adamw", "adam", "sgd", "lion"}
+        for name, offs in results.items():
+            assert all(a < 2e-6 and b < 2e-6 for a, b in offs), (name, offs)
