@@ -585,10 +585,10 @@ MUTANTS = [
     (
         "masked_mask_by_unit_name",
         "fsdp_fn/_wrappers.py",
-        "        if unit not in cache:\n            cache[unit] = tuple(bool(select(p.name, p.shape)) for p in unit.params)\n"
-        "        return cache[unit]",
-        "        if unit.name not in cache:\n            cache[unit.name] = tuple(bool(select(p.name, p.shape)) for p in unit.params)\n"
-        "        return cache[unit.name]",
+        "        if unit not in cache:\n            cache[unit] = tuple(bool(select(p.name, p.shape))"
+        " for p in unit.params)\n        return cache[unit]",
+        "        if unit.name not in cache:\n            cache[unit.name] = tuple(bool(select(p.name, p.shape))"
+        " for p in unit.params)\n        return cache[unit.name]",
         "tests/test_optax.py::test_a_transformation_value_used_on_a_second_tree_applies_that_trees_masks",
     ),
     (
