@@ -620,10 +620,17 @@ class ScaleByLionState(NamedTuple):
     mu: Sharded  # the momentum (torch ports call it "exp_avg")
 
 
+def _sign(x: torch.Tensor) -> torch.Tensor:
+    """``sign(x)`` with NaN kept NaN, as ``jnp.sign`` (``torch.sign(nan)`` is 0)."""
+    return torch.where(x.isnan(), x, x.sign())
+
+
 def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     """Lion's direction ``sign((1 - b1) g + b1 mu)``, then ``mu = b2 mu + (1 - b2) g`` (optax's ``scale_by_lion``).
 
-    Memory: one moment the size of the shards; no communication.
+    The sign of NaN is NaN, as ``jnp.sign``'s (``torch.sign`` gives 0, which would leave the
+    parameter still while its moment stays NaN): a NaN gradient makes a NaN update, which
+    ``apply_if_finite`` sees. Memory: one moment the size of the shards; no communication.
 
     Args:
         b1: the rate of the direction's interpolation, in ``[0, 1]``.
@@ -649,7 +656,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         grads: Updates, state: ScaleByLionState, params: Params | None = None
     ) -> tuple[Updates, ScaleByLionState]:
         def lion(unit: Unit, mask: tuple[bool, ...], g: torch.Tensor, mu: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return torch.sign(g * (1 - b1) + mu * b1), mu * b2 + g * (1 - b2)
+            return _sign(g * (1 - b1) + mu * b1), mu * b2 + g * (1 - b2)
 
         updates, (mu,) = map_units(lion, grads, [state.mu])
         return updates, ScaleByLionState(mu)

@@ -598,6 +598,13 @@ MUTANTS = [
         "        key = (unit.name, layout.world, layout.rank)  # type: ignore[assignment]",
         "tests/test_optax.py::test_a_transformation_value_used_on_a_second_tree_applies_that_trees_masks",
     ),
+    (
+        "lion_sign_of_nan_zero",
+        "fsdp_fn/_transforms.py",
+        "    return torch.where(x.isnan(), x, x.sign())",
+        "    return x.sign()",
+        "tests/test_optax.py::test_lion_on_a_nan_gradient_gives_nan_as_optax",
+    ),
 ]
 
 

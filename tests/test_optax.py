@@ -473,3 +473,35 @@ def test_a_transformation_value_used_on_a_second_tree_applies_that_trees_masks(p
         assert set(results) == {"masked", "multi_transform", "add_decayed_weights", "adamw", "adam", "sgd", "lion"}
         for name, offs in results.items():
             assert all(a < 2e-6 and b < 2e-6 for a, b in offs), (name, offs)
+
+
+def _nan_at(step, name, index=0):
+    """Gradients with one NaN element: parameter ``name``'s ``index`` at ``step``."""
+
+    def grads(params, k):
+        out = _grads_of(params, k)
+        if k == step:
+            out[name].view(-1)[index] = float("nan")
+        return out
+
+    return grads
+
+
+def _lion_nan(group):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import optax
+
+    shapes = [("w", (3, 4)), ("b", (5,))]
+    got, got_ip, want = _ours_and_optax(
+        group, ff.lion(1e-2, weight_decay=0.1), optax.lion(1e-2, weight_decay=0.1), shapes, grads=_nan_at(1, "w", 2)
+    )
+    return _off(got, want), _off(got_ip, want), int(want["w"].isnan().sum())
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_lion_on_a_nan_gradient_gives_nan_as_optax(pool, world):
+    # Catches: torch.sign(nan) == 0 (before: the element stopped moving for good while its moment
+    # stayed NaN; optax's jnp.sign gives NaN, so the parameter is NaN and apply_if_finite sees it).
+    for off, off_ip, nans in pool.run(_lion_nan, world=world):
+        assert nans == 1  # optax: exactly the element whose gradient was NaN
+        assert off < 2e-6 and off_ip < 2e-6, (off, off_ip)
