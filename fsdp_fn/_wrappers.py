@@ -166,14 +166,23 @@ class AccumulateState(NamedTuple):
 
 
 def accumulate(
-    every: int | Callable[[int], int], inner: GradientTransformation, *, use_grad_mean: bool = True
+    every: int | Callable[[int], int],
+    inner: GradientTransformation,
+    *,
+    use_grad_mean: bool = True,
+    accumulator_dtype: torch.dtype | None = torch.float32,
 ) -> GradientTransformation:
     """Accumulate ``every`` calls' gradients; give ``inner`` their mean on the last one (optax's ``MultiSteps``).
 
     The other calls' updates are zero and ``inner``'s state stays as it was. A parameter
-    counts as reached if any call of the round reached it. Memory: one gradient shard per
-    unit; no communication of its own. In a train step, ``TrainState.step`` counts rounds,
-    not calls.
+    counts as reached if any call of the round reached it. The round's mean (or sum) is
+    kept in ``accumulator_dtype`` (float32, as optax's ``MultiSteps``: 64 bf16 gradients
+    summed in bf16 lose most of their low bits) and cast to each unit's gradient dtype for
+    ``inner``, as optax casts it like the updates. At a round's end the accumulator is set to
+    zero (optax multiplies it by zero, so a round that summed a NaN stays NaN in the next;
+    here the next round starts clean). Memory: one gradient shard per unit in
+    ``accumulator_dtype``; no communication of its own. In a train step,
+    ``TrainState.step`` counts rounds, not calls.
 
     Args:
         every: calls per round, a whole number ``>= 1``, or a schedule
@@ -181,6 +190,8 @@ def accumulate(
         inner: the transformation the round's gradient is given to.
         use_grad_mean: give ``inner`` the mean of the round's gradients; ``False``: their
             sum.
+        accumulator_dtype: the dtype the round's mean (or sum) is kept in (optax's
+            ``accumulator_dtype``); ``None``: each unit's parameters' dtype.
 
     Returns:
         A ``GradientTransformation`` whose state is ``AccumulateState`` and whose
@@ -190,6 +201,7 @@ def accumulate(
         TypeError: if ``inner`` is not a ``GradientTransformation``.
         ValueError: if ``every`` (or, at a call, what its schedule returns) is not a whole
             number ``>= 1``.
+        TypeError: if ``accumulator_dtype`` is neither ``None`` nor a floating torch dtype.
 
     Examples:
         >>> from fsdp_fn import sgd
@@ -199,12 +211,25 @@ def accumulate(
     inner = _check(inner, "accumulate")
     if not callable(every):
         _every_ok(every)
+    if accumulator_dtype is not None and not (
+        isinstance(accumulator_dtype, torch.dtype) and accumulator_dtype.is_floating_point
+    ):
+        raise TypeError(
+            f"accumulate: accumulator_dtype must be a floating torch.dtype or None, got {accumulator_dtype!r}"
+        )
 
     def k_at(gradient_step: int) -> int:
         return _every_ok(every(gradient_step)) if callable(every) else every
 
     def init(params: Params) -> AccumulateState:
-        return AccumulateState(0, 0, inner.init(params), zeros_like(params).with_received({}))
+        acc = zeros_like(params)
+        if accumulator_dtype is not None:
+            acc = acc.replace({u: t.to(accumulator_dtype) for u, t in acc.shards.items()})
+        return AccumulateState(0, 0, inner.init(params), acc.with_received({}))
+
+    def cast_like(acc: Sharded, grads: Updates) -> Sharded:
+        """The round's result in the gradients' dtype, unit by unit, for ``inner`` (optax's ``cast_like``)."""
+        return acc.replace({u: t.to(grads[u].dtype) for u, t in acc.shards.items()})
 
     def summed(grads: Updates, acc: Sharded, n: int, out_of_place: bool) -> Sharded:
         shards, received = {}, {}
@@ -226,7 +251,7 @@ def accumulate(
         acc = summed(grads, state.acc_grads, state.mini_step, out_of_place=True)
         if state.mini_step + 1 < k_at(state.gradient_step):
             return _nothing(grads), state._replace(mini_step=state.mini_step + 1, acc_grads=acc)
-        updates, inner_state = inner.update(acc, state.inner_opt_state, params)
+        updates, inner_state = inner.update(cast_like(acc, grads), state.inner_opt_state, params)
         fresh = zeros_like(acc).with_received({})
         return updates, AccumulateState(0, state.gradient_step + 1, inner_state, fresh)
 
@@ -234,7 +259,7 @@ def accumulate(
         acc = summed(grads, state.acc_grads, state.mini_step, out_of_place=False)
         if state.mini_step + 1 < k_at(state.gradient_step):
             return state._replace(mini_step=state.mini_step + 1, acc_grads=acc)
-        inner_state = update_in_place(inner, acc, state.inner_opt_state, params)
+        inner_state = update_in_place(inner, cast_like(acc, grads), state.inner_opt_state, params)
         for t in acc.values():
             t.zero_()
         return AccumulateState(0, state.gradient_step + 1, inner_state, acc.with_received({}))

@@ -605,6 +605,13 @@ MUTANTS = [
         "    return x.sign()",
         "tests/test_optax.py::test_lion_on_a_nan_gradient_gives_nan_as_optax",
     ),
+    (
+        "accumulator_in_the_gradients_dtype",
+        "fsdp_fn/_wrappers.py",
+        "        if accumulator_dtype is not None:\n            acc = acc.replace(",
+        "        if False:\n            acc = acc.replace(",
+        "tests/test_optax.py::test_accumulate_keeps_a_float32_accumulator_as_optax_multisteps",
+    ),
 ]
 
 

@@ -505,3 +505,67 @@ def test_lion_on_a_nan_gradient_gives_nan_as_optax(pool, world):
     for off, off_ip, nans in pool.run(_lion_nan, world=world):
         assert nans == 1  # optax: exactly the element whose gradient was NaN
         assert off < 2e-6 and off_ip < 2e-6, (off, off_ip)
+
+
+def _bf16_round(group, accumulator_dtype):
+    """64 bf16 micro-gradients of a 1024-element bf16 weight through ``accumulate(64, scale(-1))``
+    and optax's ``MultiSteps`` (float32 accumulator by default): the elements each ends off
+    ``p - mean`` with the exact mean rounded to bf16 once, and off each other."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax.numpy as jnp
+    import optax
+
+    shapes = [("w", (1024,))]
+    kw = {} if accumulator_dtype == "default" else {"accumulator_dtype": accumulator_dtype}
+    ours = ff.accumulate(64, ff.scale(-1.0), **kw)
+    theirs = optax.MultiSteps(
+        optax.scale(-1.0), 64, **({} if accumulator_dtype == "default" else {"accumulator_dtype": jnp.bfloat16})
+    )
+    got, got_ip, want = _ours_and_optax(group, ours, theirs, shapes, steps=64, dtype=torch.bfloat16)
+    start = _Tree(shapes, torch.bfloat16).w.detach()
+    mean = torch.stack([_grads_of({"w": start}, k)["w"].double() for k in range(64)]).mean(0)
+    exact = (start.double() - mean.bfloat16().double()).bfloat16().float()
+    off = lambda t: int((t["w"] != exact).sum())  # noqa: E731
+    return off(got), off(got_ip), off(want), int((got["w"] != want["w"]).sum())
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_accumulate_keeps_a_float32_accumulator_as_optax_multisteps(pool, world):
+    # Catches: the accumulator kept in the gradients' dtype (before: bf16, 837 of 1024 elements off
+    # the once-rounded exact mean, where optax's float32 accumulator is off in 1).
+    for ours, ours_ip, theirs, between in pool.run(_bf16_round, "default", world=world):
+        assert theirs <= 2 and ours <= 2 and ours_ip <= 2 and between <= 2, (ours, ours_ip, theirs, between)
+    # accumulator_dtype=torch.bfloat16 is optax's accumulator_dtype=jnp.bfloat16: both lose the low bits
+    for ours, ours_ip, theirs, _ in pool.run(_bf16_round, torch.bfloat16, world=world):
+        assert ours > 100 and ours_ip > 100 and theirs > 100, (ours, ours_ip, theirs)
+
+
+def _nan_round(group):
+    """A NaN in the first round's gradients: optax's accumulator, multiplied by zero at the round's
+    end, stays NaN in the next round; fsdp_fn's is set to zero (the kept meaning, docs/api.md)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import optax
+
+    shapes = [("w", (3, 4)), ("b", (5,))]
+    got, got_ip, want = _ours_and_optax(
+        group,
+        ff.accumulate(2, ff.sgd(0.1)),
+        optax.MultiSteps(optax.sgd(0.1), 2),
+        shapes,
+        steps=4,
+        grads=_nan_at(0, "w", 1),
+    )
+    return [int(t["w"].isnan().sum()) for t in (got, got_ip, want)]
+
+
+def test_accumulate_sets_its_accumulator_to_zero_at_a_rounds_end_where_optax_multiplies(pool):
+    for ours, ours_ip, theirs in pool.run(_nan_round, world=2):
+        assert (ours, ours_ip) == (1, 1)  # the NaN round's element only, once
+        assert theirs == 1  # optax: the same element, and its accumulator is NaN from then on
+
+
+def test_accumulate_refuses_an_accumulator_dtype_that_is_not_floating():
+    with pytest.raises(
+        TypeError, match=r"accumulate: accumulator_dtype must be a floating torch.dtype or None, got torch.int32"
+    ):
+        ff.accumulate(2, ff.sgd(), accumulator_dtype=torch.int32)
