@@ -47,6 +47,7 @@ __all__ = [
     "scale_by_learning_rate",
     "scale_by_lion",
     "scale_by_schedule",
+    "set_to_zero",
     "trace",
     "zero_nans",
 ]
@@ -150,6 +151,25 @@ def zero_nans() -> GradientTransformation:
         lambda g: torch.nan_to_num(g, nan=0.0, posinf=math.inf, neginf=-math.inf),
         lambda g: g.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf),
     )
+
+
+def set_to_zero() -> GradientTransformation:
+    """Replace the updates by zeros (optax's ``set_to_zero``): how to freeze parameters.
+
+    ``multi_transform({"train": ff.adamw(), "frozen": ff.set_to_zero()}, labels)``. An inf or
+    NaN gradient gives a zero update too, so the parameter keeps its value (``scale(0.0)``
+    gives ``0 * inf = nan``). Memory: one new tensor per updated unit (none in place, on the
+    step's donated gradients); no communication.
+
+    Returns:
+        A stateless ``GradientTransformation`` (state ``EmptyState()``) that works unit by
+        unit, so it may run during backward.
+
+    Examples:
+        >>> set_to_zero().name
+        'set_to_zero'
+    """
+    return _stateless("set_to_zero", torch.zeros_like, lambda g: g.zero_())
 
 
 # --- the global norm --------------------------------------------------------------------

@@ -391,7 +391,7 @@ def multi_transform(
 ) -> GradientTransformation:
     """One transformation per label, each on the parameters of its label (optax's ``multi_transform``).
 
-    ``multi_transform({"adam": ff.adamw(), "frozen": ff.scale(0.0)}, labels)``. Each
+    ``multi_transform({"adam": ff.adamw(), "frozen": ff.set_to_zero()}, labels)``. Each
     transformation's state covers every parameter; the other labels' stay as they were.
     In a train step each label's transformation runs in place on its own parameters (the
     gradients copied for every label but the last). No communication of its own.

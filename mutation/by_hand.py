@@ -612,6 +612,13 @@ MUTANTS = [
         "        if False:\n            acc = acc.replace(",
         "tests/test_optax.py::test_accumulate_keeps_a_float32_accumulator_as_optax_multisteps",
     ),
+    (
+        "set_to_zero_as_scale_zero",
+        "fsdp_fn/_transforms.py",
+        '    return _stateless("set_to_zero", torch.zeros_like, lambda g: g.zero_())',
+        '    return _stateless("set_to_zero", lambda g: g * 0.0, lambda g: g.mul_(0.0))',
+        "tests/test_optax.py::test_set_to_zero_freezes_through_inf_and_nan_as_optax",
+    ),
 ]
 
 

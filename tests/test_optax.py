@@ -569,3 +569,35 @@ def test_accumulate_refuses_an_accumulator_dtype_that_is_not_floating():
         TypeError, match=r"accumulate: accumulator_dtype must be a floating torch.dtype or None, got torch.int32"
     ):
         ff.accumulate(2, ff.sgd(), accumulator_dtype=torch.int32)
+
+
+def _frozen_by(group, how):
+    """``b`` frozen inside ``multi_transform``, its gradient inf at step 0 and NaN at step 1."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import optax
+
+    def grads(params, k):
+        out = _grads_of(params, k)
+        if k < 2:
+            out["b"].view(-1)[1] = (math.inf, math.nan)[k]
+        return out
+
+    labels = lambda p: jax.tree.map(lambda x: "w" if x.ndim >= 2 else "b", p)  # noqa: E731
+    frozen = (ff.set_to_zero(), optax.set_to_zero()) if how == "set_to_zero" else (ff.scale(0.0), optax.scale(0.0))
+    ours = ff.multi_transform({"w": ff.sgd(0.1), "b": frozen[0]}, lambda n, s: "w" if len(s) >= 2 else "b")
+    theirs = optax.multi_transform({"w": optax.sgd(0.1), "b": frozen[1]}, labels)
+    shapes = [("w", (3, 4)), ("b", (5,))]
+    got, got_ip, want = _ours_and_optax(group, ours, theirs, shapes, grads=grads)
+    start = _Tree(shapes).b.detach()
+    return _off(got, want), _off(got_ip, want), torch.equal(got["b"], start), int(want["b"].isnan().sum())
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_set_to_zero_freezes_through_inf_and_nan_as_optax(pool, world):
+    # Catches: freezing by scale(0.0), the docs' idiom before, which turns an inf or NaN gradient
+    # into a NaN parameter (0 * inf); optax's set_to_zero leaves it, and so does ff.set_to_zero.
+    for off, off_ip, unchanged, nans in pool.run(_frozen_by, "set_to_zero", world=world):
+        assert off == 0 and off_ip == 0 and unchanged and nans == 0, (off, off_ip, unchanged, nans)
+    for off, off_ip, unchanged, nans in pool.run(_frozen_by, "scale", world=world):
+        assert off == 0 and off_ip == 0 and not unchanged and nans == 1  # NaN, the same in optax
