@@ -297,6 +297,22 @@ def _as_select(
     return mask
 
 
+def _check_names(mask: Any, params: Params, where: str) -> None:
+    """Refuse a mapping by name that names a parameter the plan does not have (optax's init
+    raises on a mask tree of another structure)."""
+    if not isinstance(mask, Mapping) or not isinstance(params, Sharded):
+        return
+    known = {n for spec in params.plan.params for n in (spec.name, *spec.aliases)}
+    unknown = [k for k in mask if k not in known]
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        names = sorted(known)
+        raise KeyError(
+            f"{where}: the mapping names {unknown[0]!r}{more}, which is no parameter of the plan; its parameters: "
+            f"{names[:6]}{' ...' if len(names) > 6 else ''}"
+        )
+
+
 def _restricted(grads: Updates, keep: Callable[[Unit], tuple[bool, ...]]) -> Updates:
     """``grads`` marked as reaching only the received parameters ``keep`` selects."""
     return grads.with_received(
@@ -332,7 +348,8 @@ def masked(inner: GradientTransformation, mask: ParamMask | Mapping[str, bool]) 
     Raises:
         TypeError: if ``inner`` is not a ``GradientTransformation`` or ``mask`` is neither
             callable nor a mapping.
-        KeyError: from ``update``, if a mapping ``mask`` lacks a parameter's name.
+        KeyError: from ``init`` (and ``update``), if a mapping ``mask`` lacks a parameter's
+            name or names one the plan does not have.
 
     Examples:
         >>> from fsdp_fn import scale
@@ -349,6 +366,10 @@ def masked(inner: GradientTransformation, mask: ParamMask | Mapping[str, bool]) 
         return cache[unit]
 
     def init(params: Params) -> MaskedState:
+        _check_names(mask, params, "masked")
+        if isinstance(params, Sharded):
+            for unit in params.plan.units:
+                chosen(unit)  # a mapping that lacks a parameter raises here, as optax's init
         return MaskedState(inner.init(params))
 
     def update(grads: Updates, state: MaskedState, params: Params | None = None) -> tuple[Updates, MaskedState]:
@@ -408,7 +429,8 @@ def multi_transform(
         TypeError: if a transformation is not a ``GradientTransformation`` or
             ``param_labels`` is neither callable nor a mapping.
         KeyError: from ``init`` or ``update``, if a parameter's label names no
-            transformation, or a mapping lacks a parameter's name.
+            transformation, or a mapping lacks a parameter's name; from ``init``, if a
+            mapping names a parameter the plan does not have.
 
     Examples:
         >>> from fsdp_fn import adamw, sgd
@@ -435,6 +457,7 @@ def multi_transform(
         return lambda unit: tuple(x == label for x in labels(unit))
 
     def init(params: Params) -> MultiTransformState:
+        _check_names(param_labels, params, "multi_transform")
         for unit in params.plan.units:
             labels(unit)
         return MultiTransformState({label: t.init(params) for label, t in links.items()})

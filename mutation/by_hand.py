@@ -619,6 +619,13 @@ MUTANTS = [
         '    return _stateless("set_to_zero", lambda g: g * 0.0, lambda g: g.mul_(0.0))',
         "tests/test_optax.py::test_set_to_zero_freezes_through_inf_and_nan_as_optax",
     ),
+    (
+        "mapping_names_unchecked",
+        "fsdp_fn/_wrappers.py",
+        "    unknown = [k for k in mask if k not in known]",
+        "    unknown: list[str] = []",
+        "tests/test_optax.py::test_a_mapping_naming_a_parameter_that_does_not_exist_raises_at_init_as_optax",
+    ),
 ]
 
 

@@ -601,3 +601,47 @@ def test_set_to_zero_freezes_through_inf_and_nan_as_optax(pool, world):
         assert off == 0 and off_ip == 0 and unchanged and nans == 0, (off, off_ip, unchanged, nans)
     for off, off_ip, unchanged, nans in pool.run(_frozen_by, "scale", world=world):
         assert off == 0 and off_ip == 0 and not unchanged and nans == 1  # NaN, the same in optax
+
+
+def _mapping_names(group):
+    """A mapping by name with a key no parameter has, and one that lacks a parameter: optax's
+    init raises on both (a tree of another structure); so does ours, naming the key."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax.numpy as jnp
+    import optax
+
+    model = _Tree([("w", (2, 2)), ("b", (4,))])
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model), group)
+    jparams = {n: jnp.asarray(v.detach().numpy()) for n, v in fn.params.items()}
+    extra, lacking = {"w": True, "b": False, "head.w": True}, {"w": True}
+    cases = {
+        "masked_extra": (lambda: ff.masked(ff.scale(1.0), extra), lambda: optax.masked(optax.scale(1.0), extra)),
+        "masked_lacking": (lambda: ff.masked(ff.scale(1.0), lacking), lambda: optax.masked(optax.scale(1.0), lacking)),
+        "multi_transform_extra": (
+            lambda: ff.multi_transform({"a": ff.scale(1.0)}, {"w": "a", "b": "a", "head.w": "a"}),
+            lambda: optax.multi_transform({"a": optax.scale(1.0)}, {"w": "a", "b": "a", "head.w": "a"}),
+        ),
+    }
+    out = {}
+    for name, (ours, theirs) in cases.items():
+        raised = []
+        for make, p in ((ours, params), (theirs, jparams)):
+            try:
+                make().init(p)
+                raised.append(None)
+            except (KeyError, ValueError) as e:
+                raised.append(f"{type(e).__name__}: {e}")
+        out[name] = raised
+    return out
+
+
+def test_a_mapping_naming_a_parameter_that_does_not_exist_raises_at_init_as_optax(pool):
+    # Catches: a mask or label mapping with a key no parameter has accepted silently (before: the
+    # key was ignored; optax's init raises).
+    (out,) = pool.run(_mapping_names, world=1)
+    for name, (ours, theirs) in out.items():
+        assert ours is not None and theirs is not None, (name, ours, theirs)
+    assert "masked: the mapping names 'head.w', which is no parameter of the plan" in out["masked_extra"][0]
+    assert "multi_transform: the mapping names 'head.w'" in out["multi_transform_extra"][0]
+    assert "masked: parameter 'b' is not in the mapping" in out["masked_lacking"][0]
