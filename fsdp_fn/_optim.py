@@ -344,7 +344,7 @@ def adam(
 
 def sgd(
     lr: LearningRate = 1e-2,
-    momentum: float = 0.0,
+    momentum: float | None = None,
     *,
     dampening: float = 0.0,
     weight_decay: float = 0.0,
@@ -356,13 +356,17 @@ def sgd(
     """SGD (with optional momentum) with ``torch.optim.SGD``'s numerics.
 
     ``chain(add_decayed_weights(wd), trace(momentum), scale_by_learning_rate(lr))`` (the
-    decay is L2, before the momentum; optax's ``sgd`` has none). State: one momentum
-    buffer per shard with momentum, none without. In a train step it runs as torch's own
-    kernel, in place on the donated shards and buffers: no communication.
+    decay is L2, before the momentum; optax's ``sgd`` has none). As optax's, the chain's
+    structure depends on whether ``momentum`` is given, never on its value: with
+    ``momentum=None`` there is no ``trace`` and no state (torch's ``momentum=0``); with a
+    number, 0 included, a momentum buffer per shard, so ``inject_hyperparams`` may set
+    momentum to 0 or schedule it from 0. In a train step it runs as torch's own kernel, in
+    place on the donated shards and buffers: no communication.
 
     Args:
         lr: a number or a schedule ``lr(count) -> number``, as in ``adamw``.
-        momentum: the momentum factor, ``>= 0`` (0: plain SGD, no state).
+        momentum: the momentum factor, ``>= 0``; ``None`` (the default): plain SGD, no
+            state.
         dampening: dampening of the momentum, as torch's.
         weight_decay: L2 penalty added to the gradient, ``>= 0``.
         weight_decay_mask: which parameters weight decay applies to, as in ``adamw``.
@@ -386,19 +390,19 @@ def sgd(
         'sgd'
     """
     check_rate(lr, "sgd")
-    if (not callable(lr) and lr < 0) or momentum < 0 or weight_decay < 0:
+    if (not callable(lr) and lr < 0) or (momentum is not None and momentum < 0) or weight_decay < 0:
         raise ValueError(f"invalid SGD hyper-parameters lr={lr}, momentum={momentum}, weight_decay={weight_decay}")
-    if nesterov and (momentum <= 0 or dampening != 0):
+    if nesterov and (momentum is None or momentum <= 0 or dampening != 0):
         raise ValueError("nesterov momentum needs momentum > 0 and dampening = 0")
     tx = chain(
         *_flipped(maximize),
         add_decayed_weights(weight_decay, weight_decay_mask),
-        *([trace(momentum, nesterov, dampening=dampening)] if momentum else []),
+        *([trace(momentum, nesterov, dampening=dampening)] if momentum is not None else []),
         scale_by_learning_rate(lr),
     )
 
     def fused(grads: Updates, state: tuple[Any, ...], params: Params) -> tuple[Any, ...]:
-        moments: TraceState | None = state[-2] if momentum else None
+        moments: TraceState | None = state[-2] if momentum is not None else None
         rate, schedule = _rate(lr, state[-1], "sgd")
         states = [moments.trace] if moments is not None else []
         todo = _select(grads, params, states, moments.count if moments is not None else None, weight_decay_mask)
@@ -409,13 +413,17 @@ def sgd(
             buffers: list[torch.Tensor | None] = [None] * len(part.params)
             for k, (count, buffer) in enumerate(zip(part.steps, mine, strict=False)):
                 buffers[k] = None if int(count.item()) == 0 else buffer
+            if not momentum:  # torch's kernel keeps no buffer at 0; trace(0)'s is the gradient (torch's d_p)
+                for buffer, g, p in zip(mine, part.grads, part.params, strict=False):
+                    d_p = -g if maximize else g
+                    buffer.copy_(d_p + p * weight_decay if decayed and weight_decay else d_p)
             _sgd_kernel(
                 part.params,
                 part.grads,
                 buffers,
                 foreach=foreach,
                 weight_decay=weight_decay if decayed else 0.0,
-                momentum=momentum,
+                momentum=momentum or 0.0,
                 lr=rate,
                 dampening=dampening,
                 nesterov=nesterov,

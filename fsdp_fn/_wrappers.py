@@ -7,7 +7,8 @@ state, and says what its last update did through ``outcome`` (``_base.Outcome``)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import inspect
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -527,60 +528,131 @@ class InjectHyperparamsState(NamedTuple):
 
     # updates applied before the next one: what scheduled hyper-parameters read (optax's name: it shadows tuple.count)
     count: int  # type: ignore[assignment]
-    hyperparams: dict[str, float]  # their values at the last update; replace one to change it
+    hyperparams: dict[str, float | int]  # their values at the last update; replace one to change it
     inner_state: Any
 
 
-def inject_hyperparams(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _as_number(value: Any, where: str) -> float | int:
+    """A hyper-parameter's value as a Python number: an int or float as it is, anything
+    ``float()`` takes (a 0-d tensor or array) as a float."""
+    if _is_number(value):
+        return value  # type: ignore[no-any-return]
+    try:
+        if isinstance(value, bool | str):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{where} must be a number, got {type(value).__name__} {value!r}") from None
+
+
+def inject_hyperparams(
+    factory: Callable[..., GradientTransformation], static_args: str | Iterable[str] = ()
+) -> Callable[..., GradientTransformation]:
     """Make ``factory``'s numeric hyper-parameters part of the state (optax's ``inject_hyperparams``).
 
-    ``inject_hyperparams(ff.adamw)(lr=1e-3, weight_decay=0.1)``. A number is kept in
-    ``state.hyperparams`` and can be changed between steps
-    (``state._replace(hyperparams={**state.hyperparams, "lr": 1e-4})``); a callable is a
-    schedule of ``state.count`` (the updates applied before), evaluated at each update.
-    Other arguments are passed as they are. The inner transformation is rebuilt from the
-    values at each update (cheap: closures), so its fused form still runs in a train step.
-    Memory and communication: the inner transformation's.
+    ``inject_hyperparams(ff.adamw)(lr=1e-3, weight_decay=0.1)``. As optax's, every numeric
+    argument of ``factory``, given by keyword or by position or left at its default, is
+    injected: kept in ``state.hyperparams``, where it can be changed between steps
+    (``state._replace(hyperparams={**state.hyperparams, "lr": 1e-4})``). A callable is a
+    schedule of ``state.count`` (the updates applied before), evaluated at each update;
+    a callable that is not a schedule (a mask) goes in ``static_args``. Booleans, ``None``,
+    tuples and the ``static_args`` are passed as they are. The inner transformation is
+    rebuilt from the values at each update (cheap: closures), so its fused form still runs
+    in a train step. Memory and communication: the inner transformation's.
+
+    Where optax ignores a value set in the state that it does not read (a key it did not
+    inject, a scheduled one), this raises: a change that would be ignored is an error.
 
     Args:
-        factory: a function that builds a ``GradientTransformation`` from keyword
-            hyper-parameters (``ff.adamw``, ``ff.scale``, ...).
+        factory: a function that builds a ``GradientTransformation`` (``ff.adamw``,
+            ``ff.scale``, ``ff.clip_by_global_norm``, ...).
+        static_args: the names of ``factory``'s arguments never to inject or schedule
+            (optax's ``static_args``): a callable that is not a schedule.
 
     Returns:
         ``build(*args, **kwargs) -> GradientTransformation`` whose state is
-        ``InjectHyperparamsState``. ``build`` raises ``TypeError`` if ``factory`` does not
-        return a ``GradientTransformation``; its ``update`` raises ``TypeError`` if a
-        schedule does not return a number.
+        ``InjectHyperparamsState``. ``build`` takes ``factory``'s arguments and raises
+        ``TypeError`` if they do not fit its signature or ``factory`` does not return a
+        ``GradientTransformation``; its ``update`` raises ``TypeError`` if a schedule does
+        not return a number, and ``ValueError`` if ``state.hyperparams`` holds a name that
+        is not injected or changes a scheduled one.
+
+    Raises:
+        ValueError: if ``static_args`` names an argument ``factory`` does not have.
 
     Examples:
-        >>> from fsdp_fn import scale
+        >>> from fsdp_fn import clip_by_global_norm, scale
         >>> inject_hyperparams(scale)(step_size=0.5).init(None)
         InjectHyperparamsState(count=0, hyperparams={'step_size': 0.5}, inner_state=EmptyState())
+        >>> inject_hyperparams(clip_by_global_norm)(0.1).init(None).hyperparams
+        {'max_norm': 0.1}
     """
+    static_names = {static_args} if isinstance(static_args, str) else set(static_args)
+    signature = inspect.signature(factory)
+    if not static_names <= set(signature.parameters):
+        raise ValueError(
+            f"inject_hyperparams: static_args {sorted(static_names - set(signature.parameters))} are not arguments "
+            f"of {getattr(factory, '__name__', factory)!r} (its arguments: {list(signature.parameters)})"
+        )
+    variadic = {n for n, p in signature.parameters.items() if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
     def build(*args: Any, **kwargs: Any) -> GradientTransformation:
-        numeric = {k: v for k, v in kwargs.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-        scheduled = {k: v for k, v in kwargs.items() if callable(v) and k not in numeric}
-        static = {k: v for k, v in kwargs.items() if k not in numeric and k not in scheduled}
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        fixed = static_names | variadic
+        numeric = {k: v for k, v in arguments.items() if k not in fixed and _is_number(v)}
+        scheduled = {k: v for k, v in arguments.items() if k not in fixed and k not in numeric and callable(v)}
+        injected = sorted([*numeric, *scheduled])
 
-        def values(count: int, current: Mapping[str, float]) -> dict[str, float]:
-            out = {k: float(current.get(k, v)) for k, v in numeric.items()}
+        def at(fn: Callable[[int], Any], k: str, count: int) -> float:
+            try:
+                return float(fn(count))
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(
+                    f"inject_hyperparams: the schedule for {k!r} did not return a number at count {count} "
+                    f"(a callable argument that is not a schedule, such as a mask, goes in static_args={k!r})"
+                ) from None
+
+        def values(count: int, current: Mapping[str, Any] | None) -> dict[str, float | int]:
+            if current is None:
+                out = dict(numeric)
+            else:
+                unknown = [k for k in current if k not in numeric and k not in scheduled]
+                if unknown:
+                    raise ValueError(
+                        f"inject_hyperparams({getattr(factory, '__name__', 'factory')}): state.hyperparams sets "
+                        f"{unknown[0]!r}, which is not an injected hyper-parameter, so it would be ignored "
+                        f"(injected: {injected}); pass it to the factory instead"
+                    )
+                out = {
+                    k: _as_number(current.get(k, v), f"inject_hyperparams: hyperparams[{k!r}]")
+                    for k, v in numeric.items()
+                }
+                last = max(count - 1, 0)  # the count its stored value was read at
+                for k, fn in scheduled.items():
+                    if k in current and current[k] != at(fn, k, last):
+                        raise ValueError(
+                            f"inject_hyperparams: state.hyperparams sets {k!r} to {current[k]!r}, but {k!r} is "
+                            f"scheduled (it was {at(fn, k, last)!r} at count {last}): its schedule gives its value, "
+                            "so the change would be ignored; pass a number for it to set it through the state"
+                        )
             for k, fn in scheduled.items():
-                try:
-                    out[k] = float(fn(count))
-                except (TypeError, ValueError, RuntimeError):
-                    raise TypeError(
-                        f"inject_hyperparams: the schedule for {k!r} did not return a number at count {count}"
-                    ) from None
+                out[k] = at(fn, k, count)
             return out
 
-        def inner(hyperparams: Mapping[str, float]) -> GradientTransformation:
-            return _check(factory(*args, **static, **hyperparams), "inject_hyperparams")
+        def inner(hyperparams: Mapping[str, float | int]) -> GradientTransformation:
+            called = inspect.BoundArguments(signature, {**arguments, **hyperparams})  # type: ignore[arg-type]
+            return _check(factory(*called.args, **called.kwargs), "inject_hyperparams")
 
-        probe = inner(values(0, {}))
+        probe = inner(values(0, None))
 
         def init(params: Params) -> InjectHyperparamsState:
-            hyperparams = values(0, {})
+            hyperparams = values(0, None)
             return InjectHyperparamsState(0, hyperparams, inner(hyperparams).init(params))
 
         def update(

@@ -626,6 +626,34 @@ MUTANTS = [
         "    unknown: list[str] = []",
         "tests/test_optax.py::test_a_mapping_naming_a_parameter_that_does_not_exist_raises_at_init_as_optax",
     ),
+    (
+        "inject_keywords_only",
+        "fsdp_fn/_wrappers.py",
+        "        numeric = {k: v for k, v in arguments.items() if k not in fixed and _is_number(v)}",
+        "        numeric = {k: v for k, v in kwargs.items() if k not in fixed and _is_number(v)}",
+        "tests/test_optax.py::test_inject_hyperparams_injects_every_numeric_argument_as_optax",
+    ),
+    (
+        "inject_ignores_unknown_settings",
+        "fsdp_fn/_wrappers.py",
+        "                unknown = [k for k in current if k not in numeric and k not in scheduled]",
+        "                unknown: list[str] = []",
+        "tests/test_optax.py::test_inject_hyperparams_refuses_a_setting_it_would_ignore",
+    ),
+    (
+        "sgd_structure_by_momentum_value",
+        "fsdp_fn/_optim.py",
+        "if momentum is not None else [])",
+        "if momentum else [])",
+        "tests/test_optax.py::test_inject_hyperparams_injects_every_numeric_argument_as_optax",
+    ),
+    (
+        "sgd_fused_momentum_zero_keeps_buffer",
+        "fsdp_fn/_optim.py",
+        "            if not momentum:  # torch",
+        "            if False:  # torch",
+        "tests/test_optax.py::test_inject_hyperparams_injects_every_numeric_argument_as_optax",
+    ),
 ]
 
 

@@ -366,10 +366,13 @@ def _grads_of(params, step, scale=0.3):
     return {n: scale * torch.randn(v.shape, generator=g).to(v.dtype) for n, v in params.items()}
 
 
-def _ours_and_optax(group, ours, theirs, shapes, *, steps=3, grads=_grads_of, dtype=torch.float32, extra=None):
+def _ours_and_optax(
+    group, ours, theirs, shapes, *, steps=3, grads=_grads_of, dtype=torch.float32, extra=None, change=None
+):
     """``ours`` and optax's ``theirs`` from the same parameters on the same gradients (the full
     ones to optax, reduced to the shards for ours), through ``update`` + ``apply_updates`` and
-    through ``update_in_place``. Returns the unsharded parameters of both forms and optax's."""
+    through ``update_in_place``; ``change(k, ours_state, optax_state)`` before step ``k`` returns
+    the states to go on with. Returns the unsharded parameters of both forms and optax's."""
     import jax.numpy as jnp
     import optax
 
@@ -382,6 +385,9 @@ def _ours_and_optax(group, ours, theirs, shapes, *, steps=3, grads=_grads_of, dt
     jparams = {n: tonp(v) for n, v in fn.params.items()}
     jstate = theirs.init(jparams)
     for k in range(steps):
+        if change is not None:
+            state, jstate = change(k, state, jstate)
+            state_ip, _ = change(k, state_ip, None)
         full = grads(fn.params, k)
         g = ff.reduce_grads(full, params)
         updates, state = ours.update(g, state, params, **(extra or {}))
@@ -645,3 +651,123 @@ def test_a_mapping_naming_a_parameter_that_does_not_exist_raises_at_init_as_opta
     assert "masked: the mapping names 'head.w', which is no parameter of the plan" in out["masked_extra"][0]
     assert "multi_transform: the mapping names 'head.w'" in out["multi_transform_extra"][0]
     assert "masked: parameter 'b' is not in the mapping" in out["masked_lacking"][0]
+
+
+def _set(at, values, theirs=None, link=None):
+    """A ``change`` that sets hyper-parameters through both states at step ``at``: in the state
+    itself, or in a chain's link ``link``; optax's by ``theirs`` names (``values``' by default)."""
+
+    def put(state, fn):
+        return fn(state) if link is None else (*state[:link], fn(state[link]), *state[link + 1 :])
+
+    def change(k, state, jstate):
+        if k != at:
+            return state, jstate
+        state = put(state, lambda s: s._replace(hyperparams={**s.hyperparams, **values}))
+        if jstate is not None:
+            import jax.numpy as jnp
+
+            inner = jstate if link is None else jstate[link]
+            for name, v in (theirs or values).items():
+                inner.hyperparams[name] = jnp.asarray(v, dtype=inner.hyperparams[name].dtype)
+        return state, jstate
+
+    return change
+
+
+def _injected(group):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import optax
+
+    tree = _matrix_tree(jax)
+    matrix = lambda n, s: len(s) >= 2  # noqa: E731
+    cases = {  # name: (ours, optax's, change)
+        "clip_by_global_norm_positional": (
+            ff.chain(ff.inject_hyperparams(ff.clip_by_global_norm)(0.1), ff.sgd(0.1)),
+            optax.chain(optax.inject_hyperparams(optax.clip_by_global_norm)(0.1), optax.sgd(0.1)),
+            _set(1, {"max_norm": 0.02}, link=0),
+        ),
+        "scale_by_adam_defaults": (
+            ff.chain(ff.inject_hyperparams(ff.scale_by_adam)(), ff.scale(-1e-2)),
+            optax.chain(optax.inject_hyperparams(optax.scale_by_adam)(), optax.scale(-1e-2)),
+            _set(1, {"b1": 0.5}, link=0),
+        ),
+        "scale_positional_schedule": (
+            ff.inject_hyperparams(ff.scale)(lambda c: -0.1 * (c + 1)),
+            optax.inject_hyperparams(optax.scale)(lambda c: -0.1 * (c + 1)),
+            None,
+        ),
+        "adamw_static_mask": (
+            ff.inject_hyperparams(ff.adamw, static_args="weight_decay_mask")(
+                lr=1e-2, weight_decay=0.5, weight_decay_mask=matrix
+            ),
+            optax.inject_hyperparams(optax.adamw, static_args="mask")(learning_rate=1e-2, weight_decay=0.5, mask=tree),
+            _set(1, {"weight_decay": 0.1}),
+        ),
+        # item 8: the chain's structure does not depend on momentum's value
+        "sgd_momentum_set_to_zero": (
+            ff.inject_hyperparams(ff.sgd)(lr=0.1, momentum=0.9),
+            optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9),
+            _set(1, {"momentum": 0.0}),
+        ),
+        "sgd_momentum_scheduled_from_zero": (
+            ff.inject_hyperparams(ff.sgd)(lr=0.1, momentum=lambda c: 0.0 if c < 2 else 0.9),
+            optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=lambda c: 0.0 if c < 2 else 0.9),
+            None,
+        ),
+    }
+    shapes = [("w", (3, 4)), ("b", (5,))]
+    out = {}
+    for name, (ours, theirs, change) in cases.items():
+        got, got_ip, want = _ours_and_optax(group, ours, theirs, shapes, steps=4, change=change)
+        out[name] = (_off(got, want), _off(got_ip, want))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_inject_hyperparams_injects_every_numeric_argument_as_optax(pool, world):
+    # Catches: only the keyword arguments injected (before: inject_hyperparams(clip_by_global_norm)(0.1)
+    # had hyperparams == {} and max_norm set through the state was ignored; scale_by_adam's b1 too;
+    # a positional schedule was passed as the step size itself), and sgd's chain changing its links
+    # when momentum is set to 0 (before: "zip() argument 2 is longer").
+    for results in pool.run(_injected, world=world):
+        for name, (off, off_ip) in results.items():
+            assert off < 2e-6 and off_ip < 2e-6, (name, off, off_ip)
+
+
+def _ignored_settings(group):
+    """Setting through the state what would be ignored: a name not injected, a scheduled one."""
+    model = _Tree([("w", (2, 2))])
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model), group)
+    grads = ff.reduce_grads(_grads_of(fn.params, 0), params)
+    out = []
+    for tx, values in (
+        (ff.inject_hyperparams(ff.adamw)(lr=1e-2), {"maximize": True}),
+        (ff.inject_hyperparams(ff.adamw)(lr=1e-2), {"learning_rate": 1e-3}),
+        (ff.inject_hyperparams(ff.sgd)(lr=lambda c: 0.1), {"lr": 0.5}),
+    ):
+        state = tx.init(params)
+        state = state._replace(hyperparams={**state.hyperparams, **values})
+        try:
+            tx.update(grads, state, params)
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    return out, sorted(ff.inject_hyperparams(ff.adamw)().init(params).hyperparams)
+
+
+def test_inject_hyperparams_refuses_a_setting_it_would_ignore(pool):
+    # Catches: a hyper-parameter set in the state that is not injected (or is scheduled) ignored.
+    ((errors, injected),) = pool.run(_ignored_settings, world=1)
+    assert injected == ["eps", "lr", "weight_decay"]  # betas (a tuple), the mask, maximize: static
+    assert "state.hyperparams sets 'maximize', which is not an injected hyper-parameter" in errors[0]
+    assert "sets 'learning_rate', which is not an injected hyper-parameter" in errors[1]
+    assert "injected: ['eps', 'lr', 'weight_decay']" in errors[1]
+    assert "sets 'lr' to 0.5, but 'lr' is scheduled" in errors[2]
+
+
+def test_inject_hyperparams_static_args_must_be_arguments():
+    with pytest.raises(ValueError, match=r"static_args \['mask'\] are not arguments of 'adamw'"):
+        ff.inject_hyperparams(ff.adamw, static_args="mask")
