@@ -486,10 +486,17 @@ def step_counts(params: Params) -> Sharded:
     )
 
 
-def zeros_like(params: Params) -> Sharded:
+def zeros_like(params: Params, dtype: torch.dtype | None = None) -> Sharded:
+    """Zeros shaped like each shard, in its dtype or ``dtype``."""
     return params.replace(
-        {u: torch.zeros_like(t, memory_format=torch.contiguous_format) for u, t in params.shards.items()}
+        {u: torch.zeros_like(t, dtype=dtype, memory_format=torch.contiguous_format) for u, t in params.shards.items()}
     )
+
+
+def check_float_dtype(dtype: Any, where: str) -> None:
+    """Refuse a dtype argument that is neither ``None`` nor a floating torch dtype."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"{where} must be a floating torch.dtype or None, got {dtype!r}")
 
 
 def _counted(count: torch.Tensor, mask: tuple[bool, ...]) -> torch.Tensor:
@@ -519,22 +526,31 @@ class ScaleByAdamState(NamedTuple):
     nu: Sharded  # second moment (torch's "exp_avg_sq")
 
 
-def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+def scale_by_adam(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mu_dtype: torch.dtype | None = None
+) -> GradientTransformation:
     """Adam's direction ``mu_hat / (sqrt(nu_hat) + eps)`` (optax's ``scale_by_adam``), with torch's arithmetic.
 
     Per-parameter step counts (bias correction per parameter, as torch.optim's; optax
-    keeps one count). Memory: two moments the size of the shards; no communication.
+    keeps one count). Gradients may have another dtype than the parameters (bf16 gradients
+    of float32 parameters), as optax's: the moments keep their dtype (``nu`` the
+    parameters', ``mu`` ``mu_dtype``), the arithmetic runs in the wider of the gradient's
+    and the moments' dtypes (torch's type promotion, as jax's), and the update has that
+    dtype. Memory: two moments the size of the shards; no communication.
 
     Args:
         b1: the first moment's decay rate, in ``[0, 1)``.
         b2: the second moment's decay rate, in ``[0, 1)``.
         eps: added to the second moment's square root, ``>= 0``.
+        mu_dtype: the first moment's dtype (optax's ``mu_dtype``); ``None``: the
+            parameters'.
 
     Returns:
         A ``GradientTransformation`` whose state is ``ScaleByAdamState``.
 
     Raises:
         ValueError: if a decay rate is not in ``[0, 1)`` or ``eps`` is negative.
+        TypeError: if ``mu_dtype`` is neither ``None`` nor a floating torch dtype.
 
     Examples:
         >>> scale_by_adam().needs_whole_gradient
@@ -542,9 +558,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     """
     if not (0 <= b1 < 1 and 0 <= b2 < 1 and eps >= 0):
         raise ValueError(f"invalid Adam hyper-parameters betas=({b1}, {b2}), eps={eps}")
+    check_float_dtype(mu_dtype, "scale_by_adam: mu_dtype")
 
     def init(params: Params) -> ScaleByAdamState:
-        return ScaleByAdamState(step_counts(params), zeros_like(params), zeros_like(params))
+        return ScaleByAdamState(step_counts(params), zeros_like(params, mu_dtype), zeros_like(params))
 
     def update(
         grads: Updates, state: ScaleByAdamState, params: Params | None = None
@@ -555,12 +572,14 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             unit: Unit, mask: tuple[bool, ...], g: torch.Tensor, count: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor
         ) -> tuple[torch.Tensor, ...]:
             count = _counted(count, mask)
-            m = mu.lerp(g, 1 - b1)
-            v = (nu * b2).addcmul_(g, g, value=1 - b2)
+            wide = torch.promote_types(torch.promote_types(g.dtype, mu.dtype), nu.dtype)
+            g = g.to(wide)
+            m = mu.to(wide).lerp(g, 1 - b1)
+            v = (nu.to(wide) * b2).addcmul_(g, g, value=1 - b2)
             steps = _steps(unit, count, layout)
             bias1, bias2 = 1 - b1**steps, 1 - b2**steps
             denom = (v.sqrt() / bias2.sqrt()).add_(eps)
-            return m / denom / bias1, count, m, v
+            return m / denom / bias1, count, m.to(mu.dtype), v.to(nu.dtype)
 
         updates, (count, mu, nu) = map_units(adam, grads, [state.count, state.mu, state.nu])
         return updates, ScaleByAdamState(count, mu, nu)

@@ -25,7 +25,7 @@ from fsdp_fn._base import (
 )
 from fsdp_fn._plan import Unit
 from fsdp_fn._shard import Sharded
-from fsdp_fn._transforms import ParamMask, global_norm, zeros_like
+from fsdp_fn._transforms import ParamMask, check_float_dtype, global_norm, zeros_like
 
 __all__ = [
     "AccumulateState",
@@ -212,12 +212,7 @@ def accumulate(
     inner = _check(inner, "accumulate")
     if not callable(every):
         _every_ok(every)
-    if accumulator_dtype is not None and not (
-        isinstance(accumulator_dtype, torch.dtype) and accumulator_dtype.is_floating_point
-    ):
-        raise TypeError(
-            f"accumulate: accumulator_dtype must be a floating torch.dtype or None, got {accumulator_dtype!r}"
-        )
+    check_float_dtype(accumulator_dtype, "accumulate: accumulator_dtype")
 
     def k_at(gradient_step: int) -> int:
         return _every_ok(every(gradient_step)) if callable(every) else every

@@ -654,6 +654,27 @@ MUTANTS = [
         "            if False:  # torch",
         "tests/test_optax.py::test_inject_hyperparams_injects_every_numeric_argument_as_optax",
     ),
+    (
+        "adam_gradient_not_widened",
+        "fsdp_fn/_transforms.py",
+        "            g = g.to(wide)\n",
+        "",
+        "tests/test_optax.py::test_gradients_in_another_dtype_than_the_parameters_as_optax",
+    ),
+    (
+        "fused_gradient_not_cast_to_params",
+        "fsdp_fn/_optim.py",
+        "    if all(grads[u].dtype == t.dtype for u, t in params.shards.items()):",
+        "    if True:",
+        "tests/test_optax.py::test_gradients_in_another_dtype_than_the_parameters_as_optax",
+    ),
+    (
+        "mu_dtype_ignored",
+        "fsdp_fn/_transforms.py",
+        "zeros_like(params, mu_dtype), zeros_like(params))",
+        "zeros_like(params), zeros_like(params))",
+        "tests/test_optax.py::test_gradients_in_another_dtype_than_the_parameters_as_optax",
+    ),
 ]
 
 

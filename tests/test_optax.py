@@ -367,12 +367,25 @@ def _grads_of(params, step, scale=0.3):
 
 
 def _ours_and_optax(
-    group, ours, theirs, shapes, *, steps=3, grads=_grads_of, dtype=torch.float32, extra=None, change=None
+    group,
+    ours,
+    theirs,
+    shapes,
+    *,
+    steps=3,
+    grads=_grads_of,
+    dtype=torch.float32,
+    extra=None,
+    change=None,
+    grad_dtype=None,
+    widened=False,
 ):
     """``ours`` and optax's ``theirs`` from the same parameters on the same gradients (the full
     ones to optax, reduced to the shards for ours), through ``update`` + ``apply_updates`` and
     through ``update_in_place``; ``change(k, ours_state, optax_state)`` before step ``k`` returns
-    the states to go on with. Returns the unsharded parameters of both forms and optax's."""
+    the states to go on with; ``grad_dtype``: the gradients in that dtype (both sides; with
+    ``widened``, optax gets the same values as float32). Returns the unsharded parameters of
+    both forms and optax's."""
     import jax.numpy as jnp
     import optax
 
@@ -389,11 +402,14 @@ def _ours_and_optax(
             state, jstate = change(k, state, jstate)
             state_ip, _ = change(k, state_ip, None)
         full = grads(fn.params, k)
-        g = ff.reduce_grads(full, params)
+        if grad_dtype is not None:
+            full = {n: v.to(grad_dtype) for n, v in full.items()}
+        g = _cast(ff.reduce_grads(full, params), grad_dtype)
         updates, state = ours.update(g, state, params, **(extra or {}))
         params = ff.apply_updates(params, updates)
-        state_ip = ff.update_in_place(ours, ff.reduce_grads(full, params), state_ip, in_place)
-        jupdates, jstate = theirs.update({n: tonp(v) for n, v in full.items()}, jstate, jparams, **(extra or {}))
+        state_ip = ff.update_in_place(ours, _cast(ff.reduce_grads(full, params), grad_dtype), state_ip, in_place)
+        jgrads = {n: tonp(v.float() if widened else v) for n, v in full.items()}
+        jupdates, jstate = theirs.update(jgrads, jstate, jparams, **(extra or {}))
         jparams = optax.apply_updates(jparams, jupdates)
     want = {n: torch.from_numpy(np.array(v.astype(jnp.float32))) for n, v in jparams.items()}
     return (
@@ -401,6 +417,10 @@ def _ours_and_optax(
         {n: v.float() for n, v in ff.unshard(in_place).items()},
         want,
     )
+
+
+def _cast(grads, dtype):
+    return grads if dtype is None else grads.replace({u: t.to(dtype) for u, t in grads.shards.items()})
 
 
 def _off(got, want):
@@ -771,3 +791,96 @@ def test_inject_hyperparams_refuses_a_setting_it_would_ignore(pool):
 def test_inject_hyperparams_static_args_must_be_arguments():
     with pytest.raises(ValueError, match=r"static_args \['mask'\] are not arguments of 'adamw'"):
         ff.inject_hyperparams(ff.adamw, static_args="mask")
+
+
+def _other_grad_dtype(group):
+    """bf16 gradients of float32 parameters: optax promotes (jax's rules); so do ours."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax.numpy as jnp
+    import optax
+
+    cases = {  # name: (ours, optax's, tolerance)
+        "adamw": (ff.adamw(1e-2, weight_decay=0.1), optax.adamw(1e-2, weight_decay=0.1), 2e-6),
+        "adam": (ff.adam(1e-2), optax.adam(1e-2), 2e-6),
+        "adamw_mu_dtype": (  # mu rounded to bf16 each step on both sides: a rounding may differ
+            ff.adamw(1e-2, weight_decay=0.1, mu_dtype=torch.bfloat16),
+            optax.adamw(1e-2, weight_decay=0.1, mu_dtype=jnp.bfloat16),
+            2e-4,
+        ),
+        "sgd": (ff.sgd(0.1, momentum=0.9), optax.sgd(0.1, momentum=0.9), 2e-6),
+        "lion": (ff.lion(1e-2), optax.lion(1e-2), 2e-6),
+    }
+    shapes = [("w", (3, 4)), ("b", (5,))]
+    out = {}
+    for name, (ours, theirs, tol) in cases.items():
+        got, got_ip, want = _ours_and_optax(group, ours, theirs, shapes, grad_dtype=torch.bfloat16, widened=True)
+        # optax on the bf16 gradients themselves multiplies them by its python-float betas in bf16
+        # (jax's weak types) before the moments widen them: within bf16's rounding of the products
+        _, _, loose = _ours_and_optax(group, ours, theirs, shapes, grad_dtype=torch.bfloat16)
+        out[name] = (_off(got, want), _off(got_ip, want), tol, _off(got, loose))
+    mu = ff.adamw(mu_dtype=torch.bfloat16).init(
+        ff.shard(ff.functionalize(_Tree(shapes)).params, ff.make_plan(_Tree(shapes)), group)
+    )
+    return out, str(mu[0].mu[""].dtype)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_gradients_in_another_dtype_than_the_parameters_as_optax(pool, world):
+    # Catches: adam/adamw failing inside torch.lerp on bf16 gradients of float32 parameters (sgd,
+    # trace and lion took them), and mu_dtype not kept.
+    for results, mu in pool.run(_other_grad_dtype, world=world):
+        assert mu == "torch.bfloat16"
+        for name, (off, off_ip, tol, loose) in results.items():
+            assert off < tol and off_ip < tol and loose < 3e-4, (name, off, off_ip, loose)
+
+
+def _cast_before_adding(group):
+    """bf16 parameters, float32 updates: fsdp_fn casts the update to bf16 and adds (a rounding of
+    the update, then of the sum, as torch's ``p.add_(u)``); optax adds in float32 and casts the sum."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax.numpy as jnp
+    import optax
+
+    model = _Tree([("w", (4096,))], torch.bfloat16)
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model), group)  # W=1: the shard is the whole weight
+    u = 1e-2 * torch.randn(4096, generator=torch.Generator().manual_seed(3))
+    updates = params.replace({"": u})  # float32 updates of bf16 parameters
+    got = ff.unshard(ff.apply_updates(params, updates))["w"]
+    p = fn.params["w"].detach()
+    cast_first = p + u.bfloat16()
+    theirs = optax.apply_updates(
+        {"w": jnp.asarray(p.float().numpy()).astype(jnp.bfloat16)}, {"w": jnp.asarray(u.numpy())}
+    )
+    theirs = torch.from_numpy(np.array(theirs["w"].astype(jnp.float32))).bfloat16()
+    return got.dtype == torch.bfloat16, bool(torch.equal(got, cast_first)), int((got != theirs).sum())
+
+
+def test_apply_updates_casts_the_update_to_the_parameters_dtype_before_adding(pool):
+    # The kept meaning (docs/api.md): the update is cast to the parameters' dtype, then added, as
+    # torch's in-place p.add_(u) on a bf16 p; optax adds in the wider dtype and casts the sum.
+    ((bf16, cast_first, differ),) = pool.run(_cast_before_adding, world=1)
+    assert bf16 and cast_first
+    assert 0 < differ < 4096 // 4  # a few elements round otherwise than optax's (p + u).astype(bf16)
+
+
+def _clip_at_the_norm(group):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax.numpy as jnp
+    import optax
+
+    model = _Tree([("w", (4,))])
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model), group)
+    g = torch.tensor([1.2, 0.0, -1.6, 0.0])  # norm 2, exactly max_norm
+    ours, _ = ff.clip_by_global_norm(2.0).update(ff.reduce_grads({"w": g}, params), ff.EmptyState(), params)
+    theirs, _ = optax.clip_by_global_norm(2.0).update({"w": jnp.asarray(g.numpy())}, optax.EmptyState())
+    return ff.unshard(params.replace(dict(ours.shards)))["w"], torch.from_numpy(np.array(theirs["w"])), g
+
+
+def test_clip_by_global_norm_keeps_torchs_epsilon_where_optax_has_none(pool):
+    # The kept meaning (docs/api.md): torch's clip_grad_norm_ coefficient max / (norm + 1e-6).
+    ((ours, theirs, g),) = pool.run(_clip_at_the_norm, world=1)
+    assert torch.equal(theirs, g)  # optax: a norm at max is not clipped
+    coef = torch.clamp(2.0 / (torch.tensor(2.0, dtype=torch.float64).float() + 1e-6), max=1.0)
+    assert torch.equal(ours, g * coef) and not torch.equal(ours, g)
