@@ -675,6 +675,13 @@ MUTANTS = [
         "zeros_like(params), zeros_like(params))",
         "tests/test_optax.py::test_gradients_in_another_dtype_than_the_parameters_as_optax",
     ),
+    (
+        "reduce_grads_frozen_unit_concatenated",
+        "fsdp_fn/_shard.py",
+        "        if not unit.params:  # frozen parameters alone",
+        "        if False:  # frozen parameters alone",
+        "tests/test_optax.py::test_reduce_grads_over_a_unit_of_frozen_parameters_alone",
+    ),
 ]
 
 

@@ -884,3 +884,44 @@ def test_clip_by_global_norm_keeps_torchs_epsilon_where_optax_has_none(pool):
     assert torch.equal(theirs, g)  # optax: a norm at max is not clipped
     coef = torch.clamp(2.0 / (torch.tensor(2.0, dtype=torch.float64).float() + 1e-6), max=1.0)
     assert torch.equal(ours, g * coef) and not torch.equal(ours, g)
+
+
+def _frozen_unit(group):
+    """A unit whose parameters are all frozen: ``reduce_grads`` over the plan, then adamw, as optax's
+    adamw on the trainable parameters."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax.numpy as jnp
+    import optax
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    model[1].requires_grad_(False)
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([nn.Linear]))
+    params = ff.shard(fn.params, plan, group)
+    trainable = {n: v for n, v in fn.params.items() if n.startswith("0.")}
+    ours, theirs = ff.adamw(1e-2, weight_decay=0.1), optax.adamw(1e-2, weight_decay=0.1)
+    state = ours.init(params)
+    jparams = {n: jnp.asarray(v.detach().numpy()) for n, v in trainable.items()}
+    jstate = theirs.init(jparams)
+    with ff.comm_log() as log:
+        grads = ff.reduce_grads(_grads_of(trainable, 0), params)
+    for k in range(3):
+        full = _grads_of(trainable, k)
+        updates, state = ours.update(ff.reduce_grads(full, params), state, params)
+        params = ff.apply_updates(params, updates)
+        jupdates, jstate = theirs.update({n: jnp.asarray(v.numpy()) for n, v in full.items()}, jstate, jparams)
+        jparams = optax.apply_updates(jparams, jupdates)
+    got = ff.unshard(params)
+    off = max((got[n] - torch.from_numpy(np.array(v))).abs().max().item() for n, v in jparams.items())
+    frozen_same = all(torch.equal(got[n], fn.params[n].detach()) for n in fn.params if n.startswith("1."))
+    return off, frozen_same, tuple(grads["1"].shape), len([r for r in log.records if r.op == "reduce_scatter"])
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_reduce_grads_over_a_unit_of_frozen_parameters_alone(pool, world):
+    # Catches: torch.cat() of no pieces for a unit whose parameters are all frozen (before:
+    # "expected a non-empty list of Tensors"; value_and_grad handled the same unit).
+    for off, frozen_same, shape, scatters in pool.run(_frozen_unit, world=world):
+        assert off < 2e-6 and frozen_same and shape == (0,), (off, frozen_same, shape)
+        assert scatters == (1 if world > 1 else scatters)  # one unit reduced, the frozen one not
