@@ -332,12 +332,13 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: ParamMask | None = None
 
     Returns:
         A stateless ``GradientTransformation`` (state ``EmptyState()``) that works unit by
-        unit, so it may run during backward. Its ``update`` needs ``params``.
+        unit, so it may run during backward. Its ``update`` needs ``params`` unless
+        ``weight_decay`` is 0.
 
     Raises:
         TypeError: if ``weight_decay`` is not a number.
         ValueError: if ``weight_decay`` is negative; from ``update``, if it is given no
-            ``params``.
+            ``params`` and ``weight_decay`` is not 0.
 
     Examples:
         >>> add_decayed_weights(0.1).name
@@ -348,10 +349,10 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: ParamMask | None = None
     masks = _Masks(mask)
 
     def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+        if weight_decay == 0:  # reads no parameter, so needs none (adam's and sgd's default)
+            return grads, state
         if params is None:
             raise ValueError("add_decayed_weights needs params: update(grads, state, params)")
-        if weight_decay == 0:
-            return grads, state
 
         def decay(unit: Unit, got: tuple[bool, ...], g: torch.Tensor) -> tuple[torch.Tensor]:
             p = params[unit.name]

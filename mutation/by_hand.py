@@ -682,6 +682,13 @@ MUTANTS = [
         "        if False:  # frozen parameters alone",
         "tests/test_optax.py::test_reduce_grads_over_a_unit_of_frozen_parameters_alone",
     ),
+    (
+        "decay_zero_demands_params",
+        "fsdp_fn/_transforms.py",
+        "        if weight_decay == 0:  # reads no parameter, so needs none (adam's and sgd's default)\n",
+        '        if params is None:\n            raise ValueError("needs params")\n        if weight_decay == 0:\n',
+        "tests/test_optax.py::test_sgd_and_adam_update_without_params_as_optax",
+    ),
 ]
 
 

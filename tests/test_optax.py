@@ -925,3 +925,47 @@ def test_reduce_grads_over_a_unit_of_frozen_parameters_alone(pool, world):
     for off, frozen_same, shape, scatters in pool.run(_frozen_unit, world=world):
         assert off < 2e-6 and frozen_same and shape == (0,), (off, frozen_same, shape)
         assert scatters == (1 if world > 1 else scatters)  # one unit reduced, the frozen one not
+
+
+def _without_params(group):
+    """``update(g, state)`` without params, as optax runs ``sgd`` and ``adam``; a link that reads
+    the parameters (a weight decay) still asks for them."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax.numpy as jnp
+    import optax
+
+    model = _Tree([("w", (3, 4)), ("b", (5,))])
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model), group)
+    jparams = {n: jnp.asarray(v.detach().numpy()) for n, v in fn.params.items()}
+    out = {}
+    for name, ours, theirs in (
+        ("sgd", ff.sgd(0.1, momentum=0.9), optax.sgd(0.1, momentum=0.9)),
+        ("adam", ff.adam(1e-2), optax.adam(1e-2)),
+        ("sgd_plain", ff.sgd(0.1), optax.sgd(0.1)),
+    ):
+        state, jstate, off = ours.init(params), theirs.init(jparams), 0.0
+        for k in range(3):
+            full = _grads_of(fn.params, k)
+            updates, state = ours.update(ff.reduce_grads(full, params), state)  # no params
+            jupdates, jstate = theirs.update({n: jnp.asarray(v.numpy()) for n, v in full.items()}, jstate)
+            got = ff.unshard(params.replace(dict(updates.shards)))
+            off = max(
+                off, max((got[n] - torch.from_numpy(np.array(v))).abs().max().item() for n, v in jupdates.items())
+            )
+        out[name] = off
+    try:
+        ff.adamw().update(ff.reduce_grads(_grads_of(fn.params, 0), params), ff.adamw().init(params))
+        out["adamw"] = None
+    except ValueError as e:
+        out["adamw"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sgd_and_adam_update_without_params_as_optax(pool, world):
+    # Catches: adam's and sgd's add_decayed_weights(0) demanding params it does not read.
+    for out in pool.run(_without_params, world=world):
+        assert out["adamw"] == "add_decayed_weights needs params: update(grads, state, params)"
+        for name in ("sgd", "adam", "sgd_plain"):
+            assert out[name] < 2e-6, (name, out[name])
