@@ -19,6 +19,7 @@ from fsdp_fn._base import (
     Params,
     Updates,
     _check,
+    call_update,
     element_mask,
     no_update,
     update_in_place,
@@ -122,12 +123,12 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int |
         return ApplyIfFiniteState(count, finite, state.total_notfinite + (not finite), inner_state)
 
     def update(
-        grads: Updates, state: ApplyIfFiniteState, params: Params | None = None
+        grads: Updates, state: ApplyIfFiniteState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, ApplyIfFiniteState]:
         finite, count, applies = decide(grads, state)
         if not applies:
             return _nothing(grads), new_state(state, finite, count, state.inner_state)
-        updates, inner_state = inner.update(grads, state.inner_state, params)
+        updates, inner_state = call_update(inner, grads, state.inner_state, params, extra)
         return updates, new_state(state, finite, count, inner_state)
 
     def fused(grads: Updates, state: ApplyIfFiniteState, params: Params) -> ApplyIfFiniteState:
@@ -243,11 +244,13 @@ def accumulate(
             received[unit.name] = tuple(x or y for x, y in zip(acc.mask(unit), got, strict=True))
         return Sharded(shards, acc.layout, received)
 
-    def update(grads: Updates, state: AccumulateState, params: Params | None = None) -> tuple[Updates, AccumulateState]:
+    def update(
+        grads: Updates, state: AccumulateState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, AccumulateState]:
         acc = summed(grads, state.acc_grads, state.mini_step, out_of_place=True)
         if state.mini_step + 1 < k_at(state.gradient_step):
             return _nothing(grads), state._replace(mini_step=state.mini_step + 1, acc_grads=acc)
-        updates, inner_state = inner.update(cast_like(acc, grads), state.inner_opt_state, params)
+        updates, inner_state = call_update(inner, cast_like(acc, grads), state.inner_opt_state, params, extra)
         fresh = zeros_like(acc).with_received({})
         return updates, AccumulateState(0, state.gradient_step + 1, inner_state, fresh)
 
@@ -368,8 +371,10 @@ def masked(inner: GradientTransformation, mask: ParamMask | Mapping[str, bool]) 
                 chosen(unit)  # a mapping that lacks a parameter raises here, as optax's init
         return MaskedState(inner.init(params))
 
-    def update(grads: Updates, state: MaskedState, params: Params | None = None) -> tuple[Updates, MaskedState]:
-        inner_updates, inner_state = inner.update(_restricted(grads, chosen), state.inner_state, params)
+    def update(
+        grads: Updates, state: MaskedState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, MaskedState]:
+        inner_updates, inner_state = call_update(inner, _restricted(grads, chosen), state.inner_state, params, extra)
         out = {}
         for unit in grads.plan.units:
             mine = [a and b for a, b in zip(grads.mask(unit), chosen(unit), strict=True)]
@@ -459,10 +464,10 @@ def multi_transform(
         return MultiTransformState({label: t.init(params) for label, t in links.items()})
 
     def update(
-        grads: Updates, state: MultiTransformState, params: Params | None = None
+        grads: Updates, state: MultiTransformState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, MultiTransformState]:
         results = {
-            label: t.update(_restricted(grads, only(label)), state.inner_states[label], params)
+            label: call_update(t, _restricted(grads, only(label)), state.inner_states[label], params, extra)
             for label, t in links.items()
         }
         out = {}
@@ -651,10 +656,10 @@ def inject_hyperparams(
             return InjectHyperparamsState(0, hyperparams, inner(hyperparams).init(params))
 
         def update(
-            grads: Updates, state: InjectHyperparamsState, params: Params | None = None
+            grads: Updates, state: InjectHyperparamsState, params: Params | None = None, **extra: Any
         ) -> tuple[Updates, InjectHyperparamsState]:
             hyperparams = values(state.count, state.hyperparams)
-            updates, inner_state = inner(hyperparams).update(grads, state.inner_state, params)
+            updates, inner_state = call_update(inner(hyperparams), grads, state.inner_state, params, extra)
             return updates, InjectHyperparamsState(state.count + 1, hyperparams, inner_state)
 
         def fused(grads: Updates, state: InjectHyperparamsState, params: Params) -> InjectHyperparamsState:

@@ -689,6 +689,20 @@ MUTANTS = [
         '        if params is None:\n            raise ValueError("needs params")\n        if weight_decay == 0:\n',
         "tests/test_optax.py::test_sgd_and_adam_update_without_params_as_optax",
     ),
+    (
+        "extra_args_to_every_link",
+        "fsdp_fn/_base.py",
+        "    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):",
+        "    if True:",
+        "tests/test_optax.py::test_extra_arguments_reach_the_links_that_take_them_as_optax",
+    ),
+    (
+        "masked_drops_extra_args",
+        "fsdp_fn/_wrappers.py",
+        "state.inner_state, params, extra)\n        out = {}",
+        "state.inner_state, params, {})\n        out = {}",
+        "tests/test_optax.py::test_extra_arguments_reach_the_links_that_take_them_as_optax",
+    ),
 ]
 
 

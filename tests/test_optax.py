@@ -969,3 +969,95 @@ def test_sgd_and_adam_update_without_params_as_optax(pool, world):
         assert out["adamw"] == "add_decayed_weights needs params: update(grads, state, params)"
         for name in ("sgd", "adam", "sgd_plain"):
             assert out[name] < 2e-6, (name, out[name])
+
+
+def _scale_by_value_ours():
+    """A link of one's own that reads an extra argument, as optax's reduce_on_plateau reads ``value``."""
+
+    def update(grads, state, params=None, *, value):
+        return grads.replace({u: t * float(value) for u, t in grads.shards.items()}), state
+
+    return ff.GradientTransformation(lambda params: ff.EmptyState(), update, "scale_by_value")
+
+
+def _scale_by_value_optax(optax):
+    import jax
+
+    def update(updates, state, params=None, *, value, **extra):
+        return jax.tree.map(lambda u: u * value, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+def _extra_args(group):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import optax
+
+    matrix = lambda n, s: len(s) >= 2  # noqa: E731
+    tree = _matrix_tree(jax)
+    mine, theirs = _scale_by_value_ours, lambda: _scale_by_value_optax(optax)
+    cases = {
+        "chain": (ff.chain(mine(), ff.sgd(0.1, momentum=0.9)), optax.chain(theirs(), optax.sgd(0.1, momentum=0.9))),
+        "masked": (
+            ff.chain(ff.masked(mine(), matrix), ff.adam(1e-2)),
+            optax.chain(optax.masked(theirs(), tree), optax.adam(1e-2)),
+        ),
+        "accumulate": (
+            ff.accumulate(2, ff.chain(mine(), ff.sgd(0.1))),
+            optax.MultiSteps(optax.chain(theirs(), optax.sgd(0.1)), 2),
+        ),
+        "apply_if_finite": (
+            ff.apply_if_finite(ff.chain(mine(), ff.sgd(0.1))),
+            optax.apply_if_finite(optax.chain(theirs(), optax.sgd(0.1)), 3),
+        ),
+        "inject_hyperparams": (
+            ff.chain(mine(), ff.inject_hyperparams(ff.sgd)(lr=0.1)),
+            optax.chain(theirs(), optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)),
+        ),
+        "multi_transform": (
+            ff.multi_transform(
+                {"w": ff.chain(mine(), ff.sgd(0.1)), "b": ff.sgd(0.1)}, lambda n, s: "w" if matrix(n, s) else "b"
+            ),
+            optax.multi_transform(
+                {"w": optax.chain(theirs(), optax.sgd(0.1)), "b": optax.sgd(0.1)},
+                lambda p: jax.tree.map(lambda x: "w" if x.ndim >= 2 else "b", p),
+            ),
+        ),
+    }
+    shapes = [("w", (3, 4)), ("b", (5,))]
+    out = {}
+    for name, (ours, opt) in cases.items():
+        got, got_ip, want = _ours_and_optax_extra(group, ours, opt, shapes)
+        out[name] = _off(got, want)
+    return out
+
+
+def _ours_and_optax_extra(group, ours, theirs, shapes, steps=4):
+    """``update(g, s, p, value=loss)`` on both sides, the loss another number at each step."""
+    import jax.numpy as jnp
+    import optax
+
+    model = _Tree(shapes)
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model), group)
+    state = ours.init(params)
+    jparams = {n: jnp.asarray(v.detach().numpy()) for n, v in fn.params.items()}
+    jstate = theirs.init(jparams)
+    for k in range(steps):
+        full, value = _grads_of(fn.params, k), 0.5 + 0.25 * k
+        updates, state = ours.update(ff.reduce_grads(full, params), state, params, value=value)
+        params = ff.apply_updates(params, updates)
+        jgrads = {n: jnp.asarray(v.numpy()) for n, v in full.items()}
+        jupdates, jstate = theirs.update(jgrads, jstate, jparams, value=value)
+        jparams = optax.apply_updates(jparams, jupdates)
+    return ff.unshard(params), None, {n: torch.from_numpy(np.array(v)) for n, v in jparams.items()}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_extra_arguments_reach_the_links_that_take_them_as_optax(pool, world):
+    # Catches: update(g, s, p, value=loss) refused (before: chain's update took no extra argument),
+    # or handed to a link that takes none (sgd, adam), or dropped by a wrapper.
+    for out in pool.run(_extra_args, world=world):
+        for name, off in out.items():
+            assert off < 2e-6, (name, off)
