@@ -1061,3 +1061,40 @@ def test_extra_arguments_reach_the_links_that_take_them_as_optax(pool, world):
     for out in pool.run(_extra_args, world=world):
         for name, off in out.items():
             assert off < 2e-6, (name, off)
+
+
+def _no_trainable(group):
+    """optax's test_empty: masked and multi_transform over a tree with no parameter to train (a
+    model whose parameters are all frozen: the plan's units hold none in their gradient buffer)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import optax
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).requires_grad_(False)
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group)
+    out = []
+    for ours in (
+        ff.masked(ff.adamw(), lambda n, s: True),
+        ff.masked(ff.scale(2.0), {}),
+        ff.multi_transform({"a": ff.sgd(0.1, momentum=0.9)}, lambda n, s: "a"),
+        ff.multi_transform({"a": ff.sgd(0.1)}, {}),
+    ):
+        state = ours.init(params)
+        updates, state = ours.update(ff.reduce_grads({}, params), state, params)
+        new = ff.update_in_place(ours, ff.reduce_grads({}, params), ours.init(params), ff.tree_map(torch.clone, params))
+        out.append((all(t.numel() == 0 for t in updates.values()), new is not None))
+    theirs = [
+        optax.masked(optax.scale(2.0), {}).update({}, optax.masked(optax.scale(2.0), {}).init({}))[0],
+        optax.multi_transform({"a": optax.sgd(0.1)}, {}).update(
+            {}, optax.multi_transform({"a": optax.sgd(0.1)}, {}).init({})
+        )[0],
+    ]
+    return out, theirs
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_masked_and_multi_transform_over_no_trainable_parameter_as_optax_test_empty(pool, world):
+    for out, theirs in pool.run(_no_trainable, world=world):
+        assert theirs == [{}, {}]  # optax: an empty tree in, an empty tree out
+        assert out == [(True, True)] * 4
