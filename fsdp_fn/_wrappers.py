@@ -24,6 +24,7 @@ from fsdp_fn._base import (
     no_update,
     update_in_place,
 )
+from fsdp_fn._collectives import all_reduce_, all_reduce_over_
 from fsdp_fn._plan import Unit
 from fsdp_fn._shard import Sharded
 from fsdp_fn._transforms import ParamMask, check_float_dtype, global_norm, zeros_like
@@ -159,12 +160,17 @@ class AccumulateState(NamedTuple):
         inner_opt_state: the wrapped transformation's state.
         acc_grads: the round's mean (or sum) so far, one gradient shard per unit; its
             ``received``: what any call of the round reached.
+        skip_state: what ``should_skip_update_fn`` returned beside its decision at the
+            last call (optax's ``skip_state``); ``()`` without one.
+        last_skipped: whether ``should_skip_update_fn`` skipped the last call.
     """
 
     mini_step: int  # calls accumulated so far in this round
     gradient_step: int  # rounds completed (updates the inner transformation got)
     inner_opt_state: Any
     acc_grads: Sharded  # the round's mean (or sum) so far; its ``received``: what any call reached
+    skip_state: Any = ()  # should_skip_update_fn's own state (optax's name); () without one
+    last_skipped: bool = False  # whether should_skip_update_fn skipped the last call
 
 
 def accumulate(
@@ -173,6 +179,7 @@ def accumulate(
     *,
     use_grad_mean: bool = True,
     accumulator_dtype: torch.dtype | None = torch.float32,
+    should_skip_update_fn: Callable[[Updates, int, Params | None], tuple[Any, Any]] | None = None,
 ) -> GradientTransformation:
     """Accumulate ``every`` calls' gradients; give ``inner`` their mean on the last one (optax's ``MultiSteps``).
 
@@ -194,6 +201,12 @@ def accumulate(
             sum.
         accumulator_dtype: the dtype the round's mean (or sum) is kept in (optax's
             ``accumulator_dtype``); ``None``: each unit's parameters' dtype.
+        should_skip_update_fn: optax's ``MultiSteps`` argument:
+            ``should_skip_update_fn(grads, gradient_step, params) -> (skip, skip_state)``,
+            ``skip`` a bool (or 0-d tensor or array); a skipped call is not accumulated,
+            leaves the state as it was but for ``skip_state`` and gives zero updates (its
+            ``outcome`` says ``REJECTED``). It sees this rank's shards: a call is skipped
+            on every rank when it says skip on any (one all-reduce of one number a call).
 
     Returns:
         A ``GradientTransformation`` whose state is ``AccumulateState`` and whose
@@ -222,7 +235,20 @@ def accumulate(
         acc = zeros_like(params)
         if accumulator_dtype is not None:
             acc = acc.replace({u: t.to(accumulator_dtype) for u, t in acc.shards.items()})
-        return AccumulateState(0, 0, inner.init(params), acc.with_received({}))
+        acc = acc.with_received({})
+        skip_state = () if should_skip_update_fn is None else should_skip_update_fn(acc, 0, params)[1]
+        return AccumulateState(0, 0, inner.init(params), acc, skip_state)
+
+    def skips(grads: Updates, state: AccumulateState, params: Params | None) -> tuple[bool, Any]:
+        """``should_skip_update_fn``'s decision, the same on every rank (any rank's skip), and its state."""
+        if should_skip_update_fn is None:
+            return False, state.skip_state
+        skip, skip_state = should_skip_update_fn(grads, state.gradient_step, params)
+        flag = torch.tensor(float(bool(skip)), dtype=torch.float64)
+        all_reduce_(flag, grads.layout.group)
+        if grads.layout.replicas > 1:
+            all_reduce_over_(flag, grads.layout.replica_groups)
+        return bool(flag > 0), skip_state
 
     def cast_like(acc: Sharded, grads: Updates) -> Sharded:
         """The round's result in the gradients' dtype, unit by unit, for ``inner`` (optax's ``cast_like``)."""
@@ -247,27 +273,45 @@ def accumulate(
     def update(
         grads: Updates, state: AccumulateState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, AccumulateState]:
+        skip, skip_state = skips(grads, state, params)
+        if skip:
+            return _nothing(grads), state._replace(skip_state=skip_state, last_skipped=True)
+        state = state._replace(skip_state=skip_state, last_skipped=False)
         acc = summed(grads, state.acc_grads, state.mini_step, out_of_place=True)
         if state.mini_step + 1 < k_at(state.gradient_step):
             return _nothing(grads), state._replace(mini_step=state.mini_step + 1, acc_grads=acc)
         updates, inner_state = call_update(inner, cast_like(acc, grads), state.inner_opt_state, params, extra)
         fresh = zeros_like(acc).with_received({})
-        return updates, AccumulateState(0, state.gradient_step + 1, inner_state, fresh)
+        return updates, AccumulateState(0, state.gradient_step + 1, inner_state, fresh, skip_state)
 
     def fused(grads: Updates, state: AccumulateState, params: Params) -> AccumulateState:
+        skip, skip_state = skips(grads, state, params)
+        if skip:
+            return state._replace(skip_state=skip_state, last_skipped=True)
+        state = state._replace(skip_state=skip_state, last_skipped=False)
         acc = summed(grads, state.acc_grads, state.mini_step, out_of_place=False)
         if state.mini_step + 1 < k_at(state.gradient_step):
             return state._replace(mini_step=state.mini_step + 1, acc_grads=acc)
         inner_state = update_in_place(inner, cast_like(acc, grads), state.inner_opt_state, params)
         for t in acc.values():
             t.zero_()
-        return AccumulateState(0, state.gradient_step + 1, inner_state, acc.with_received({}))
+        return AccumulateState(0, state.gradient_step + 1, inner_state, acc.with_received({}), skip_state)
 
     def outcome(state: AccumulateState) -> Outcome:
+        if state.last_skipped:
+            return Outcome.REJECTED
         return Outcome.DEFERRED if state.mini_step else _inner_outcome(inner, state.inner_opt_state)
 
     name = f"accumulate({every if not callable(every) else 'schedule'})"
-    return GradientTransformation(init, update, name, outcome=outcome, fused=fused, inner=(inner,))
+    return GradientTransformation(
+        init,
+        update,
+        name,
+        outcome=outcome,
+        fused=fused,
+        inner=(inner,),
+        global_norms=int(should_skip_update_fn is not None),  # its decision's one all-reduce of one number
+    )
 
 
 def _every_ok(every: Any) -> int:

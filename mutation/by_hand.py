@@ -703,6 +703,13 @@ MUTANTS = [
         "state.inner_state, params, {})\n        out = {}",
         "tests/test_optax.py::test_extra_arguments_reach_the_links_that_take_them_as_optax",
     ),
+    (
+        "accumulate_skip_ignored",
+        "fsdp_fn/_wrappers.py",
+        "        if skip:\n            return _nothing(grads), state._replace(",
+        "        if False:\n            return _nothing(grads), state._replace(",
+        "tests/test_optax.py::test_accumulate_takes_should_skip_update_fn_as_optax_multisteps",
+    ),
 ]
 
 

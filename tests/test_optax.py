@@ -1098,3 +1098,55 @@ def test_masked_and_multi_transform_over_no_trainable_parameter_as_optax_test_em
     for out, theirs in pool.run(_no_trainable, world=world):
         assert theirs == [{}, {}]  # optax: an empty tree in, an empty tree out
         assert out == [(True, True)] * 4
+
+
+def _skip_large(group):
+    """``accumulate(2, sgd, should_skip_update_fn=...)`` against optax's ``MultiSteps`` with
+    ``skip_large_updates``: the calls whose gradient is large are skipped, on both sides."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import functools
+
+    import jax
+    import optax
+
+    def grads(params, k):
+        return _grads_of(params, k, scale=30.0 if k in (1, 4) else 0.3)
+
+    def ours_skip(updates, gradient_step, params):
+        norm_squared = float(ff.global_norm(updates)) ** 2
+        return norm_squared > 25.0, {"norm_squared": norm_squared}
+
+    ours = ff.accumulate(2, ff.sgd(0.1, momentum=0.9), should_skip_update_fn=ours_skip)
+    theirs = optax.MultiSteps(
+        optax.sgd(0.1, momentum=0.9),
+        2,
+        should_skip_update_fn=functools.partial(optax.skip_large_updates, max_squared_norm=25.0),
+    )
+    theirs = optax.GradientTransformation(theirs.init, jax.jit(theirs.update))
+    seen = []
+
+    def change(k, state, jstate):  # records the counters before each step (and, at the end, after)
+        if jstate is not None:
+            seen.append(((state.mini_step, state.gradient_step), (int(jstate.mini_step), int(jstate.gradient_step))))
+        return state, jstate
+
+    shapes = [("w", (3, 4)), ("b", (5,))]
+    got, got_ip, want = _ours_and_optax(group, ours, theirs, shapes, steps=7, grads=grads, change=change)
+    state = ours.init(ff.shard(ff.functionalize(_Tree(shapes)).params, ff.make_plan(_Tree(shapes)), group))
+    return (
+        _off(got, want),
+        _off(got_ip, want),
+        seen,
+        state.skip_state,
+        ours.outcome(state._replace(last_skipped=True)).value,
+    )
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_accumulate_takes_should_skip_update_fn_as_optax_multisteps(pool, world):
+    # Catches: a skipped call accumulated anyway, or counted as a call of the round.
+    for off, off_ip, seen, skip_state, outcome in pool.run(_skip_large, world=world):
+        assert off < 2e-6 and off_ip < 2e-6, (off, off_ip)
+        assert all(ours == theirs for ours, theirs in seen), seen
+        assert [s[0] for s in seen] == [(0, 0), (1, 0), (1, 0), (0, 1), (1, 1), (1, 1), (0, 2)]
+        assert skip_state == {"norm_squared": 0.0} and outcome == "rejected"
