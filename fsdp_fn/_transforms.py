@@ -304,7 +304,7 @@ class _Masks:
 
     def __init__(self, select: ParamMask | None) -> None:
         self.select = select
-        self._elements: dict[tuple[Unit, int, int], torch.Tensor | None] = {}
+        self._elements: dict[tuple[Unit, int, int, torch.device], torch.Tensor | None] = {}
 
     def of(self, unit: Unit) -> tuple[bool, ...]:
         if self.select is None:
@@ -313,7 +313,7 @@ class _Masks:
 
     def elements(self, unit: Unit, layout: Layout, device: torch.device) -> torch.Tensor | None:
         """``None`` where the mask takes every parameter of ``unit``, else its element mask."""
-        key = (unit, layout.world, layout.rank)
+        key = (unit, layout.world, layout.rank, device)
         if key not in self._elements:
             mask = self.of(unit)
             self._elements[key] = None if all(mask) else element_mask(unit, mask, layout, device)

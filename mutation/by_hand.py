@@ -594,8 +594,8 @@ MUTANTS = [
     (
         "decay_mask_by_unit_name",
         "fsdp_fn/_transforms.py",
-        "        key = (unit, layout.world, layout.rank)",
-        "        key = (unit.name, layout.world, layout.rank)  # type: ignore[assignment]",
+        "        key = (unit, layout.world, layout.rank, device)",
+        "        key = (unit.name, layout.world, layout.rank, device)  # type: ignore[assignment]",
         "tests/test_optax.py::test_a_transformation_value_used_on_a_second_tree_applies_that_trees_masks",
     ),
     (
