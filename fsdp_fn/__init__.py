@@ -50,6 +50,7 @@ from fsdp_fn._transforms import (
     scale_by_learning_rate,
     scale_by_lion,
     scale_by_schedule,
+    set_to_zero,
     trace,
     zero_nans,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "clip",
     "clip_by_global_norm",
     "global_norm",
+    "set_to_zero",
     "zero_nans",
     "add_decayed_weights",
     "scale_by_learning_rate",

@@ -19,6 +19,7 @@ zero update, as torch.optim skips a parameter whose ``.grad`` is ``None``.
 from __future__ import annotations
 
 import enum
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -67,6 +68,27 @@ class UpdateFn(Protocol):
     def __call__(self, grads: Updates, state: State, params: Params | None = None) -> tuple[Updates, State]: ...
 
 
+def call_update(
+    t: GradientTransformation, grads: Updates, state: State, params: Params | None, extra: dict[str, Any]
+) -> tuple[Updates, State]:
+    """``t.update(grads, state, params, **extra)`` with the extra arguments ``t`` takes (optax's
+    ``with_extra_args_support``): all of them if its ``update`` has ``**kwargs``, else the ones it
+    names, none to one that takes none (``value=loss`` for a link that reads the loss)."""
+    if not extra:
+        return t.update(grads, state, params)
+    return t.update(grads, state, params, **_taken(t.update, extra))
+
+
+def _taken(fn: Callable[..., Any], extra: dict[str, Any]) -> dict[str, Any]:
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: give it nothing extra
+        return {}
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return extra
+    return {k: v for k, v in extra.items() if k in parameters}
+
+
 class FusedFn(Protocol):
     """``update`` then ``apply_updates``, in place: ``params`` and the state's tensors are
     donated (changed and reused); returns the new state (the same tensors)."""
@@ -83,7 +105,8 @@ class GradientTransformation(NamedTuple):
 
     Attributes:
         init: ``init(params) -> state``: the state for the sharded parameters.
-        update: ``update(grads, state, params=None) -> (updates, state)``.
+        update: ``update(grads, state, params=None) -> (updates, state)``; it may take
+            extra keyword arguments (``value=loss``), which ``chain`` passes to it.
         name: the transformation's name, for messages.
         needs_whole_gradient: its own work reads every unit's gradient (a global norm, a
             sum over calls), so it cannot run unit by unit during backward
@@ -238,6 +261,11 @@ def copy_into(old: State, new: State) -> State:
 def chain(*links: GradientTransformation) -> GradientTransformation:
     """Apply ``links`` in order, each to the previous one's updates (optax's ``chain``).
 
+    Extra keyword arguments to ``update`` (optax's ``GradientTransformationExtraArgs``:
+    ``update(g, s, p, value=loss)``) go to each link that takes them (its ``update`` names
+    them or has ``**kwargs``); the others get none. The wrappers (``masked``,
+    ``multi_transform``, ``apply_if_finite``, ``accumulate``, ``inject_hyperparams``) pass them
+    on the same way. The train step's in-place form passes none.
     State: the tuple of the links' states. In place (the train step), every link but the
     last runs as ``update`` on the gradients (the step's own, freed after), the last one
     fused when it can be. Memory and communication: the links' own.
@@ -262,10 +290,12 @@ def chain(*links: GradientTransformation) -> GradientTransformation:
     def init(params: Params) -> tuple[Any, ...]:
         return tuple(t.init(params) for t in links)
 
-    def update(grads: Updates, state: tuple[Any, ...], params: Params | None = None) -> tuple[Updates, tuple[Any, ...]]:
+    def update(
+        grads: Updates, state: tuple[Any, ...], params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, tuple[Any, ...]]:
         new = []
         for t, s in zip(links, state, strict=True):
-            grads, s = t.update(grads, s, params)
+            grads, s = call_update(t, grads, s, params, extra)
             new.append(s)
         return grads, tuple(new)
 

@@ -24,7 +24,7 @@ from torch.optim.adam import adam as _adam_kernel
 from torch.optim.adamw import adamw as _adamw_kernel
 from torch.optim.sgd import sgd as _sgd_kernel
 
-from fsdp_fn._base import GradientTransformation, Params, Updates, chain
+from fsdp_fn._base import GradientTransformation, Params, Updates, apply_updates_, chain, copy_into
 from fsdp_fn._plan import unit_label
 from fsdp_fn._shard import Sharded
 from fsdp_fn._transforms import (
@@ -171,6 +171,22 @@ def _rate(lr: LearningRate, state: Any, where: str) -> tuple[float, Any]:
     return rate_at(lr, state.count, where), ScaleByScheduleState(state.count + 1)
 
 
+def _like_params(grads: Updates, params: Params) -> Updates:
+    """The gradients in the parameters' dtype, for torch's kernels (which take one dtype): a
+    bf16 gradient of a float32 parameter widens exactly, as ``update``'s arithmetic does."""
+    if all(grads[u].dtype == t.dtype for u, t in params.shards.items()):
+        return grads
+    return grads.replace({u: grads[u].to(t.dtype) for u, t in params.shards.items()})
+
+
+def _functional(tx: GradientTransformation, grads: Updates, state: Any, params: Params) -> Any:
+    """``tx``'s ``update`` applied in place: the fused form where torch's kernel cannot run
+    (a first moment in another dtype than the parameters)."""
+    updates, new = tx.update(grads, state, params)
+    apply_updates_(params, updates)
+    return copy_into(state, new)
+
+
 def _flipped(maximize: bool) -> list[GradientTransformation]:
     return [scale(-1.0)] if maximize else []
 
@@ -184,6 +200,7 @@ def adamw(
     weight_decay_mask: DecayMask | None = None,
     maximize: bool = False,
     foreach: bool | None = None,
+    mu_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """AdamW with ``torch.optim.AdamW``'s numerics and defaults (optax's ``adamw``, torch's decay).
 
@@ -208,6 +225,11 @@ def adamw(
             biases and norms undecayed).
         maximize: ascend the loss instead of descending it, as torch's ``maximize``.
         foreach: torch's ``foreach`` kernel choice (``None``: torch's default).
+        mu_dtype: the first moment's dtype (optax's ``mu_dtype``); ``None``: the
+            parameters'. Gradients may have another dtype than the parameters (bf16
+            gradients of float32 parameters): the arithmetic runs in the wider one, as
+            optax's (``scale_by_adam``). With a ``mu_dtype`` other than the parameters', a
+            train step runs ``update`` (torch's kernel takes one dtype).
 
     Returns:
         A ``GradientTransformation`` named ``"adamw"`` with a ``fused`` form.
@@ -231,13 +253,16 @@ def adamw(
         )
     tx = chain(
         *_flipped(maximize),
-        scale_by_adam(betas[0], betas[1], eps),
+        scale_by_adam(betas[0], betas[1], eps, mu_dtype),
         add_decayed_weights(weight_decay, weight_decay_mask),
         scale_by_learning_rate(lr),
     )
 
     def fused(grads: Updates, state: tuple[Any, ...], params: Params) -> tuple[Any, ...]:
         moments: ScaleByAdamState = state[-3]
+        if any(moments.mu[u].dtype != t.dtype for u, t in params.shards.items()):
+            return _functional(tx, grads, state, params)  # type: ignore[no-any-return]
+        grads = _like_params(grads, params)
         rate, schedule = _rate(lr, state[-1], "adamw")
         todo = _select(grads, params, [moments.mu, moments.nu], moments.count, weight_decay_mask)
         for decayed, part in _by_decay(todo):
@@ -272,6 +297,7 @@ def adam(
     weight_decay_mask: DecayMask | None = None,
     maximize: bool = False,
     foreach: bool | None = None,
+    mu_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Adam with ``torch.optim.Adam``'s numerics: ``weight_decay`` is L2, added before the moments.
 
@@ -288,6 +314,7 @@ def adam(
         weight_decay_mask: which parameters weight decay applies to, as in ``adamw``.
         maximize: ascend the loss instead of descending it, as torch's ``maximize``.
         foreach: torch's ``foreach`` kernel choice (``None``: torch's default).
+        mu_dtype: the first moment's dtype, and gradients of another dtype, as in ``adamw``.
 
     Returns:
         A ``GradientTransformation`` named ``"adam"`` with a ``fused`` form.
@@ -311,12 +338,15 @@ def adam(
     tx = chain(
         *_flipped(maximize),
         add_decayed_weights(weight_decay, weight_decay_mask),
-        scale_by_adam(betas[0], betas[1], eps),
+        scale_by_adam(betas[0], betas[1], eps, mu_dtype),
         scale_by_learning_rate(lr),
     )
 
     def fused(grads: Updates, state: tuple[Any, ...], params: Params) -> tuple[Any, ...]:
         moments: ScaleByAdamState = state[-2]
+        if any(moments.mu[u].dtype != t.dtype for u, t in params.shards.items()):
+            return _functional(tx, grads, state, params)  # type: ignore[no-any-return]
+        grads = _like_params(grads, params)
         rate, schedule = _rate(lr, state[-1], "adam")
         todo = _select(grads, params, [moments.mu, moments.nu], moments.count, weight_decay_mask)
         for decayed, part in _by_decay(todo):
@@ -344,7 +374,7 @@ def adam(
 
 def sgd(
     lr: LearningRate = 1e-2,
-    momentum: float = 0.0,
+    momentum: float | None = None,
     *,
     dampening: float = 0.0,
     weight_decay: float = 0.0,
@@ -356,13 +386,17 @@ def sgd(
     """SGD (with optional momentum) with ``torch.optim.SGD``'s numerics.
 
     ``chain(add_decayed_weights(wd), trace(momentum), scale_by_learning_rate(lr))`` (the
-    decay is L2, before the momentum; optax's ``sgd`` has none). State: one momentum
-    buffer per shard with momentum, none without. In a train step it runs as torch's own
-    kernel, in place on the donated shards and buffers: no communication.
+    decay is L2, before the momentum; optax's ``sgd`` has none). As optax's, the chain's
+    structure depends on whether ``momentum`` is given, never on its value: with
+    ``momentum=None`` there is no ``trace`` and no state (torch's ``momentum=0``); with a
+    number, 0 included, a momentum buffer per shard, so ``inject_hyperparams`` may set
+    momentum to 0 or schedule it from 0. In a train step it runs as torch's own kernel, in
+    place on the donated shards and buffers: no communication.
 
     Args:
         lr: a number or a schedule ``lr(count) -> number``, as in ``adamw``.
-        momentum: the momentum factor, ``>= 0`` (0: plain SGD, no state).
+        momentum: the momentum factor, ``>= 0``; ``None`` (the default): plain SGD, no
+            state.
         dampening: dampening of the momentum, as torch's.
         weight_decay: L2 penalty added to the gradient, ``>= 0``.
         weight_decay_mask: which parameters weight decay applies to, as in ``adamw``.
@@ -386,19 +420,20 @@ def sgd(
         'sgd'
     """
     check_rate(lr, "sgd")
-    if (not callable(lr) and lr < 0) or momentum < 0 or weight_decay < 0:
+    if (not callable(lr) and lr < 0) or (momentum is not None and momentum < 0) or weight_decay < 0:
         raise ValueError(f"invalid SGD hyper-parameters lr={lr}, momentum={momentum}, weight_decay={weight_decay}")
-    if nesterov and (momentum <= 0 or dampening != 0):
+    if nesterov and (momentum is None or momentum <= 0 or dampening != 0):
         raise ValueError("nesterov momentum needs momentum > 0 and dampening = 0")
     tx = chain(
         *_flipped(maximize),
         add_decayed_weights(weight_decay, weight_decay_mask),
-        *([trace(momentum, nesterov, dampening=dampening)] if momentum else []),
+        *([trace(momentum, nesterov, dampening=dampening)] if momentum is not None else []),
         scale_by_learning_rate(lr),
     )
 
     def fused(grads: Updates, state: tuple[Any, ...], params: Params) -> tuple[Any, ...]:
-        moments: TraceState | None = state[-2] if momentum else None
+        moments: TraceState | None = state[-2] if momentum is not None else None
+        grads = _like_params(grads, params)
         rate, schedule = _rate(lr, state[-1], "sgd")
         states = [moments.trace] if moments is not None else []
         todo = _select(grads, params, states, moments.count if moments is not None else None, weight_decay_mask)
@@ -409,13 +444,17 @@ def sgd(
             buffers: list[torch.Tensor | None] = [None] * len(part.params)
             for k, (count, buffer) in enumerate(zip(part.steps, mine, strict=False)):
                 buffers[k] = None if int(count.item()) == 0 else buffer
+            if not momentum:  # torch's kernel keeps no buffer at 0; trace(0)'s is the gradient (torch's d_p)
+                for buffer, g, p in zip(mine, part.grads, part.params, strict=False):
+                    d_p = -g if maximize else g
+                    buffer.copy_(d_p + p * weight_decay if decayed and weight_decay else d_p)
             _sgd_kernel(
                 part.params,
                 part.grads,
                 buffers,
                 foreach=foreach,
                 weight_decay=weight_decay if decayed else 0.0,
-                momentum=momentum,
+                momentum=momentum or 0.0,
                 lr=rate,
                 dampening=dampening,
                 nesterov=nesterov,

@@ -487,6 +487,8 @@ def reduce_grads(grads: Mapping[str, torch.Tensor | None], like: Sharded, *, mea
     result shards; communication: one reduce-scatter per unit (and, with a 2-D mesh, one
     all-reduce of its shard across the replicas).
 
+    A unit whose parameters are all frozen gets an empty shard and no collective.
+
     Args:
         grads: full gradients by canonical parameter name; missing or ``None`` gradients
             count as zero. Each is cast to its unit's dtype.
@@ -508,6 +510,9 @@ def reduce_grads(grads: Mapping[str, torch.Tensor | None], like: Sharded, *, mea
         raise KeyError(f"gradients for parameters not in the plan: {unknown[:5]}")
     out: dict[str, torch.Tensor] = {}
     for unit in plan.units:
+        if not unit.params:  # frozen parameters alone: an empty gradient shard, as value_and_grad's; no collective
+            out[unit.name] = torch.zeros(0, dtype=unit.dtype, device=like[unit.name].device)
+            continue
         pieces = []
         for spec in unit.params:
             # A tied parameter's gradient may come under any of its names (once: a module's

@@ -47,6 +47,7 @@ __all__ = [
     "scale_by_learning_rate",
     "scale_by_lion",
     "scale_by_schedule",
+    "set_to_zero",
     "trace",
     "zero_nans",
 ]
@@ -150,6 +151,25 @@ def zero_nans() -> GradientTransformation:
         lambda g: torch.nan_to_num(g, nan=0.0, posinf=math.inf, neginf=-math.inf),
         lambda g: g.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf),
     )
+
+
+def set_to_zero() -> GradientTransformation:
+    """Replace the updates by zeros (optax's ``set_to_zero``): how to freeze parameters.
+
+    ``multi_transform({"train": ff.adamw(), "frozen": ff.set_to_zero()}, labels)``. An inf or
+    NaN gradient gives a zero update too, so the parameter keeps its value (``scale(0.0)``
+    gives ``0 * inf = nan``). Memory: one new tensor per updated unit (none in place, on the
+    step's donated gradients); no communication.
+
+    Returns:
+        A stateless ``GradientTransformation`` (state ``EmptyState()``) that works unit by
+        unit, so it may run during backward.
+
+    Examples:
+        >>> set_to_zero().name
+        'set_to_zero'
+    """
+    return _stateless("set_to_zero", torch.zeros_like, lambda g: g.zero_())
 
 
 # --- the global norm --------------------------------------------------------------------
@@ -277,11 +297,14 @@ def rate_at(lr: ScalarOrSchedule, count: int, where: str) -> float:
 
 class _Masks:
     """Which parameters of each unit a ``ParamMask`` selects, and the element masks of the
-    units it splits (made once per layout)."""
+    units it splits (made once per unit and layout).
+
+    Keyed by the unit itself (its name, parameters' names, shapes and dtypes), never by its
+    name alone: one transformation value may serve several parameter trees, as optax's."""
 
     def __init__(self, select: ParamMask | None) -> None:
         self.select = select
-        self._elements: dict[tuple[str, int, int], torch.Tensor | None] = {}
+        self._elements: dict[tuple[Unit, int, int, torch.device], torch.Tensor | None] = {}
 
     def of(self, unit: Unit) -> tuple[bool, ...]:
         if self.select is None:
@@ -290,7 +313,7 @@ class _Masks:
 
     def elements(self, unit: Unit, layout: Layout, device: torch.device) -> torch.Tensor | None:
         """``None`` where the mask takes every parameter of ``unit``, else its element mask."""
-        key = (unit.name, layout.world, layout.rank)
+        key = (unit, layout.world, layout.rank, device)
         if key not in self._elements:
             mask = self.of(unit)
             self._elements[key] = None if all(mask) else element_mask(unit, mask, layout, device)
@@ -309,12 +332,13 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: ParamMask | None = None
 
     Returns:
         A stateless ``GradientTransformation`` (state ``EmptyState()``) that works unit by
-        unit, so it may run during backward. Its ``update`` needs ``params``.
+        unit, so it may run during backward. Its ``update`` needs ``params`` unless
+        ``weight_decay`` is 0.
 
     Raises:
         TypeError: if ``weight_decay`` is not a number.
         ValueError: if ``weight_decay`` is negative; from ``update``, if it is given no
-            ``params``.
+            ``params`` and ``weight_decay`` is not 0.
 
     Examples:
         >>> add_decayed_weights(0.1).name
@@ -325,10 +349,10 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: ParamMask | None = None
     masks = _Masks(mask)
 
     def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+        if weight_decay == 0:  # reads no parameter, so needs none (adam's and sgd's default)
+            return grads, state
         if params is None:
             raise ValueError("add_decayed_weights needs params: update(grads, state, params)")
-        if weight_decay == 0:
-            return grads, state
 
         def decay(unit: Unit, got: tuple[bool, ...], g: torch.Tensor) -> tuple[torch.Tensor]:
             p = params[unit.name]
@@ -463,10 +487,17 @@ def step_counts(params: Params) -> Sharded:
     )
 
 
-def zeros_like(params: Params) -> Sharded:
+def zeros_like(params: Params, dtype: torch.dtype | None = None) -> Sharded:
+    """Zeros shaped like each shard, in its dtype or ``dtype``."""
     return params.replace(
-        {u: torch.zeros_like(t, memory_format=torch.contiguous_format) for u, t in params.shards.items()}
+        {u: torch.zeros_like(t, dtype=dtype, memory_format=torch.contiguous_format) for u, t in params.shards.items()}
     )
+
+
+def check_float_dtype(dtype: Any, where: str) -> None:
+    """Refuse a dtype argument that is neither ``None`` nor a floating torch dtype."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"{where} must be a floating torch.dtype or None, got {dtype!r}")
 
 
 def _counted(count: torch.Tensor, mask: tuple[bool, ...]) -> torch.Tensor:
@@ -496,22 +527,31 @@ class ScaleByAdamState(NamedTuple):
     nu: Sharded  # second moment (torch's "exp_avg_sq")
 
 
-def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+def scale_by_adam(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, mu_dtype: torch.dtype | None = None
+) -> GradientTransformation:
     """Adam's direction ``mu_hat / (sqrt(nu_hat) + eps)`` (optax's ``scale_by_adam``), with torch's arithmetic.
 
     Per-parameter step counts (bias correction per parameter, as torch.optim's; optax
-    keeps one count). Memory: two moments the size of the shards; no communication.
+    keeps one count). Gradients may have another dtype than the parameters (bf16 gradients
+    of float32 parameters), as optax's: the moments keep their dtype (``nu`` the
+    parameters', ``mu`` ``mu_dtype``), the arithmetic runs in the wider of the gradient's
+    and the moments' dtypes (torch's type promotion, as jax's), and the update has that
+    dtype. Memory: two moments the size of the shards; no communication.
 
     Args:
         b1: the first moment's decay rate, in ``[0, 1)``.
         b2: the second moment's decay rate, in ``[0, 1)``.
         eps: added to the second moment's square root, ``>= 0``.
+        mu_dtype: the first moment's dtype (optax's ``mu_dtype``); ``None``: the
+            parameters'.
 
     Returns:
         A ``GradientTransformation`` whose state is ``ScaleByAdamState``.
 
     Raises:
         ValueError: if a decay rate is not in ``[0, 1)`` or ``eps`` is negative.
+        TypeError: if ``mu_dtype`` is neither ``None`` nor a floating torch dtype.
 
     Examples:
         >>> scale_by_adam().needs_whole_gradient
@@ -519,9 +559,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     """
     if not (0 <= b1 < 1 and 0 <= b2 < 1 and eps >= 0):
         raise ValueError(f"invalid Adam hyper-parameters betas=({b1}, {b2}), eps={eps}")
+    check_float_dtype(mu_dtype, "scale_by_adam: mu_dtype")
 
     def init(params: Params) -> ScaleByAdamState:
-        return ScaleByAdamState(step_counts(params), zeros_like(params), zeros_like(params))
+        return ScaleByAdamState(step_counts(params), zeros_like(params, mu_dtype), zeros_like(params))
 
     def update(
         grads: Updates, state: ScaleByAdamState, params: Params | None = None
@@ -532,12 +573,14 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             unit: Unit, mask: tuple[bool, ...], g: torch.Tensor, count: torch.Tensor, mu: torch.Tensor, nu: torch.Tensor
         ) -> tuple[torch.Tensor, ...]:
             count = _counted(count, mask)
-            m = mu.lerp(g, 1 - b1)
-            v = (nu * b2).addcmul_(g, g, value=1 - b2)
+            wide = torch.promote_types(torch.promote_types(g.dtype, mu.dtype), nu.dtype)
+            g = g.to(wide)
+            m = mu.to(wide).lerp(g, 1 - b1)
+            v = (nu.to(wide) * b2).addcmul_(g, g, value=1 - b2)
             steps = _steps(unit, count, layout)
             bias1, bias2 = 1 - b1**steps, 1 - b2**steps
             denom = (v.sqrt() / bias2.sqrt()).add_(eps)
-            return m / denom / bias1, count, m, v
+            return m / denom / bias1, count, m.to(mu.dtype), v.to(nu.dtype)
 
         updates, (count, mu, nu) = map_units(adam, grads, [state.count, state.mu, state.nu])
         return updates, ScaleByAdamState(count, mu, nu)
@@ -617,10 +660,17 @@ class ScaleByLionState(NamedTuple):
     mu: Sharded  # the momentum (torch ports call it "exp_avg")
 
 
+def _sign(x: torch.Tensor) -> torch.Tensor:
+    """``sign(x)`` with NaN kept NaN, as ``jnp.sign`` (``torch.sign(nan)`` is 0)."""
+    return torch.where(x.isnan(), x, x.sign())
+
+
 def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     """Lion's direction ``sign((1 - b1) g + b1 mu)``, then ``mu = b2 mu + (1 - b2) g`` (optax's ``scale_by_lion``).
 
-    Memory: one moment the size of the shards; no communication.
+    The sign of NaN is NaN, as ``jnp.sign``'s (``torch.sign`` gives 0, which would leave the
+    parameter still while its moment stays NaN): a NaN gradient makes a NaN update, which
+    ``apply_if_finite`` sees. Memory: one moment the size of the shards; no communication.
 
     Args:
         b1: the rate of the direction's interpolation, in ``[0, 1]``.
@@ -646,7 +696,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         grads: Updates, state: ScaleByLionState, params: Params | None = None
     ) -> tuple[Updates, ScaleByLionState]:
         def lion(unit: Unit, mask: tuple[bool, ...], g: torch.Tensor, mu: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return torch.sign(g * (1 - b1) + mu * b1), mu * b2 + g * (1 - b2)
+            return _sign(g * (1 - b1) + mu * b1), mu * b2 + g * (1 - b2)
 
         updates, (mu,) = map_units(lion, grads, [state.mu])
         return updates, ScaleByLionState(mu)

@@ -7,7 +7,8 @@ state, and says what its last update did through ``outcome`` (``_base.Outcome``)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import inspect
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -18,13 +19,15 @@ from fsdp_fn._base import (
     Params,
     Updates,
     _check,
+    call_update,
     element_mask,
     no_update,
     update_in_place,
 )
+from fsdp_fn._collectives import all_reduce_, all_reduce_over_
 from fsdp_fn._plan import Unit
 from fsdp_fn._shard import Sharded
-from fsdp_fn._transforms import ParamMask, global_norm, zeros_like
+from fsdp_fn._transforms import ParamMask, check_float_dtype, global_norm, zeros_like
 
 __all__ = [
     "AccumulateState",
@@ -121,12 +124,12 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int |
         return ApplyIfFiniteState(count, finite, state.total_notfinite + (not finite), inner_state)
 
     def update(
-        grads: Updates, state: ApplyIfFiniteState, params: Params | None = None
+        grads: Updates, state: ApplyIfFiniteState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, ApplyIfFiniteState]:
         finite, count, applies = decide(grads, state)
         if not applies:
             return _nothing(grads), new_state(state, finite, count, state.inner_state)
-        updates, inner_state = inner.update(grads, state.inner_state, params)
+        updates, inner_state = call_update(inner, grads, state.inner_state, params, extra)
         return updates, new_state(state, finite, count, inner_state)
 
     def fused(grads: Updates, state: ApplyIfFiniteState, params: Params) -> ApplyIfFiniteState:
@@ -157,23 +160,38 @@ class AccumulateState(NamedTuple):
         inner_opt_state: the wrapped transformation's state.
         acc_grads: the round's mean (or sum) so far, one gradient shard per unit; its
             ``received``: what any call of the round reached.
+        skip_state: what ``should_skip_update_fn`` returned beside its decision at the
+            last call (optax's ``skip_state``); ``()`` without one.
+        last_skipped: whether ``should_skip_update_fn`` skipped the last call.
     """
 
     mini_step: int  # calls accumulated so far in this round
     gradient_step: int  # rounds completed (updates the inner transformation got)
     inner_opt_state: Any
     acc_grads: Sharded  # the round's mean (or sum) so far; its ``received``: what any call reached
+    skip_state: Any = ()  # should_skip_update_fn's own state (optax's name); () without one
+    last_skipped: bool = False  # whether should_skip_update_fn skipped the last call
 
 
 def accumulate(
-    every: int | Callable[[int], int], inner: GradientTransformation, *, use_grad_mean: bool = True
+    every: int | Callable[[int], int],
+    inner: GradientTransformation,
+    *,
+    use_grad_mean: bool = True,
+    accumulator_dtype: torch.dtype | None = torch.float32,
+    should_skip_update_fn: Callable[[Updates, int, Params | None], tuple[Any, Any]] | None = None,
 ) -> GradientTransformation:
     """Accumulate ``every`` calls' gradients; give ``inner`` their mean on the last one (optax's ``MultiSteps``).
 
     The other calls' updates are zero and ``inner``'s state stays as it was. A parameter
-    counts as reached if any call of the round reached it. Memory: one gradient shard per
-    unit; no communication of its own. In a train step, ``TrainState.step`` counts rounds,
-    not calls.
+    counts as reached if any call of the round reached it. The round's mean (or sum) is
+    kept in ``accumulator_dtype`` (float32, as optax's ``MultiSteps``: 64 bf16 gradients
+    summed in bf16 lose most of their low bits) and cast to each unit's gradient dtype for
+    ``inner``, as optax casts it like the updates. At a round's end the accumulator is set to
+    zero (optax multiplies it by zero, so a round that summed a NaN stays NaN in the next;
+    here the next round starts clean). Memory: one gradient shard per unit in
+    ``accumulator_dtype``; no communication of its own. In a train step,
+    ``TrainState.step`` counts rounds, not calls.
 
     Args:
         every: calls per round, a whole number ``>= 1``, or a schedule
@@ -181,6 +199,14 @@ def accumulate(
         inner: the transformation the round's gradient is given to.
         use_grad_mean: give ``inner`` the mean of the round's gradients; ``False``: their
             sum.
+        accumulator_dtype: the dtype the round's mean (or sum) is kept in (optax's
+            ``accumulator_dtype``); ``None``: each unit's parameters' dtype.
+        should_skip_update_fn: optax's ``MultiSteps`` argument:
+            ``should_skip_update_fn(grads, gradient_step, params) -> (skip, skip_state)``,
+            ``skip`` a bool (or 0-d tensor or array); a skipped call is not accumulated,
+            leaves the state as it was but for ``skip_state`` and gives zero updates (its
+            ``outcome`` says ``REJECTED``). It sees this rank's shards: a call is skipped
+            on every rank when it says skip on any (one all-reduce of one number a call).
 
     Returns:
         A ``GradientTransformation`` whose state is ``AccumulateState`` and whose
@@ -190,6 +216,7 @@ def accumulate(
         TypeError: if ``inner`` is not a ``GradientTransformation``.
         ValueError: if ``every`` (or, at a call, what its schedule returns) is not a whole
             number ``>= 1``.
+        TypeError: if ``accumulator_dtype`` is neither ``None`` nor a floating torch dtype.
 
     Examples:
         >>> from fsdp_fn import sgd
@@ -199,12 +226,33 @@ def accumulate(
     inner = _check(inner, "accumulate")
     if not callable(every):
         _every_ok(every)
+    check_float_dtype(accumulator_dtype, "accumulate: accumulator_dtype")
 
     def k_at(gradient_step: int) -> int:
         return _every_ok(every(gradient_step)) if callable(every) else every
 
     def init(params: Params) -> AccumulateState:
-        return AccumulateState(0, 0, inner.init(params), zeros_like(params).with_received({}))
+        acc = zeros_like(params)
+        if accumulator_dtype is not None:
+            acc = acc.replace({u: t.to(accumulator_dtype) for u, t in acc.shards.items()})
+        acc = acc.with_received({})
+        skip_state = () if should_skip_update_fn is None else should_skip_update_fn(acc, 0, params)[1]
+        return AccumulateState(0, 0, inner.init(params), acc, skip_state)
+
+    def skips(grads: Updates, state: AccumulateState, params: Params | None) -> tuple[bool, Any]:
+        """``should_skip_update_fn``'s decision, the same on every rank (any rank's skip), and its state."""
+        if should_skip_update_fn is None:
+            return False, state.skip_state
+        skip, skip_state = should_skip_update_fn(grads, state.gradient_step, params)
+        flag = torch.tensor(float(bool(skip)), dtype=torch.float64)
+        all_reduce_(flag, grads.layout.group)
+        if grads.layout.replicas > 1:
+            all_reduce_over_(flag, grads.layout.replica_groups)
+        return bool(flag > 0), skip_state
+
+    def cast_like(acc: Sharded, grads: Updates) -> Sharded:
+        """The round's result in the gradients' dtype, unit by unit, for ``inner`` (optax's ``cast_like``)."""
+        return acc.replace({u: t.to(grads[u].dtype) for u, t in acc.shards.items()})
 
     def summed(grads: Updates, acc: Sharded, n: int, out_of_place: bool) -> Sharded:
         shards, received = {}, {}
@@ -222,28 +270,48 @@ def accumulate(
             received[unit.name] = tuple(x or y for x, y in zip(acc.mask(unit), got, strict=True))
         return Sharded(shards, acc.layout, received)
 
-    def update(grads: Updates, state: AccumulateState, params: Params | None = None) -> tuple[Updates, AccumulateState]:
+    def update(
+        grads: Updates, state: AccumulateState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, AccumulateState]:
+        skip, skip_state = skips(grads, state, params)
+        if skip:
+            return _nothing(grads), state._replace(skip_state=skip_state, last_skipped=True)
+        state = state._replace(skip_state=skip_state, last_skipped=False)
         acc = summed(grads, state.acc_grads, state.mini_step, out_of_place=True)
         if state.mini_step + 1 < k_at(state.gradient_step):
             return _nothing(grads), state._replace(mini_step=state.mini_step + 1, acc_grads=acc)
-        updates, inner_state = inner.update(acc, state.inner_opt_state, params)
+        updates, inner_state = call_update(inner, cast_like(acc, grads), state.inner_opt_state, params, extra)
         fresh = zeros_like(acc).with_received({})
-        return updates, AccumulateState(0, state.gradient_step + 1, inner_state, fresh)
+        return updates, AccumulateState(0, state.gradient_step + 1, inner_state, fresh, skip_state)
 
     def fused(grads: Updates, state: AccumulateState, params: Params) -> AccumulateState:
+        skip, skip_state = skips(grads, state, params)
+        if skip:
+            return state._replace(skip_state=skip_state, last_skipped=True)
+        state = state._replace(skip_state=skip_state, last_skipped=False)
         acc = summed(grads, state.acc_grads, state.mini_step, out_of_place=False)
         if state.mini_step + 1 < k_at(state.gradient_step):
             return state._replace(mini_step=state.mini_step + 1, acc_grads=acc)
-        inner_state = update_in_place(inner, acc, state.inner_opt_state, params)
+        inner_state = update_in_place(inner, cast_like(acc, grads), state.inner_opt_state, params)
         for t in acc.values():
             t.zero_()
-        return AccumulateState(0, state.gradient_step + 1, inner_state, acc.with_received({}))
+        return AccumulateState(0, state.gradient_step + 1, inner_state, acc.with_received({}), skip_state)
 
     def outcome(state: AccumulateState) -> Outcome:
+        if state.last_skipped:
+            return Outcome.REJECTED
         return Outcome.DEFERRED if state.mini_step else _inner_outcome(inner, state.inner_opt_state)
 
     name = f"accumulate({every if not callable(every) else 'schedule'})"
-    return GradientTransformation(init, update, name, outcome=outcome, fused=fused, inner=(inner,))
+    return GradientTransformation(
+        init,
+        update,
+        name,
+        outcome=outcome,
+        fused=fused,
+        inner=(inner,),
+        global_norms=int(should_skip_update_fn is not None),  # its decision's one all-reduce of one number
+    )
 
 
 def _every_ok(every: Any) -> int:
@@ -270,6 +338,22 @@ def _as_select(
     if not callable(mask):
         raise TypeError(f"{where}: takes a callable (name, shape) -> value or a mapping by name, got {mask!r}")
     return mask
+
+
+def _check_names(mask: Any, params: Params, where: str) -> None:
+    """Refuse a mapping by name that names a parameter the plan does not have (optax's init
+    raises on a mask tree of another structure)."""
+    if not isinstance(mask, Mapping) or not isinstance(params, Sharded):
+        return
+    known = {n for spec in params.plan.params for n in (spec.name, *spec.aliases)}
+    unknown = [k for k in mask if k not in known]
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        names = sorted(known)
+        raise KeyError(
+            f"{where}: the mapping names {unknown[0]!r}{more}, which is no parameter of the plan; its parameters: "
+            f"{names[:6]}{' ...' if len(names) > 6 else ''}"
+        )
 
 
 def _restricted(grads: Updates, keep: Callable[[Unit], tuple[bool, ...]]) -> Updates:
@@ -307,7 +391,8 @@ def masked(inner: GradientTransformation, mask: ParamMask | Mapping[str, bool]) 
     Raises:
         TypeError: if ``inner`` is not a ``GradientTransformation`` or ``mask`` is neither
             callable nor a mapping.
-        KeyError: from ``update``, if a mapping ``mask`` lacks a parameter's name.
+        KeyError: from ``init`` (and ``update``), if a mapping ``mask`` lacks a parameter's
+            name or names one the plan does not have.
 
     Examples:
         >>> from fsdp_fn import scale
@@ -316,18 +401,24 @@ def masked(inner: GradientTransformation, mask: ParamMask | Mapping[str, bool]) 
     """
     inner = _check(inner, "masked")
     select = _as_select(mask, "masked")
-    cache: dict[str, tuple[bool, ...]] = {}
+    cache: dict[Unit, tuple[bool, ...]] = {}  # by the unit itself: the value may serve several trees
 
     def chosen(unit: Unit) -> tuple[bool, ...]:
-        if unit.name not in cache:
-            cache[unit.name] = tuple(bool(select(p.name, p.shape)) for p in unit.params)
-        return cache[unit.name]
+        if unit not in cache:
+            cache[unit] = tuple(bool(select(p.name, p.shape)) for p in unit.params)
+        return cache[unit]
 
     def init(params: Params) -> MaskedState:
+        _check_names(mask, params, "masked")
+        if isinstance(params, Sharded):
+            for unit in params.plan.units:
+                chosen(unit)  # a mapping that lacks a parameter raises here, as optax's init
         return MaskedState(inner.init(params))
 
-    def update(grads: Updates, state: MaskedState, params: Params | None = None) -> tuple[Updates, MaskedState]:
-        inner_updates, inner_state = inner.update(_restricted(grads, chosen), state.inner_state, params)
+    def update(
+        grads: Updates, state: MaskedState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, MaskedState]:
+        inner_updates, inner_state = call_update(inner, _restricted(grads, chosen), state.inner_state, params, extra)
         out = {}
         for unit in grads.plan.units:
             mine = [a and b for a, b in zip(grads.mask(unit), chosen(unit), strict=True)]
@@ -366,7 +457,7 @@ def multi_transform(
 ) -> GradientTransformation:
     """One transformation per label, each on the parameters of its label (optax's ``multi_transform``).
 
-    ``multi_transform({"adam": ff.adamw(), "frozen": ff.scale(0.0)}, labels)``. Each
+    ``multi_transform({"adam": ff.adamw(), "frozen": ff.set_to_zero()}, labels)``. Each
     transformation's state covers every parameter; the other labels' stay as they were.
     In a train step each label's transformation runs in place on its own parameters (the
     gradients copied for every label but the last). No communication of its own.
@@ -383,7 +474,8 @@ def multi_transform(
         TypeError: if a transformation is not a ``GradientTransformation`` or
             ``param_labels`` is neither callable nor a mapping.
         KeyError: from ``init`` or ``update``, if a parameter's label names no
-            transformation, or a mapping lacks a parameter's name.
+            transformation, or a mapping lacks a parameter's name; from ``init``, if a
+            mapping names a parameter the plan does not have.
 
     Examples:
         >>> from fsdp_fn import adamw, sgd
@@ -392,10 +484,10 @@ def multi_transform(
     """
     links = {label: _check(t, "multi_transform") for label, t in transforms.items()}
     select = _as_select(param_labels, "multi_transform")
-    cache: dict[str, tuple[str, ...]] = {}
+    cache: dict[Unit, tuple[str, ...]] = {}  # by the unit itself: the value may serve several trees
 
     def labels(unit: Unit) -> tuple[str, ...]:
-        if unit.name not in cache:
+        if unit not in cache:
             found = tuple(select(p.name, p.shape) for p in unit.params)
             unknown = [(p.name, label) for p, label in zip(unit.params, found, strict=True) if label not in links]
             if unknown:
@@ -403,22 +495,23 @@ def multi_transform(
                     f"multi_transform: parameter {unknown[0][0]!r} has label {unknown[0][1]!r}, which names no "
                     f"transformation (labels: {sorted(links)})"
                 )
-            cache[unit.name] = found
-        return cache[unit.name]
+            cache[unit] = found
+        return cache[unit]
 
     def only(label: str) -> Callable[[Unit], tuple[bool, ...]]:
         return lambda unit: tuple(x == label for x in labels(unit))
 
     def init(params: Params) -> MultiTransformState:
+        _check_names(param_labels, params, "multi_transform")
         for unit in params.plan.units:
             labels(unit)
         return MultiTransformState({label: t.init(params) for label, t in links.items()})
 
     def update(
-        grads: Updates, state: MultiTransformState, params: Params | None = None
+        grads: Updates, state: MultiTransformState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, MultiTransformState]:
         results = {
-            label: t.update(_restricted(grads, only(label)), state.inner_states[label], params)
+            label: call_update(t, _restricted(grads, only(label)), state.inner_states[label], params, extra)
             for label, t in links.items()
         }
         out = {}
@@ -479,67 +572,138 @@ class InjectHyperparamsState(NamedTuple):
 
     # updates applied before the next one: what scheduled hyper-parameters read (optax's name: it shadows tuple.count)
     count: int  # type: ignore[assignment]
-    hyperparams: dict[str, float]  # their values at the last update; replace one to change it
+    hyperparams: dict[str, float | int]  # their values at the last update; replace one to change it
     inner_state: Any
 
 
-def inject_hyperparams(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _as_number(value: Any, where: str) -> float | int:
+    """A hyper-parameter's value as a Python number: an int or float as it is, anything
+    ``float()`` takes (a 0-d tensor or array) as a float."""
+    if _is_number(value):
+        return value  # type: ignore[no-any-return]
+    try:
+        if isinstance(value, bool | str):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{where} must be a number, got {type(value).__name__} {value!r}") from None
+
+
+def inject_hyperparams(
+    factory: Callable[..., GradientTransformation], static_args: str | Iterable[str] = ()
+) -> Callable[..., GradientTransformation]:
     """Make ``factory``'s numeric hyper-parameters part of the state (optax's ``inject_hyperparams``).
 
-    ``inject_hyperparams(ff.adamw)(lr=1e-3, weight_decay=0.1)``. A number is kept in
-    ``state.hyperparams`` and can be changed between steps
-    (``state._replace(hyperparams={**state.hyperparams, "lr": 1e-4})``); a callable is a
-    schedule of ``state.count`` (the updates applied before), evaluated at each update.
-    Other arguments are passed as they are. The inner transformation is rebuilt from the
-    values at each update (cheap: closures), so its fused form still runs in a train step.
-    Memory and communication: the inner transformation's.
+    ``inject_hyperparams(ff.adamw)(lr=1e-3, weight_decay=0.1)``. As optax's, every numeric
+    argument of ``factory``, given by keyword or by position or left at its default, is
+    injected: kept in ``state.hyperparams``, where it can be changed between steps
+    (``state._replace(hyperparams={**state.hyperparams, "lr": 1e-4})``). A callable is a
+    schedule of ``state.count`` (the updates applied before), evaluated at each update;
+    a callable that is not a schedule (a mask) goes in ``static_args``. Booleans, ``None``,
+    tuples and the ``static_args`` are passed as they are. The inner transformation is
+    rebuilt from the values at each update (cheap: closures), so its fused form still runs
+    in a train step. Memory and communication: the inner transformation's.
+
+    Where optax ignores a value set in the state that it does not read (a key it did not
+    inject, a scheduled one), this raises: a change that would be ignored is an error.
 
     Args:
-        factory: a function that builds a ``GradientTransformation`` from keyword
-            hyper-parameters (``ff.adamw``, ``ff.scale``, ...).
+        factory: a function that builds a ``GradientTransformation`` (``ff.adamw``,
+            ``ff.scale``, ``ff.clip_by_global_norm``, ...).
+        static_args: the names of ``factory``'s arguments never to inject or schedule
+            (optax's ``static_args``): a callable that is not a schedule.
 
     Returns:
         ``build(*args, **kwargs) -> GradientTransformation`` whose state is
-        ``InjectHyperparamsState``. ``build`` raises ``TypeError`` if ``factory`` does not
-        return a ``GradientTransformation``; its ``update`` raises ``TypeError`` if a
-        schedule does not return a number.
+        ``InjectHyperparamsState``. ``build`` takes ``factory``'s arguments and raises
+        ``TypeError`` if they do not fit its signature or ``factory`` does not return a
+        ``GradientTransformation``; its ``update`` raises ``TypeError`` if a schedule does
+        not return a number, and ``ValueError`` if ``state.hyperparams`` holds a name that
+        is not injected or changes a scheduled one.
+
+    Raises:
+        ValueError: if ``static_args`` names an argument ``factory`` does not have.
 
     Examples:
-        >>> from fsdp_fn import scale
+        >>> from fsdp_fn import clip_by_global_norm, scale
         >>> inject_hyperparams(scale)(step_size=0.5).init(None)
         InjectHyperparamsState(count=0, hyperparams={'step_size': 0.5}, inner_state=EmptyState())
+        >>> inject_hyperparams(clip_by_global_norm)(0.1).init(None).hyperparams
+        {'max_norm': 0.1}
     """
+    static_names = {static_args} if isinstance(static_args, str) else set(static_args)
+    signature = inspect.signature(factory)
+    if not static_names <= set(signature.parameters):
+        raise ValueError(
+            f"inject_hyperparams: static_args {sorted(static_names - set(signature.parameters))} are not arguments "
+            f"of {getattr(factory, '__name__', factory)!r} (its arguments: {list(signature.parameters)})"
+        )
+    variadic = {n for n, p in signature.parameters.items() if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
     def build(*args: Any, **kwargs: Any) -> GradientTransformation:
-        numeric = {k: v for k, v in kwargs.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-        scheduled = {k: v for k, v in kwargs.items() if callable(v) and k not in numeric}
-        static = {k: v for k, v in kwargs.items() if k not in numeric and k not in scheduled}
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        fixed = static_names | variadic
+        numeric = {k: v for k, v in arguments.items() if k not in fixed and _is_number(v)}
+        scheduled = {k: v for k, v in arguments.items() if k not in fixed and k not in numeric and callable(v)}
+        injected = sorted([*numeric, *scheduled])
 
-        def values(count: int, current: Mapping[str, float]) -> dict[str, float]:
-            out = {k: float(current.get(k, v)) for k, v in numeric.items()}
+        def at(fn: Callable[[int], Any], k: str, count: int) -> float:
+            try:
+                return float(fn(count))
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(
+                    f"inject_hyperparams: the schedule for {k!r} did not return a number at count {count} "
+                    f"(a callable argument that is not a schedule, such as a mask, goes in static_args={k!r})"
+                ) from None
+
+        def values(count: int, current: Mapping[str, Any] | None) -> dict[str, float | int]:
+            if current is None:
+                out = dict(numeric)
+            else:
+                unknown = [k for k in current if k not in numeric and k not in scheduled]
+                if unknown:
+                    raise ValueError(
+                        f"inject_hyperparams({getattr(factory, '__name__', 'factory')}): state.hyperparams sets "
+                        f"{unknown[0]!r}, which is not an injected hyper-parameter, so it would be ignored "
+                        f"(injected: {injected}); pass it to the factory instead"
+                    )
+                out = {
+                    k: _as_number(current.get(k, v), f"inject_hyperparams: hyperparams[{k!r}]")
+                    for k, v in numeric.items()
+                }
+                last = max(count - 1, 0)  # the count its stored value was read at
+                for k, fn in scheduled.items():
+                    if k in current and current[k] != at(fn, k, last):
+                        raise ValueError(
+                            f"inject_hyperparams: state.hyperparams sets {k!r} to {current[k]!r}, but {k!r} is "
+                            f"scheduled (it was {at(fn, k, last)!r} at count {last}): its schedule gives its value, "
+                            "so the change would be ignored; pass a number for it to set it through the state"
+                        )
             for k, fn in scheduled.items():
-                try:
-                    out[k] = float(fn(count))
-                except (TypeError, ValueError, RuntimeError):
-                    raise TypeError(
-                        f"inject_hyperparams: the schedule for {k!r} did not return a number at count {count}"
-                    ) from None
+                out[k] = at(fn, k, count)
             return out
 
-        def inner(hyperparams: Mapping[str, float]) -> GradientTransformation:
-            return _check(factory(*args, **static, **hyperparams), "inject_hyperparams")
+        def inner(hyperparams: Mapping[str, float | int]) -> GradientTransformation:
+            called = inspect.BoundArguments(signature, {**arguments, **hyperparams})  # type: ignore[arg-type]
+            return _check(factory(*called.args, **called.kwargs), "inject_hyperparams")
 
-        probe = inner(values(0, {}))
+        probe = inner(values(0, None))
 
         def init(params: Params) -> InjectHyperparamsState:
-            hyperparams = values(0, {})
+            hyperparams = values(0, None)
             return InjectHyperparamsState(0, hyperparams, inner(hyperparams).init(params))
 
         def update(
-            grads: Updates, state: InjectHyperparamsState, params: Params | None = None
+            grads: Updates, state: InjectHyperparamsState, params: Params | None = None, **extra: Any
         ) -> tuple[Updates, InjectHyperparamsState]:
             hyperparams = values(state.count, state.hyperparams)
-            updates, inner_state = inner(hyperparams).update(grads, state.inner_state, params)
+            updates, inner_state = call_update(inner(hyperparams), grads, state.inner_state, params, extra)
             return updates, InjectHyperparamsState(state.count + 1, hyperparams, inner_state)
 
         def fused(grads: Updates, state: InjectHyperparamsState, params: Params) -> InjectHyperparamsState:
