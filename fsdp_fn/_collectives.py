@@ -281,6 +281,14 @@ def all_gather_into(
         return pending
 
 
+def divides_first(dtype: torch.dtype) -> bool:
+    """Whether a mean over ranks in ``dtype`` divides before it sums: float16 does (its range
+    ends at 65504, so two ranks' gradients of 40000 sum to inf where their mean is finite:
+    divided first, a mean whose parts are finite never overflows; FSDP2 splits the division
+    around the sum); bfloat16 and float32, whose range is float32's, sum first (one rounding less)."""
+    return dtype == torch.float16
+
+
 @phased("reduce_scatter")
 def reduce_scatter_start(
     full: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float = 1.0
@@ -289,11 +297,14 @@ def reduce_scatter_start(
     and get this rank's shard, times ``scale``.
 
     Memory: one shard (``PairwiseComm``: ``W-1`` received shards, one of which becomes the
-    result); ``full`` stays alive until the result is taken. The sum comes out alike on every rank.
+    result); ``full`` stays alive until the result is taken; in float16 with a ``scale``, a
+    scaled copy of ``full`` instead (``divides_first``). The sum comes out alike on every rank.
     """
     record("reduce_scatter", unit, full.numel(), full.dtype, group)
     with torch._C._DisableFuncTorch(), torch.no_grad():
         full = full.contiguous()
+        if scale != 1.0 and group.size() > 1 and divides_first(full.dtype):
+            full, scale = full * scale, 1.0
         if group.size() == 1:  # nothing to reduce: no copy either
             alone = full.view(-1) if scale == 1.0 else full * scale
             return lambda: alone
@@ -557,7 +568,10 @@ class _AllReduce(_Linear):
 
     @staticmethod
     def forward(x: torch.Tensor, group: dist.ProcessGroup, unit: str | None, scale: float) -> torch.Tensor:
-        out = all_reduce_(x.detach().clone(memory_format=torch.contiguous_format), group, unit)
+        out = x.detach().clone(memory_format=torch.contiguous_format)
+        if scale != 1.0 and divides_first(out.dtype):
+            return all_reduce_(out.mul_(scale), group, unit)
+        out = all_reduce_(out, group, unit)
         return out.mul_(scale) if scale != 1.0 else out
 
     @staticmethod

@@ -31,10 +31,19 @@ def square_norm(t: torch.Tensor) -> torch.Tensor:
     >>> bool(abs(torch.linalg.vector_norm(x).double() ** 2 - exact) < 1e-6 * exact)  # one long fp32 sum
     False
     """
-    flat = t.reshape(-1)
+    flat = t if t.dim() == 1 else t.reshape(-1)
     acc = torch.float64 if t.dtype == torch.float64 else torch.float32  # bf16/fp16 sum in fp32 at least
-    whole = flat.numel() // ROW * ROW
-    rows = torch.linalg.vector_norm(flat[:whole].view(-1, ROW), dim=1, dtype=acc).double()
-    tail = torch.linalg.vector_norm(flat[whole:], dtype=acc).double()
-    total: torch.Tensor = rows.square().sum() + tail.square()
-    return total
+    numel = flat.numel()
+    whole = numel // ROW * ROW
+    # (a few operations per tensor: the step norms every unit's gradient shard, so each one
+    # dispatched is host time per unit; the tail, under ROW elements, is summed in float64)
+    if whole == 0:
+        tail = torch.linalg.vector_norm(flat, dtype=torch.float64)
+        return torch.mul(tail, tail)
+    rows = torch.linalg.vector_norm((flat if whole == numel else flat[:whole]).view(-1, ROW), dim=1, dtype=acc)
+    rows = rows.double()
+    total = torch.dot(rows, rows)
+    if whole == numel:
+        return total
+    tail = torch.linalg.vector_norm(flat[whole:], dtype=torch.float64)
+    return torch.addcmul(total, tail, tail)

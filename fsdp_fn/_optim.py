@@ -140,16 +140,17 @@ def _add(
     elements: 31 -> 27-29 ms a step). Every operation is element-wise, so the result is the
     same to the bit. The first piece steps ``count`` itself; the others step copies of it, so the
     count advances once."""
-    size = max(1, _PIECE_BYTES // param.element_size())
-    if param.device.type != "cpu" or param.numel() <= size:
-        bounds = [(0, param.numel())]
+    size, numel = max(1, _PIECE_BYTES // param.element_size()), param.numel()
+    if param.device.type != "cpu" or numel <= size:  # one piece: the tensors as they are (no views)
+        pieces = [(param, grad, states)]
     else:
-        bounds = [(lo, min(lo + size, param.numel())) for lo in range(0, param.numel(), size)]
-    for k, (lo, hi) in enumerate(bounds):
-        out.params.append(param[lo:hi])
-        out.grads.append(grad[lo:hi])
-        for kind, state in zip(out.states, states, strict=True):
-            kind.append(state[lo:hi])
+        bounds = [(lo, min(lo + size, numel)) for lo in range(0, numel, size)]
+        pieces = [(param[lo:hi], grad[lo:hi], [state[lo:hi] for state in states]) for lo, hi in bounds]
+    for k, (p, g, piece_states) in enumerate(pieces):
+        out.params.append(p)
+        out.grads.append(g)
+        for kind, state in zip(out.states, piece_states, strict=True):
+            kind.append(state)
         out.steps.append(count if k == 0 else count.clone())
         out.decays.append(decayed)
 

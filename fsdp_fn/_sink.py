@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fsdp_fn import _reached as reached
-from fsdp_fn._collectives import all_reduce_over_, reduce_scatter_start
+from fsdp_fn._collectives import all_reduce_over_, divides_first, reduce_scatter_start
 from fsdp_fn._labels import label
 from fsdp_fn._plan import Unit
 from fsdp_fn._policy import Schedule
@@ -174,7 +174,9 @@ def reduce_unit(params: Sharded, unit: Unit, full: torch.Tensor, schedule: Sched
 
     def result() -> torch.Tensor:
         out = finish()
-        if layout.replicas > 1:
+        if layout.replicas > 1 and divides_first(out.dtype):
+            all_reduce_over_(out.div_(layout.replicas), layout.replica_groups, unit.name)
+        elif layout.replicas > 1:
             all_reduce_over_(out, layout.replica_groups, unit.name).div_(layout.replicas)
         return out.to(dtype=shard.dtype, device=shard.device)
 

@@ -471,7 +471,8 @@ class TrainStep:
         more with replicas)."""
         plan = layout.plan
         zero = torch.zeros((), dtype=torch.float64, device=loss.device)
-        square = sum((n.to(loss.device) for n in square_norms), zero)
+        norms = [n if n.device == loss.device else n.to(loss.device) for n in square_norms]
+        square = torch.stack(norms).sum() if norms else zero  # (two operations, not two per unit)
         lo, hi = guard.fingerprint()
         packed = reached.pack(masks, plan)
         mine = torch.cat([torch.stack([loss.double(), square, zero + lo, zero + hi]), packed.to(loss.device)])

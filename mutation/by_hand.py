@@ -618,6 +618,20 @@ MUTANTS = [
         "tests/test_checkpoint.py::test_loading_reads_nothing_outside_the_directory",
     ),
     (
+        "float16_reduce_scatter_sums_first",
+        "fsdp_fn/_collectives.py",
+        "        if scale != 1.0 and group.size() > 1 and divides_first(full.dtype):",
+        "        if False:",
+        "tests/test_features.py::test_a_float16_mean_gradient_near_the_top_of_its_range_stays_finite",
+    ),
+    (
+        "float16_replicas_sum_first",
+        "fsdp_fn/_sink.py",
+        "        if layout.replicas > 1 and divides_first(out.dtype):",
+        "        if False:",
+        "tests/test_features.py::test_a_float16_mean_gradient_near_the_top_of_its_range_stays_finite",
+    ),
+    (
         "lookup_choice_ignores_checkpoint_regions",
         "fsdp_fn/_lookup.py",
         "            and name not in forced\n",

@@ -898,3 +898,42 @@ def test_a_deep_copy_of_a_state_is_a_snapshot_that_trains_on_and_pickle_says_wha
         assert moved > 0 and untouched and same and shared
         assert "cannot be pickled: their layout holds process groups" in pickled
         assert "fsdp_fn.checkpoint.save" in pickled
+
+
+# --- float16 reductions ---------------------------------------------------------------------------
+
+
+def _fp16_mean_near_the_top_of_its_range(group, hybrid):
+    """Every rank's gradient is 40000 (fp16's range ends at 65504): their sum overflows, their
+    mean does not. One process of plain torch (float32) gives 40000."""
+    target: Any = group
+    if hybrid:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        target = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    x = torch.full((1, 1), 40000.0)
+    reference = torch.func.grad(lambda w: torch.func.functional_call(model, {"weight": w}, (x,)).sum())(model.weight)
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model), target)
+    mp = ff.Schedule(mixed_precision=ff.MixedPrecision(param_dtype=torch.float16))
+    _, grads = ff.value_and_grad(fn, lambda m, b: m(b).sum(), schedule=mp)(params, fn.buffers, x)
+    lean = ff.unshard(grads)["weight"]
+    # apply_sharded on float16 shards, differentiated by torch.func.grad: the pair's reduce-scatter
+    half = model.half()
+    fn16 = ff.functionalize(half)
+    shards = ff.shard(fn16.params, ff.make_plan(half), target)
+    composed = ff.unshard(
+        torch.func.grad(lambda p: ff.apply_sharded(fn16, p, fn16.buffers, x.half()).float().sum())(shards)
+    )["weight"]
+    return reference.item(), lean.float().item(), composed.float().item()
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["W2", "2x2"])
+def test_a_float16_mean_gradient_near_the_top_of_its_range_stays_finite(pool, hybrid):
+    # Catches: summing the ranks' float16 gradients before dividing (inf: 80000 > 65504), in the
+    # reduce-scatter, in the replicas' all-reduce and in the pair apply_sharded differentiates.
+    for reference, lean, composed in pool.run(_fp16_mean_near_the_top_of_its_range, hybrid, world=4 if hybrid else 2):
+        assert reference == 40000.0
+        assert lean == reference and composed == reference
