@@ -342,7 +342,10 @@ def estimate_memory(
     # Gradients an earlier micro-batch left for the later ones, alive through their activations.
     summed = 0
     if schedule is not None and schedule.micro_batches > 1:
-        full = sum(u.padded_numel(world) * u.dtype.itemsize for u in plan.units)
+        # (summed in the reduce dtype of the gradients, which come in the gathered dtype)
+        full = sum(
+            u.padded_numel(world) * schedule.reduce_dtype(schedule.gather_dtype(u.dtype)).itemsize for u in plan.units
+        )
         summed = params if schedule.reduce_each_micro_batch else full
     largest_shard = max(shard_bytes.values())
     counters = 4 * sum(len(u.params) for u in plan.units)  # one float32 step count per trainable parameter

@@ -89,10 +89,11 @@ class GradSink:
     def push(self, unit: Unit, full: torch.Tensor, received: Sequence[bool], reusable: bool = False) -> None:
         self._mark(unit, received, full.device)
         with torch._C._DisableFuncTorch(), torch.no_grad():
-            if self.deferred is not None:
+            if self.deferred is not None:  # summed in the reduce dtype, as FSDP2 accumulates
                 total = self.deferred.get(unit.name)
                 if total is None:
-                    self.deferred[unit.name] = full  # a fresh buffer from the split's backward: ours to keep
+                    # a fresh buffer from the split's backward: ours to keep (a copy in the reduce dtype)
+                    self.deferred[unit.name] = full.to(self.schedule.reduce_dtype(full.dtype))
                 else:
                     total.add_(full)
                 return

@@ -632,6 +632,13 @@ MUTANTS = [
         "tests/test_features.py::test_a_float16_mean_gradient_near_the_top_of_its_range_stays_finite",
     ),
     (
+        "deferred_micro_batches_summed_in_the_compute_dtype",
+        "fsdp_fn/_sink.py",
+        "                    self.deferred[unit.name] = full.to(self.schedule.reduce_dtype(full.dtype))",
+        "                    self.deferred[unit.name] = full",
+        "tests/test_features.py::test_micro_batches_accumulate_in_the_reduce_dtype",
+    ),
+    (
         "lookup_choice_ignores_checkpoint_regions",
         "fsdp_fn/_lookup.py",
         "            and name not in forced\n",

@@ -937,3 +937,37 @@ def test_a_float16_mean_gradient_near_the_top_of_its_range_stays_finite(pool, hy
     for reference, lean, composed in pool.run(_fp16_mean_near_the_top_of_its_range, hybrid, world=4 if hybrid else 2):
         assert reference == 40000.0
         assert lean == reference and composed == reference
+
+
+def _micro_batches_summed_in(group, each):
+    """value_and_grad over 4 micro-batches of bf16 compute with an fp32 reduce dtype: the
+    gradient against float64 of the same bf16 per-micro-batch gradients (one process)."""
+    model, policy, loss_fn = make("gpt")
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, policy), group)
+    mp = ff.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    schedule = ff.Schedule(micro_batches=4, reduce_each_micro_batch=each, mixed_precision=mp)
+    batch = batch_for("gpt", model, 0, size=16)
+    mine = local_part(batch, group.rank(), group.size())
+    micro = [local_part(mine, i, 4) for i in range(4)]
+    _, grads = ff.value_and_grad(fn, loss_fn, schedule=schedule)(params, fn.buffers, micro)
+    full = ff.unshard(grads)
+    # the reference: each rank's each micro-batch's bf16 gradient, summed in float64
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    total = {k: torch.zeros(p.shape, dtype=torch.float64) for k, p in half.named_parameters()}
+    for r in range(group.size()):
+        for i in range(4):
+            half.zero_grad()
+            loss_fn(half, local_part(local_part(batch, r, group.size()), i, 4)).backward()
+            for k, p in half.named_parameters():
+                total[k] += p.grad.double()
+    n = 4 * group.size()
+    return max(((full[k].double() - t / n).norm() / (t / n).norm()).item() for k, t in total.items())
+
+
+@pytest.mark.parametrize("each", [True, False], ids=["reduce_each", "reduce_once"])
+def test_micro_batches_accumulate_in_the_reduce_dtype(pool, each):
+    # Catches: the micro-batches' full gradients summed in bf16 before the one reduce-scatter
+    # (measured 2.8e-3 relative per step before; FSDP2 accumulates in the reduce dtype).
+    for off in pool.run(_micro_batches_summed_in, each, world=2):
+        assert off < 1e-5, off
