@@ -187,10 +187,11 @@ class LeanRuntime(Runtime):
     # --- gathering ---------------------------------------------------------------------------------
 
     def _new_record(self, unit: Unit) -> GatheredUnit:
-        check_shard(self.params, unit)
         group, gather_dtype = self.params.group, self.schedule.gather_dtype
+        # (the shards' own dtype, not the plan's: shards cast after ``shard``, FSDP2's
+        # ``model.to(torch.float64)`` after ``fully_shard``, compute in their dtype)
         parts = [
-            FlatPart(part, plain(shard), group, gather_dtype(part.dtype), self.device or shard.device)
+            FlatPart(part, plain(shard), group, gather_dtype(shard.dtype), self.device or shard.device)
             for part, shard in shards_of(self.params, unit)
         ]
         return GatheredUnit(unit, parts, self)

@@ -639,6 +639,13 @@ MUTANTS = [
         "tests/test_features.py::test_micro_batches_accumulate_in_the_reduce_dtype",
     ),
     (
+        "gathered_in_the_plans_dtype_not_the_shards",
+        "fsdp_fn/_lean.py",
+        "gather_dtype(shard.dtype), self.device or shard.device)",
+        "gather_dtype(part.dtype), self.device or shard.device)",
+        "tests/test_features.py::test_shards_cast_after_shard_train_in_their_dtype",
+    ),
+    (
         "lookup_choice_ignores_checkpoint_regions",
         "fsdp_fn/_lookup.py",
         "            and name not in forced\n",

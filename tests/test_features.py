@@ -971,3 +971,30 @@ def test_micro_batches_accumulate_in_the_reduce_dtype(pool, each):
     # (measured 2.8e-3 relative per step before; FSDP2 accumulates in the reduce dtype).
     for off in pool.run(_micro_batches_summed_in, each, world=2):
         assert off < 1e-5, off
+
+
+def _cast_after_shard(group):
+    """FSDP2's test_to_float64_after_init: the shards cast to float64 after ``shard`` train in
+    float64, equal to one process of torch in float64 (before: gathered in the plan's float32)."""
+    model, policy, loss_fn = make("mlp")
+    fn = ff.functionalize(model)
+    params = ff.tree_map(lambda t: t.double(), ff.shard(fn.params, ff.make_plan(model, policy), group))
+    step = ff.train_step(fn, loss_fn, ff.adamw(lr=1e-2))
+    state = step.init(params)
+    reference = copy.deepcopy(model).double()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for k in range(3):
+        batch = tuple(t.double() for t in batch_for("mlp", model, k, size=BATCH))
+        state, _ = step(state, local_part(batch, group.rank(), group.size()))
+        opt.zero_grad()
+        loss_fn(reference, batch).backward()
+        opt.step()
+    full = ff.unshard(state.params)
+    return full["net.0.weight"].dtype, max((full[k] - p).abs().max().item() for k, p in reference.named_parameters())
+
+
+def test_shards_cast_after_shard_train_in_their_dtype(pool):
+    # Catches: gathering in the plan's float32 (the parameters then differ by ~1e-7, float32's rounding).
+    for dtype, off in pool.run(_cast_after_shard, world=2):
+        assert dtype == torch.float64
+        assert off < 1e-12
