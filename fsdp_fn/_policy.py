@@ -44,8 +44,8 @@ class MixedPrecision:
         reduce_dtype: gradients are reduce-scattered in it (default: ``param_dtype``).
         buffer_dtype: floating buffers are kept in it.
         output_dtype: the forward's floating outputs are cast to it.
-        cast_forward_inputs: floating tensors passed to the forward are cast to
-            ``param_dtype``.
+        cast_forward_inputs: floating tensors passed to the forward, and to each unit's
+            forward, are cast to ``param_dtype`` (FSDP2's ``cast_forward_inputs``).
 
     Raises:
         TypeError: if a dtype is neither ``None`` nor a floating ``torch.dtype``.

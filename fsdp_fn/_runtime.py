@@ -260,17 +260,25 @@ class Runtime:
 
     def _pre_hook(
         self, unit: Unit, target: nn.Module, swapped: list[tuple[nn.Module, str, Any]]
-    ) -> Callable[..., None]:
+    ) -> Callable[..., tuple[Any, Any] | None]:
         key = (unit.name, id(target))
+        precision = self.schedule.mixed_precision
+        cast = precision.param_dtype is not None and precision.cast_forward_inputs
 
         @phased("pre_forward")
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+            # Each unit's floating inputs in its compute dtype, as FSDP2 casts at every
+            # fully_shard module (an fp32 tensor reaching a bf16 unit: an fp32 buffer added
+            # to an output, a ``.float()`` between units).
+            cast_args = precision.cast_inputs(args, kwargs) if cast else None
+            if cast_args is not None:
+                args, kwargs = cast_args
             self.running.append(unit.name)
             entered = self._enter_unit(unit, args, kwargs)
             self.order.append(unit.name)
             if entered is None:  # nothing gathered or swapped in
                 self.live.setdefault(key, []).append((FETCHING, 0))
-                return
+                return cast_args
             use, views = entered
             for owner, attr, name in self.slots[key]:
                 swapped.append((owner, attr, owner._parameters[attr]))
@@ -279,6 +287,7 @@ class Runtime:
             if self.check_unchanged:
                 self.fingerprints.setdefault(key, []).append((_fingerprints(views), views))
             self._entered(unit, use, args, kwargs)
+            return cast_args
 
         return hook
 
@@ -310,14 +319,16 @@ class Runtime:
         unit: Unit,
         target: nn.Module,
         compiled: Callable[..., Any],
-        pre: Callable[..., None],
+        pre: Callable[..., tuple[Any, Any] | None],
         post: Callable[..., Any],
     ) -> Callable[..., Any]:
         """A compiled unit's call for this run: the pre- and post-forward hooks' work around the
         compiled code (which holds the module's own hooks and forward), rematerialised when asked."""
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            pre(target, args, kwargs)
+            cast = pre(target, args, kwargs)
+            if cast is not None:
+                args, kwargs = cast
             with warnings.catch_warnings():
                 # Dynamo reads ``.grad`` of the unit's parameters, which are views (non-leaf) here.
                 warnings.filterwarnings("ignore", message=_NOT_A_LEAF)

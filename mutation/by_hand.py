@@ -646,6 +646,13 @@ MUTANTS = [
         "tests/test_features.py::test_shards_cast_after_shard_train_in_their_dtype",
     ),
     (
+        "units_do_not_cast_their_inputs",
+        "fsdp_fn/_runtime.py",
+        "        cast = precision.param_dtype is not None and precision.cast_forward_inputs\n",
+        "        cast = False\n",
+        "tests/test_features.py::test_each_unit_casts_its_floating_inputs_to_the_compute_dtype_as_fsdp2",
+    ),
+    (
         "lookup_choice_ignores_checkpoint_regions",
         "fsdp_fn/_lookup.py",
         "            and name not in forced\n",
