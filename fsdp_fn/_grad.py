@@ -275,7 +275,8 @@ def value_and_grad(
                 )
         else:
             check, checks["next"] = checks["next"], check_schedule == "always"
-            with guarded(params.group, "value_and_grad", timeout, check=check, rendezvous=check) as guard:
+            guard_group = params.layout.guard_group
+            with guarded(guard_group, "value_and_grad", timeout, check=check, rendezvous=check) as guard:
                 result = sharded_pass(
                     fn,
                     loss_fn,

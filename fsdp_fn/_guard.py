@@ -181,6 +181,7 @@ class Guard:
         self.watched: list[Watched] = []  # the exchanges issued in this call (what a failure leaves in flight)
         self.gave_up: str | None = None  # the collective whose wait this call gave up on
         self.after = _failed.pop(group.group_name, None)  # this rank's call before, if it failed
+        self._signed = False  # signed in as alive, for a failing rank's roll
 
     # --- the store: a failure to reach it is the failure of its host ---------------------------------
 
@@ -384,6 +385,14 @@ class Guard:
         with contextlib.suppress(Exception):
             self.store.set(f"{self.prefix}/error/{self.rank}", f"{type(error).__name__}: {first}"[:500])
 
+    def _answer_roll(self) -> None:
+        """Sign in as alive when a failing rank asks (``_missing``): a rank that waits on a live
+        peer (with replicas: one of another shard group) does not fail itself within the grace,
+        and must not be named among the ranks that stopped answering."""
+        if not self._signed and self._has(f"{self.prefix}/roll"):
+            self._write(f"{self.prefix}/alive/{self.rank}", "1")
+            self._signed = True
+
     def _remote_error(self) -> str | None:
         if self.store is None:
             return None
@@ -398,6 +407,7 @@ class Guard:
         if self.store is None:
             return []
         self._write(f"{self.prefix}/alive/{self.rank}", "1")
+        self._write(f"{self.prefix}/roll", "1")  # ranks still waiting (on live peers) answer it too
         deadline = time.monotonic() + grace
         missing = [r for r in range(self.world) if r != self.rank]
         while missing and time.monotonic() < deadline:
@@ -459,6 +469,7 @@ class Guard:
                 if remote is not None and not watched.wait(timeout=0.25):
                     self._give_up(what)
                     raise RankFailure(f"{remote}; rank {self.rank} stopped waiting for the {what()}")
+                self._answer_roll()
                 self._check_calls()
                 if time.monotonic() >= deadline:
                     self._give_up(what)

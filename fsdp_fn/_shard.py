@@ -37,7 +37,7 @@ class Layout:
         frozen: this rank's frozen shards by unit name.
     """
 
-    __slots__ = ("axes", "frozen", "group", "plan", "replica_axes", "replica_groups", "replicas")
+    __slots__ = ("axes", "frozen", "group", "guard_group", "plan", "replica_axes", "replica_groups", "replicas")
 
     def __init__(
         self,
@@ -52,11 +52,14 @@ class Layout:
         self.plan, self.axes = plan, axes
         self.frozen: Mapping[str, torch.Tensor] = {} if frozen is None else frozen
         self.group: dist.ProcessGroup = shards[0].group
-        self.replica_axes = tuple(
-            a for a in axes if a.role is Role.REPLICATE and a.size > 1
-        )  # size 1: nothing to average
+        # (a replicate axis of size 1 has nothing to average)
+        self.replica_axes = tuple(a for a in axes if a.role is Role.REPLICATE and a.size > 1)
         self.replica_groups = tuple(a.group for a in self.replica_axes)
         self.replicas = math.prod(a.size for a in self.replica_axes)  # 1: no replicas
+        # A step's guard watches every rank its collectives reach: with replicas a rank waits on
+        # peers of other shard groups, and a failure must be seen (and named) by all of them.
+        spans_world = self.replicas > 1 and self.world * self.replicas == dist.get_world_size()
+        self.guard_group: dist.ProcessGroup = dist.group.WORLD if spans_world else self.group  # type: ignore[assignment]
 
     def __setattr__(self, name: str, value: Any) -> None:
         if hasattr(self, name):

@@ -333,7 +333,7 @@ class TrainStep:
         check = self._check_next
         self._check_next = self.check_schedule == "always"
         with phase("setup"):
-            guard = Guard(state.params.group, self.calls, timeout=self.timeout, check=check)
+            guard = Guard(state.params.layout.guard_group, self.calls, timeout=self.timeout, check=check)
         with guard.active():
             with phase("setup"):
                 # This rank's own input first: a rank that rejects it reports before any rank waits on it.

@@ -653,6 +653,20 @@ MUTANTS = [
         "tests/test_features.py::test_each_unit_casts_its_floating_inputs_to_the_compute_dtype_as_fsdp2",
     ),
     (
+        "guard_of_the_shard_group_only",
+        "fsdp_fn/_shard.py",
+        "dist.group.WORLD if spans_world else self.group",
+        "self.group",
+        "tests/test_reliability.py::test_a_hybrid_mesh_names_the_global_rank_that_failed",
+    ),
+    (
+        "waiting_ranks_do_not_answer_the_roll",
+        "fsdp_fn/_guard.py",
+        "                self._answer_roll()\n",
+        "",
+        "tests/test_reliability.py::test_a_hybrid_mesh_names_the_global_rank_that_failed",
+    ),
+    (
         "lookup_choice_ignores_checkpoint_regions",
         "fsdp_fn/_lookup.py",
         "            and name not in forced\n",

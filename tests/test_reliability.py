@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -42,6 +43,7 @@ def _gpt_step(
     seed=0,
     untouched=False,
     then=None,
+    hybrid=False,
 ):
     """Build the tiny GPT; ``skip_block_on`` / ``die_in`` / ``hang_in`` / ``raise_in`` make one rank misbehave.
 
@@ -54,7 +56,12 @@ def _gpt_step(
     model = GPT(CFG)
     plan = ff.make_plan(model, ff.layer_policy([Block]))
     fn = ff.functionalize(model)
-    params = ff.shard(fn.params, plan, group)
+    target = group
+    if hybrid:  # 2 x (world / 2): replicas x shards
+        from torch.distributed.device_mesh import init_device_mesh
+
+        target = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    params = ff.shard(fn.params, plan, target)
     step = ff.train_step(fn, lm_loss, ff.adamw(lr=1e-2), **(step_kw or {}))
     state = step.init(params)
 
@@ -552,3 +559,24 @@ def test_after_one_rank_raises_a_retry_and_unshard_fail_on_every_rank_at_once(fr
     # nor at exit: a waiter still blocked on what the failed step left in flight woke while Python
     # finalized and CPython ended it through pybind11's noexcept GIL guard (std::terminate, SIGABRT)
     assert fragile.last_exitcodes == [0, 0, 0], fragile.last_exitcodes
+
+
+@pytest.fixture(scope="module")
+def fragile4():
+    """Four ranks these tests may break, for a 2 x 2 mesh."""
+    with RankPool(4, timeout=120) as p:
+        yield p
+
+
+@pytest.mark.parametrize("how", ["killed", "silent"])
+def test_a_hybrid_mesh_names_the_global_rank_that_failed(fragile4, how):
+    """2 x 2 (replicate, shard): rank 3 dies or goes silent in blocks.1. Every survivor, in its
+    shard group and in the other, names global rank 3 (before: the other shard group named live
+    ranks, or "a rank of group '3'")."""
+    bad = {"die_in": (3, "blocks.1")} if how == "killed" else {"hang_in": (3, "blocks.1")}
+    outcomes = _messages(fragile4, _gpt_step, hybrid=True, step_kw={"timeout": 5.0}, world=4, **bad)
+    for rank in (0, 1, 2):
+        kind, msg = outcomes[rank]
+        assert kind == "RankFailure", (rank, msg)
+        assert re.search(r"\brank 3\b", msg), (rank, msg)
+        assert not re.search(r"\branks? [0-2](, [0-2])* of group .* stopped answering", msg), (rank, msg)
