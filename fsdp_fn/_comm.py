@@ -267,10 +267,13 @@ class PairwiseComm(NativeComm):
         Memory: none (``sends`` and ``recvs`` stay alive until it is waited on)."""
         group = self.group
         works: list[Any] = []
-        for j, into in enumerate(recvs):
-            if into is not None:  # (the process group's own receive: dist.irecv's checks cost as much again)
-                works.append(group.recv([into], j, TAG))
-        works += [_send(out, group, j) for j, out in enumerate(sends) if out is not None]
+        try:
+            for j, into in enumerate(recvs):
+                if into is not None:  # (the process group's own receive: dist.irecv's checks cost as much again)
+                    works.append(group.recv([into], j, TAG))
+            works += [_send(out, group, j) for j, out in enumerate(sends) if out is not None]
+        except RuntimeError as e:  # gloo: a peer's connection closed before this exchange was issued
+            raise _guard.failed_to_issue(what, e) from e
         kept = tuple(t for t in (*sends, *recvs) if t is not None)
         return Exchanged(works, what, kept)
 

@@ -663,6 +663,17 @@ def _forget_waiters() -> None:
 os.register_at_fork(after_in_child=_forget_waiters)
 
 
+def failed_to_issue(what: Callable[[], str], cause: RuntimeError) -> RankFailure:
+    """The error of a collective the backend refused to issue (gloo: a peer already dead):
+    under a guard, its ``RankFailure`` naming the ranks that do not answer, and the group
+    remembered lost, so the next call fails at once; outside one, a ``RankFailure`` with the
+    backend's words."""
+    guard = current()
+    if guard is not None:
+        return guard._fail(what(), cause, time.monotonic())
+    return RankFailure(f"the {what()} could not be issued: {str(cause).splitlines()[0][:200]}")
+
+
 def watch(works: Sequence[Any]) -> Watched:
     """Have a waiter thread block on ``works`` from now on (see ``Watched``)."""
     return Watched(works)

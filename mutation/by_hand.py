@@ -667,6 +667,13 @@ MUTANTS = [
         "tests/test_reliability.py::test_a_hybrid_mesh_names_the_global_rank_that_failed",
     ),
     (
+        "an_exchange_refused_at_issue_raises_raw",
+        "fsdp_fn/_comm.py",
+        "            raise _guard.failed_to_issue(what, e) from e\n",
+        "            raise\n",
+        "tests/test_reliability.py::test_a_peer_dead_before_an_exchange_is_issued_is_named",
+    ),
+    (
         "lookup_choice_ignores_checkpoint_regions",
         "fsdp_fn/_lookup.py",
         "            and name not in forced\n",

@@ -580,3 +580,36 @@ def test_a_hybrid_mesh_names_the_global_rank_that_failed(fragile4, how):
         assert kind == "RankFailure", (rank, msg)
         assert re.search(r"\brank 3\b", msg), (rank, msg)
         assert not re.search(r"\branks? [0-2](, [0-2])* of group .* stopped answering", msg), (rank, msg)
+
+
+def _peer_dead_before_the_next_step(group):
+    """Rank 1 dies between two steps; the others issue the next step's exchanges to a dead peer."""
+    rank, world = group.rank(), group.size()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    fn = ff.functionalize(model)
+    step = ff.train_step(fn, lm_loss, ff.adamw(lr=1e-2), timeout=20.0)
+    state = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([Block])), group))
+    tokens = torch.randint(0, CFG.vocab, (2 * world, CFG.seq + 1), generator=torch.Generator().manual_seed(0))
+    state, _ = step(state, local_part(tokens, rank, world))
+    torch.distributed.barrier(group=group)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1.0)  # (gloo has seen the connection close)
+    started = time.monotonic()
+    first = _outcome(step, state, local_part(tokens, rank, world))
+    then = _outcome(ff.unshard, state.params)
+    return first, then, time.monotonic() - started
+
+
+def test_a_peer_dead_before_an_exchange_is_issued_is_named(fragile):
+    # Catches: gloo's raw "Connection closed by peer" from the issuing call, and a failure not
+    # remembered (the next call, unshard, then waited the whole timeout for the dead rank).
+    outcomes = _messages(fragile, _peer_dead_before_the_next_step, world=3)
+    assert outcomes[1][0] == "died"
+    for rank in (0, 2):
+        (kind, msg), (then_kind, then_msg), seconds = outcomes[rank]
+        assert kind == "RankFailure", msg
+        assert "rank 1 of group" in msg and "stopped answering" in msg, msg
+        assert then_kind == "RankFailure" and "cannot communicate any more" in then_msg, then_msg
+        assert seconds < 15.0  # both at once, not at the 20 s timeout
