@@ -663,6 +663,59 @@ def _forget_waiters() -> None:
 os.register_at_fork(after_in_child=_forget_waiters)
 
 
+class _Finished:
+    """A work (for ``Watched``) that is done when a thread has finished."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        self.event.wait()
+
+
+def run_guarded(group: dist.ProcessGroup, call: str, timeout: float, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` (collectives fsdp_fn does not issue itself: DCP's) on a thread of its own
+    while this one waits under a guard: a rank that dies or goes silent in them becomes a
+    ``RankFailure`` naming it within ``timeout`` (plus the grace), on every rank, and the group
+    is remembered lost; ``fn``'s own exception (a full disk) is raised as it is. A silent
+    rank's thread is abandoned blocked (a daemon); the group is unusable then. Memory and
+    communication: ``fn``'s."""
+    if group.size() == 1:
+        return fn()
+    done, out = threading.Event(), {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:
+            out["error"] = e
+        finally:
+            done.set()
+
+    what = f"{call}'s collectives"
+    guard = Guard(group, 0, timeout=timeout, check=False, call=call)
+    with guard.active():
+        started = time.monotonic()
+        threading.Thread(target=run, daemon=True, name="fsdp_fn-guarded").start()
+        guard.wait_watched(watch([_Finished(done)]), lambda: what)
+        error = out.get("error")
+        # gloo's own words for a peer gone inside the collectives (DCP reports the rest itself)
+        if error is not None and _is_connection_error(error):
+            raise guard._fail(what, error, started) from error
+        if error is not None:
+            raise error
+    return out.get("value")
+
+
+def _is_connection_error(e: BaseException) -> bool:
+    """gloo's words for a peer's connection gone, in ``e`` or in a failure DCP gathered into it."""
+    found = [e, *getattr(e, "failures", {}).values()]
+    words = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+    return any(isinstance(x, RuntimeError) and any(w in str(x) for w in words) for x in found)
+
+
 def failed_to_issue(what: Callable[[], str], cause: RuntimeError) -> RankFailure:
     """The error of a collective the backend refused to issue (gloo: a peer already dead):
     under a guard, its ``RankFailure`` naming the ranks that do not answer, and the group

@@ -674,6 +674,13 @@ MUTANTS = [
         "tests/test_reliability.py::test_a_peer_dead_before_an_exchange_is_issued_is_named",
     ),
     (
+        "dcp_unguarded",
+        "fsdp_fn/_guard.py",
+        "    if group.size() == 1:\n        return fn()\n    done, out",
+        "    if group.size() >= 1:\n        return fn()\n    done, out",
+        "tests/test_checkpoint.py::test_a_rank_that_dies_or_goes_silent_inside_a_save_is_named",
+    ),
+    (
         "lookup_choice_ignores_checkpoint_regions",
         "fsdp_fn/_lookup.py",
         "            and name not in forced\n",

@@ -1559,3 +1559,55 @@ def test_an_accumulation_loaded_into_a_chain_that_wraps_it_otherwise_is_refused(
     for message in pool.run(_accumulation_into_another_chain, d, "load", world=2):
         assert "its optimizer state was saved by another chain of links" in message, message
         assert "mini_step" in message, message
+
+
+def _save_with_a_faulty_rank(group, root, how):
+    """Save step 1; then rank 1 dies or goes silent while DCP writes step 2 (in its data file)."""
+    import time
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    _, _, state = _setup(group)
+    ckpt.save(Path(root) / "step_1", state._replace(step=1))
+    create_stream = FileSystem.create_stream
+
+    def faulty(self, path, mode):
+        if Path(path).suffix == ".distcp":
+            if how == "killed":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(15)
+        return create_stream(self, path, mode)
+
+    if group.rank() == 1:
+        FileSystem.create_stream = faulty
+    started = time.monotonic()
+    try:
+        ckpt.save(Path(root) / "step_2", state._replace(step=2), timeout=4.0)
+        error = "saved"
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        FileSystem.create_stream = create_stream
+    return error, time.monotonic() - started, str(ckpt.latest(root))
+
+
+@pytest.mark.parametrize("how", ["killed", "silent"])
+def test_a_rank_that_dies_or_goes_silent_inside_a_save_is_named(fresh, tmp_path, how):
+    """Before: a SIGKILL gave gloo's "Connection reset by peer" naming no rank (and the next
+    call waited the whole timeout); a silent rank held the others for as long as it slept."""
+    root = tmp_path / "run"
+    try:
+        results = fresh.run(_save_with_a_faulty_rank, str(root), how, world=2)
+        survivor = results[0]
+    except RankError as e:
+        survivor = e.results[0][1]
+    finally:
+        fresh.close()  # the group is unusable after either
+    error, seconds, latest = survivor
+    assert error.startswith("RankFailure: ") and "stopped answering (checkpoint.save)" in error, error
+    if how == "killed":
+        assert "rank 1 of group" in error, error
+    else:  # (its own thread still answers: the silence is in DCP's, which nobody can look into)
+        assert "went silent: no answer for" in error and "(timeout 4 s)" in error, error
+    assert seconds < 12.0, seconds  # the timeout (4 s) and the grace, not the 15 s of silence
+    assert latest.endswith("step_1")  # the last checkpoint stays the latest, intact

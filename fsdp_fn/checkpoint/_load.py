@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from fsdp_fn._agree import gather_objects
 from fsdp_fn._errors import DivergenceError, RankFailure
-from fsdp_fn._guard import join
+from fsdp_fn._guard import join, run_guarded
 from fsdp_fn._shard import ensure_live
 from fsdp_fn._step import TrainState
 from fsdp_fn.checkpoint._background import wait
@@ -108,11 +108,12 @@ def load(
         raise CheckpointError(f"rank {failed[0][0]} cannot load {path}: {failed[0][1]}")
     entries = {**target.entries, **own}
     try:
-        dcp_load(
-            entries,
-            storage_reader=Reader(opened, check_digests=check_digests),
-            planner=LoadPlanner(),
-            process_group=group,
+        reader = Reader(opened, check_digests=check_digests)
+        run_guarded(
+            group,
+            "checkpoint.load",
+            timeout,
+            lambda: dcp_load(entries, storage_reader=reader, planner=LoadPlanner(), process_group=group),
         )
     except (CheckpointException, Exception) as e:
         if isinstance(e, RankFailure | DivergenceError):

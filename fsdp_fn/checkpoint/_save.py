@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from fsdp_fn._errors import DivergenceError, RankFailure
-from fsdp_fn._guard import join
+from fsdp_fn._guard import join, run_guarded
 from fsdp_fn._shard import ensure_live
 from fsdp_fn._step import TrainState
 from fsdp_fn.checkpoint._background import PendingSave, _pending, _side_group, wait
@@ -120,10 +120,10 @@ def save(
                 entries[f"optim.param_groups.0.{key}"] = value
 
     if blocking:
-        _write(final, entries, group, state.step)
+        _write(final, entries, group, state.step, timeout)
         return final
     side = _side_group(group)
-    pending = PendingSave(final, dist.get_rank(), lambda: _write(final, entries, side, state.step))
+    pending = PendingSave(final, dist.get_rank(), lambda: _write(final, entries, side, state.step, timeout))
     _pending.append(pending)
     return pending
 
@@ -142,7 +142,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write(final: Path, entries: dict[str, Any], group: dist.ProcessGroup, step: int) -> None:
+def _write(final: Path, entries: dict[str, Any], group: dist.ProcessGroup, step: int, timeout: float) -> None:
     if not dist.is_initialized():  # a background save whose process group was destroyed
         raise CheckpointError(
             f"the process group of the save of {final} was destroyed before it could write; nothing was committed"
@@ -166,7 +166,12 @@ def _write(final: Path, entries: dict[str, Any], group: dist.ProcessGroup, step:
     _agree_on_error(group, error)
     writer = Writer(tmp, world=group.size())
     try:
-        dcp_save(entries, storage_writer=writer, planner=SavePlanner(), process_group=group)
+        run_guarded(
+            group,
+            "checkpoint.save",
+            timeout,
+            lambda: dcp_save(entries, storage_writer=writer, planner=SavePlanner(), process_group=group),
+        )
     except (CheckpointException, Exception) as e:
         if isinstance(e, RankFailure | DivergenceError):
             raise
