@@ -753,6 +753,13 @@ MUTANTS = [
         "        if False:\n            return _nothing(grads), state._replace(",
         "tests/test_optax.py::test_accumulate_takes_should_skip_update_fn_as_optax_multisteps",
     ),
+    (
+        "received_parts_whole_unit",
+        "fsdp_fn/_transforms.py",
+        "    if all(mask):\n        return [shard]",
+        "    if any(mask):\n        return [shard]",
+        "tests/test_optax.py::test_masked_and_one_labels_norm_and_finiteness_count_only_their_parameters_as_optax",
+    ),
 ]
 
 
