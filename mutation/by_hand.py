@@ -760,6 +760,20 @@ MUTANTS = [
         "    if any(mask):\n        return [shard]",
         "tests/test_optax.py::test_masked_and_one_labels_norm_and_finiteness_count_only_their_parameters_as_optax",
     ),
+    (
+        "max_norm_sums_the_ranks",
+        "fsdp_fn/_transforms.py",
+        "return all_reduce_(each, layout.group).amax()",
+        "return all_reduce_(each, layout.group).sum()",
+        "tests/test_chain.py::test_clip_norm_type_equals_torchs_clip_grad_norm",
+    ),
+    (
+        "p_norm_rooted_as_two",
+        "fsdp_fn/_transforms.py",
+        "else total.pow(1 / p)",
+        "else total.pow(1 / 2)",
+        "tests/test_chain.py::test_clip_norm_type_equals_torchs_clip_grad_norm",
+    ),
 ]
 
 

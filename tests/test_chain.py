@@ -682,3 +682,71 @@ def test_an_empty_chain_applies_the_gradients_in_place_too(pool):
     for moved, off in pool.run(_empty_chain_in_place, world=2):
         assert moved > 1e-3
         assert off < 1e-7
+
+
+# --- issue 42.11: norm_type, as torch's clip_grad_norm_ ----------------------------------------
+
+NORM_TYPES = [1.0, 2.0, math.inf, 3.0]
+
+
+def _norm_types(group):
+    """``clip_grad_norm_`` and ``clip_by_global_norm`` (``update`` and ``update_donated``) with each
+    ``norm_type``, against torch's ``clip_grad_norm_`` on the unsharded gradients (one process)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3))  # uneven shards at W=2 and 3
+    plan = ff.make_plan(m, ff.layer_policy([nn.Linear]))
+    params = ff.shard(dict(m.named_parameters()), plan, group)
+    full = {
+        k: torch.randn(v.shape, generator=torch.Generator().manual_seed(5 + i))
+        for i, (k, v) in enumerate(m.named_parameters())
+    }
+    full["1.bias"][2] = -4.0  # the largest |x|, on the last rank's shard
+    out = {}
+    for p in NORM_TYPES:
+        holders = [nn.Parameter(torch.zeros_like(t)) for t in full.values()]
+        for h, t in zip(holders, full.values(), strict=True):
+            h.grad = t.clone()
+        want_norm = float(torch.nn.utils.clip_grad_norm_(holders, 0.5, norm_type=p))
+        want = {k: h.grad for k, h in zip(full, holders, strict=True)}
+        grads = ff.reduce_grads(full, params)
+        with ff.comm_log() as log:
+            norm = float(ff.clip_grad_norm_(grads, 0.5, norm_type=p))
+        t = ff.clip_by_global_norm(0.5, norm_type=p)
+        updates, _ = t.update(ff.reduce_grads(full, params), ff.EmptyState())
+        donated, _ = t.update_donated(ff.reduce_grads(full, params), ff.EmptyState())
+        offs = [
+            max((got[k] - want[k]).abs().max().item() for k in full)
+            for got in (ff.unshard(grads), ff.unshard(updates), ff.unshard(donated))
+        ]
+        predicted = ff.predict_collectives(plan, group.size(), ff.Schedule(), optimizer=t)
+        out[p] = (
+            rel(norm, want_norm),
+            offs,
+            [(c.op, c.numel) for c in log.records],
+            [(c.op, c.numel) for c in predicted if c.op == "all_reduce"],
+        )
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_clip_norm_type_equals_torchs_clip_grad_norm(pool, world):
+    # Catches (issue 42.11): no norm_type (before: a TypeError), a p-norm summed without ** p or
+    # rooted without 1/p, an inf norm that sums the ranks' maxima (or keeps this rank's), a norm
+    # that counts padding.
+    for results in pool.run(_norm_types, world=world):
+        assert set(results) == set(NORM_TYPES)
+        for p, (norm_off, offs, logged, predicted) in results.items():
+            assert norm_off < 1e-6, (p, norm_off)
+            assert max(offs) < 1e-6, (p, offs)
+            one = [("all_reduce", world if p == math.inf else 1)] * (world > 1)  # nothing recorded at W=1
+            assert logged == one, (p, logged)
+            assert predicted == one, (p, predicted)
+
+
+def test_norm_type_must_be_a_positive_number():
+    # Catches: a norm_type of 0, a negative one or NaN taken (torch's 0 counts non-zeros: not a norm to clip by).
+    for bad in (0, -1.0, math.nan):
+        with pytest.raises(ValueError, match=r"clip_by_global_norm\(norm_type\) must be a number > 0 or math.inf"):
+            ff.clip_by_global_norm(1.0, norm_type=bad)
+    with pytest.raises(TypeError, match=r"clip_by_global_norm\(norm_type\) must be a number"):
+        ff.clip_by_global_norm(1.0, norm_type="inf")
