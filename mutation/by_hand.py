@@ -774,6 +774,13 @@ MUTANTS = [
         "else total.pow(1 / 2)",
         "tests/test_chain.py::test_clip_norm_type_equals_torchs_clip_grad_norm",
     ),
+    (
+        "finite_means_not_nan",
+        "fsdp_fn/_wrappers.py",
+        "        finite = bool(torch.isfinite(global_norm(grads)))",
+        "        finite = not bool(torch.isnan(global_norm(grads)))",
+        "tests/test_chain.py::test_apply_if_finite_rejects_infinite_gradients_on_every_rank",
+    ),
 ]
 
 

@@ -115,6 +115,66 @@ def test_apply_if_finite_skips_on_every_rank_and_then_applies(pool):
         assert not skipped2 and moved
 
 
+def _infinite(group):
+    """``apply_if_finite`` on hand-made sharded gradients holding +inf, -inf or both (no NaN),
+    each on one rank's shard only: through ``update`` and ``update_in_place``."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3))
+    params = ff.shard(dict(m.named_parameters()), ff.make_plan(m, ff.layer_policy([nn.Linear])), group)
+    opt = ff.apply_if_finite(ff.adamw(lr=1e-2))
+    out = {}
+    for label, bad in (
+        ("+inf", {"1.bias": (2, math.inf)}),  # the last unit's last elements: the last rank's shard
+        ("-inf", {"0.weight": (0, -math.inf)}),  # the first element: rank 0's shard
+        ("both", {"1.bias": (2, math.inf), "0.weight": (0, -math.inf)}),
+    ):
+        full = {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(7)) for k, v in m.named_parameters()}
+        for name, (i, value) in bad.items():
+            full[name].view(-1)[i] = value
+        grads = ff.reduce_grads(full, params)
+        here = bool(any(t.isinf().any() for t in grads.values()))  # this rank's shards hold an inf
+        nan = bool(any(t.isnan().any() for t in grads.values()))
+        state = opt.init(params)
+        updates, new = opt.update(grads, state, params)
+        same_state = all(
+            torch.equal(a, b)
+            for a, b in zip(ff.tree_leaves(state.inner_state), ff.tree_leaves(new.inner_state), strict=True)
+            if isinstance(a, torch.Tensor)
+        )
+        zero = all(not t.any() for t in updates.values())
+        in_place = ff.tree_map(torch.clone, params)
+        state_ip = opt.init(in_place)
+        before = [t.clone() for t in ff.tree_leaves(state_ip.inner_state) if isinstance(t, torch.Tensor)]
+        state_ip = ff.update_in_place(opt, ff.reduce_grads(full, params), state_ip, in_place)
+        after = [t for t in ff.tree_leaves(state_ip.inner_state) if isinstance(t, torch.Tensor)]
+        unmoved = all(torch.equal(in_place[u], params[u]) for u in params.plan.unit_names)
+        out[label] = (
+            here,
+            nan,
+            zero and same_state,
+            tuple(new[:3]),
+            opt.outcome(new).name,
+            unmoved and all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+            tuple(state_ip[:3]),
+        )
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_apply_if_finite_rejects_infinite_gradients_on_every_rank(pool, world):
+    # Catches (issue 42.12): a finiteness check that treats only NaN as non-finite (an inf loss gives
+    # NaN gradients, so no other test fed an inf): +inf, -inf or both, on one rank's shard only.
+    results = pool.run(_infinite, world=world)
+    for label in ("+inf", "-inf", "both"):
+        assert any(r[label][0] for r in results), label  # some rank holds it
+        for r in results:
+            here, nan, rejected, counters, outcome, rejected_ip, counters_ip = r[label]
+            assert not nan, label  # infinities, not NaN
+            assert rejected and rejected_ip, label  # zero updates, the inner state (and params) as they were
+            assert counters == counters_ip == (1, False, 1), (label, counters, counters_ip)
+            assert outcome == "REJECTED", label
+
+
 def _accumulated(group, every):
     world, rank = group.size(), group.rank()
     model, fn, plan, step, state = _setup(group, ff.accumulate(every, ff.adamw(lr=1e-2)))
