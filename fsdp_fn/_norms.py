@@ -44,10 +44,12 @@ def square_norm(t: torch.Tensor) -> torch.Tensor:
 
 def power_sum(t: torch.Tensor, p: float) -> torch.Tensor:
     """``sum(|t|**p)`` as a 0-d float64 tensor, for a finite ``p > 0``, in short fp32 rows as
-    ``square_norm`` (which it is for ``p == 2``). Memory and communication: ``square_norm``'s.
+    ``square_norm`` (which it is for ``p == 2``): each row's p-norm is rounded to fp32, so the
+    sum is good to about ``p`` times fp32's rounding (2e-8 relative for ``p = 1``, 2e-7 for
+    ``p = 3`` on 1e5 Gaussian elements). Memory and communication: ``square_norm``'s.
 
     >>> x = torch.randn(10**5, generator=torch.Generator().manual_seed(0))
-    >>> bool(abs(power_sum(x, 1.0) - x.double().abs().sum()) < 1e-9 * x.double().abs().sum())
+    >>> bool(abs(power_sum(x, 1.0) - x.double().abs().sum()) < 1e-7 * x.double().abs().sum())
     True
     """
     if p == 2:

@@ -781,6 +781,20 @@ MUTANTS = [
         "        finite = not bool(torch.isnan(global_norm(grads)))",
         "tests/test_chain.py::test_apply_if_finite_rejects_infinite_gradients_on_every_rank",
     ),
+    (
+        "parity_reference_not_moved",
+        "fsdp_fn/testing/_parity.py",
+        "                    p.copy_(new[k])",
+        "                    pass",
+        "tests/test_testing_toolkit.py::test_assert_matches_unsharded_takes_a_gradient_transformation",
+    ),
+    (
+        "parity_step_reference_on_a_part",
+        "fsdp_fn/testing/_parity.py",
+        "step(ref_fn, loss_fn, ref_params, theirs, batch)",
+        "step(ref_fn, loss_fn, ref_params, theirs, split(batch, rank, world))",
+        "tests/test_testing_toolkit.py::test_assert_matches_unsharded_takes_a_step_of_ones_own",
+    ),
 ]
 
 
