@@ -795,6 +795,13 @@ MUTANTS = [
         "step(ref_fn, loss_fn, ref_params, theirs, split(batch, rank, world))",
         "tests/test_testing_toolkit.py::test_assert_matches_unsharded_takes_a_step_of_ones_own",
     ),
+    (
+        "p_norm_replicas_counted_twice",
+        "fsdp_fn/_transforms.py",
+        "        all_reduce_over_(total, layout.replica_groups).div_(layout.replicas)",
+        "        all_reduce_over_(total, layout.replica_groups)",
+        "tests/test_chain.py::test_clip_norm_type_counts_the_replicas_once",
+    ),
 ]
 
 

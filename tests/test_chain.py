@@ -749,13 +749,19 @@ def test_an_empty_chain_applies_the_gradients_in_place_too(pool):
 NORM_TYPES = [1.0, 2.0, math.inf, 3.0]
 
 
-def _norm_types(group):
+def _norm_types(group, replicas=1):
     """``clip_grad_norm_`` and ``clip_by_global_norm`` (``update`` and ``update_donated``) with each
-    ``norm_type``, against torch's ``clip_grad_norm_`` on the unsharded gradients (one process)."""
+    ``norm_type``, against torch's ``clip_grad_norm_`` on the unsharded gradients (one process);
+    ``replicas``: hybrid sharding over the pool's 4 ranks (2 shards x 2 replicas)."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3))  # uneven shards at W=2 and 3
     plan = ff.make_plan(m, ff.layer_policy([nn.Linear]))
+    if replicas > 1:
+        from fsdp_fn.testing import LayoutSpec
+
+        group = LayoutSpec(4, replicas).group()
     params = ff.shard(dict(m.named_parameters()), plan, group)
+    world = params.layout.world
     full = {
         k: torch.randn(v.shape, generator=torch.Generator().manual_seed(5 + i))
         for i, (k, v) in enumerate(m.named_parameters())
@@ -778,12 +784,15 @@ def _norm_types(group):
             max((got[k] - want[k]).abs().max().item() for k in full)
             for got in (ff.unshard(grads), ff.unshard(updates), ff.unshard(donated))
         ]
-        predicted = ff.predict_collectives(plan, group.size(), ff.Schedule(), optimizer=t)
+        predicted = ff.predict_collectives(plan, world, ff.Schedule(), optimizer=t, replicas=replicas)
+        predicted = predicted[
+            len(ff.predict_collectives(plan, world, ff.Schedule(), replicas=replicas)) :
+        ]  # the clip's
         out[p] = (
             rel(norm, want_norm),
             offs,
-            [(c.op, c.numel) for c in log.records],
-            [(c.op, c.numel) for c in predicted if c.op == "all_reduce"],
+            [(c.op, c.numel, c.world) for c in log.records],
+            [(c.op, c.numel, c.world) for c in predicted],
         )
     return out
 
@@ -798,9 +807,19 @@ def test_clip_norm_type_equals_torchs_clip_grad_norm(pool, world):
         for p, (norm_off, offs, logged, predicted) in results.items():
             assert norm_off < 1e-6, (p, norm_off)
             assert max(offs) < 1e-6, (p, offs)
-            one = [("all_reduce", world if p == math.inf else 1)] * (world > 1)  # nothing recorded at W=1
+            one = [("all_reduce", world if p == math.inf else 1, world)] * (world > 1)  # nothing recorded at W=1
             assert logged == one, (p, logged)
             assert predicted == one, (p, predicted)
+
+
+def test_clip_norm_type_counts_the_replicas_once(pool):
+    # Catches: a hybrid mesh's replicas (which hold the same shards) counted twice in a p-norm, or a
+    # max-norm all-reduced over the replicas too (W numbers, 2 shards x 2 replicas).
+    for results in pool.run(_norm_types, 2, world=4):
+        for p, (norm_off, offs, logged, predicted) in results.items():
+            assert norm_off < 1e-6 and max(offs) < 1e-6, (p, norm_off, offs)
+            want = [("all_reduce", 2, 2)] if p == math.inf else [("all_reduce", 1, 2)] * 2  # over shards, replicas
+            assert logged == predicted == want, (p, logged, predicted)
 
 
 def test_norm_type_must_be_a_positive_number():
