@@ -119,6 +119,8 @@ class GradientTransformation(NamedTuple):
         inner: the transformations it wraps or chains.
         global_norms: global norms its own update computes (one all-reduce of one number
             each, two with replicas; ``predict_collectives(..., optimizer=)`` counts them).
+        max_norms: global max-norms (``norm_type=math.inf``) its own update computes (one
+            all-reduce of ``W`` numbers each, none over the replicas).
         update_donated: ``update`` that may write its result into the gradients it is given
             (the step's own, donated): what a chain runs before its last link in a train
             step, so a clip adds no gradient-sized buffer (``None``: ``update``).
@@ -138,6 +140,7 @@ class GradientTransformation(NamedTuple):
     inner: tuple[GradientTransformation, ...] = ()
     global_norms: int = 0
     update_donated: UpdateFn | None = None
+    max_norms: int = 0
 
 
 class EmptyState(NamedTuple):
@@ -176,6 +179,11 @@ def whole_gradient_links(t: GradientTransformation) -> list[str]:
 def count_global_norms(t: GradientTransformation) -> int:
     """Global norms an applying update of ``t`` computes, its links' included."""
     return t.global_norms + sum(count_global_norms(link) for link in t.inner)
+
+
+def count_max_norms(t: GradientTransformation) -> int:
+    """Global max-norms (``norm_type=math.inf``) an applying update of ``t`` computes, its links' included."""
+    return t.max_norms + sum(count_max_norms(link) for link in t.inner)
 
 
 def _check(t: Any, where: str) -> GradientTransformation:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fsdp_fn import _reached as reached
-from fsdp_fn._base import GradientTransformation, count_global_norms
+from fsdp_fn._base import GradientTransformation, count_global_norms, count_max_norms
 from fsdp_fn._collectives import Collective
 from fsdp_fn._comm import Comm
 from fsdp_fn._lookup import rows_fit
@@ -66,7 +66,8 @@ def predict_collectives(
         optimizer: the step's optimizer; then also what its update issues in a step that
             applies it (for ``accumulate``, the call that ends a round): one all-reduce of
             one float64 number per global norm it computes (``clip_by_global_norm``,
-            ``apply_if_finite``), over the ranks and over the replicas.
+            ``apply_if_finite``), over the ranks and over the replicas; of ``W`` numbers over
+            the ranks only per max-norm (``clip_by_global_norm(norm_type=math.inf)``).
         comm: the step's group's comm (``comm_of(layout.group)``), asked whether lookups
             fetch rows when ``lookup_rows`` is ``None`` (``False`` on NCCL, on
             ``FSDP_FN_COLLECTIVES=native``, or on a comm of the user's that is not pairwise).
@@ -114,4 +115,6 @@ def predict_collectives(
         out.append(Collective("all_reduce", None, 2 + reached, torch.float64, replicas))
     for _ in range(count_global_norms(optimizer) if optimizer is not None else 0):
         out += [Collective("all_reduce", None, 1, torch.float64, n) for n in (world, replicas)]
+    for _ in range(count_max_norms(optimizer) if optimizer is not None else 0):
+        out.append(Collective("all_reduce", None, world, torch.float64, world))  # each rank's maximum at its index
     return [c for c in out if c.world > 1]

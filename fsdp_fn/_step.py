@@ -34,7 +34,7 @@ from fsdp_fn._policy import Schedule
 from fsdp_fn._predict import metrics_words
 from fsdp_fn._remat import Remat
 from fsdp_fn._shard import Layout, Sharded, ensure_live, sharded_in
-from fsdp_fn._transforms import global_norm
+from fsdp_fn._transforms import check_norm_type, global_norm
 from fsdp_fn._tree import NAMESPACE, tree_map
 
 logger = logging.getLogger("fsdp_fn")
@@ -519,26 +519,32 @@ def _check_not_empty(batch: Any, rank: int) -> None:
             )
 
 
-def clip_grad_norm_(grads: Sharded, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(grads: Sharded, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Scale sharded gradients in place so their global norm is at most ``max_norm``; return the norm.
 
     ``torch.nn.utils.clip_grad_norm_``'s rule on the unsharded gradients (padding is zero
-    and adds nothing), with the exact global norm of ``global_norm``. Memory: none beyond
-    a number; communication: one all-reduce of one number (two with replicas).
+    and adds nothing), with the exact global ``norm_type``-norm of ``global_norm``. Memory:
+    none beyond a number; communication: one all-reduce of one number (two with replicas;
+    of ``W`` numbers for ``math.inf``).
 
     Args:
         grads: the sharded gradients (``value_and_grad``'s); changed in place.
         max_norm: the largest global norm, a positive finite number.
+        norm_type: ``p`` of the norm, a number ``> 0`` or ``math.inf`` (torch's
+            ``norm_type``: 1, 2, inf, any ``p``).
 
     Returns:
         The global norm before clipping, a float32 0-d tensor.
 
     Raises:
-        ValueError: if ``max_norm`` is not a positive finite number.
+        ValueError: if ``max_norm`` is not a positive finite number or ``norm_type`` is not
+            ``> 0``.
+        TypeError: if ``norm_type`` is not a number.
     """
     if not (max_norm > 0 and math.isfinite(max_norm)):
         raise ValueError(f"clip_grad_norm_: max_norm must be a positive finite number, got {max_norm!r}")
-    norm = global_norm(grads)
+    p = check_norm_type(norm_type, "clip_grad_norm_(norm_type)")
+    norm = global_norm(grads, p)
     coef = torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0)
     for unit in grads.plan.units:
         if any(grads.mask(unit)):

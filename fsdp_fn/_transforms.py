@@ -29,7 +29,7 @@ from fsdp_fn._base import (
     received_units,
 )
 from fsdp_fn._collectives import all_reduce_, all_reduce_over_
-from fsdp_fn._norms import square_norm
+from fsdp_fn._norms import max_abs, power_sum
 from fsdp_fn._plan import Unit
 from fsdp_fn._shard import Layout, Sharded
 
@@ -175,60 +175,111 @@ def set_to_zero() -> GradientTransformation:
 # --- the global norm --------------------------------------------------------------------
 
 
-def global_norm(grads: Sharded) -> torch.Tensor:
-    """The L2 norm of the whole (unsharded) tree, as a 0-d float64 tensor, the same on every rank.
+def check_norm_type(norm_type: Any, where: str) -> float:
+    """``norm_type`` as a float: a number ``> 0`` or ``math.inf`` (torch's ``clip_grad_norm_`` takes any ``p``)."""
+    p = _check_number(norm_type, where)
+    if not p > 0:  # (NaN fails too)
+        raise ValueError(f"{where} must be a number > 0 or math.inf (1, 2, inf, ...), got {norm_type!r}")
+    return p
 
-    The squared norms of this rank's shards of the units that got a gradient
-    (``square_norm``: exact at any size; padding is zero), all-reduced over the group, then
-    averaged over the replicas (which hold the same shards). Communication: one all-reduce
-    of one number (two with replicas). Every rank of the group must call it.
+
+def _received_parts(grads: Sharded, unit: Unit) -> list[torch.Tensor]:
+    """This rank's elements of ``unit`` that belong to the parameters ``grads`` marks as received:
+    the whole shard (padding is zero), or one slice (a view) per received parameter of a unit
+    only some of whose parameters are (``masked``, one label of ``multi_transform``): the
+    others' elements are absent, so no norm counts them, NaN or not."""
+    shard, mask = grads[unit.name].reshape(-1), grads.mask(unit)
+    if all(mask):
+        return [shard]
+    layout = grads.layout
+    return [shard[lo:hi] for i, lo, hi in unit.local_ranges(layout.world, layout.rank) if mask[i] and lo < hi]
+
+
+def global_norm(grads: Sharded, norm_type: float = 2.0) -> torch.Tensor:
+    """The ``norm_type``-norm of the whole (unsharded) tree, as a 0-d float64 tensor, the same on every rank.
+
+    Only the parameters ``grads`` marks as received count (in a unit only some of whose
+    parameters are, the others' elements are absent: what ``masked`` and one label of
+    ``multi_transform`` give their inner transformation). A p-norm: the sums of ``|x|**p``
+    of this rank's pieces (``square_norm`` for ``p == 2``: exact at any size; padding is
+    zero), all-reduced over the group, averaged over the replicas (which hold the same
+    shards: counted once), then ``**(1/p)``. ``math.inf``: the largest ``|x|``; the ranks'
+    maxima are all-reduced as a vector of ``W`` numbers, each rank's at its index (the
+    replicas hold the same maxima: no replica all-reduce); a NaN anywhere gives NaN.
+    Communication: one all-reduce of one number (two with replicas); of ``W`` numbers for
+    ``math.inf``. Every rank of the group must call it.
 
     Args:
         grads: sharded gradients or updates; units none of whose parameters got a
             gradient count for nothing.
+        norm_type: ``p`` of the p-norm, a number ``> 0`` or ``math.inf`` (torch's
+            ``clip_grad_norm_(norm_type=)``).
 
     Returns:
         The global norm, a 0-d float64 tensor on the CPU.
+
+    Raises:
+        TypeError: if ``norm_type`` is not a number.
+        ValueError: if ``norm_type`` is not ``> 0``.
+
+    Examples:
+        >>> check_norm_type(math.inf, "global_norm(norm_type)")
+        inf
     """
+    p = check_norm_type(norm_type, "global_norm(norm_type)")
     layout = grads.layout
-    square = torch.zeros((), dtype=torch.float64)
-    for unit in received_units(grads):
-        square += square_norm(grads[unit.name]).cpu()
-    all_reduce_(square, layout.group)
+    parts = [x for unit in received_units(grads) for x in _received_parts(grads, unit)]
+    if p == math.inf:
+        each = torch.zeros(layout.world, dtype=torch.float64)
+        if parts:
+            each[layout.rank] = torch.stack([max_abs(x).cpu() for x in parts]).amax()
+        return all_reduce_(each, layout.group).amax()
+    total = torch.zeros((), dtype=torch.float64)
+    for x in parts:
+        total += power_sum(x, p).cpu()
+    all_reduce_(total, layout.group)
     if layout.replicas > 1:
-        all_reduce_over_(square, layout.replica_groups).div_(layout.replicas)
-    return square.sqrt()
+        all_reduce_over_(total, layout.replica_groups).div_(layout.replicas)
+    return total.sqrt() if p == 2 else total.pow(1 / p)
 
 
-def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTransformation:
     """Scale the updates so their global norm is at most ``max_norm`` (torch's ``clip_grad_norm_`` rule).
 
     ``coef = min(1, max_norm / (norm + 1e-6))`` (optax's scales by ``max_norm / norm``
-    only above it: the same but for that 1e-6). The norm is of the updates it receives,
-    whatever came before it in a chain. Communication: one all-reduce of one number
-    (``global_norm``); memory: one new tensor per updated unit (none in place, on the
-    step's donated gradients).
+    only above it: the same but for that 1e-6), ``norm`` the ``norm_type``-norm
+    (``global_norm``) of the updates it receives, whatever came before it in a chain; inside
+    ``masked`` or one label of ``multi_transform``, of the selected parameters only.
+    Communication: ``global_norm``'s (one all-reduce of one number; of ``W`` numbers for
+    ``math.inf``); memory: one new tensor per updated unit (none in place, on the step's
+    donated gradients).
 
     Args:
         max_norm: the largest global norm, a positive finite number.
+        norm_type: ``p`` of the norm, a number ``> 0`` or ``math.inf``, as torch's
+            ``clip_grad_norm_(norm_type=)`` (optax's is the 2-norm).
 
     Returns:
         A stateless ``GradientTransformation`` that needs the whole gradient (it cannot run
         during backward).
 
     Raises:
-        TypeError: if ``max_norm`` is not a number.
-        ValueError: if ``max_norm`` is not a positive finite number.
+        TypeError: if ``max_norm`` or ``norm_type`` is not a number.
+        ValueError: if ``max_norm`` is not a positive finite number or ``norm_type`` is not
+            ``> 0``.
 
     Examples:
         >>> clip_by_global_norm(1.0).needs_whole_gradient
         True
+        >>> clip_by_global_norm(1.0, norm_type=math.inf).name
+        'clip_by_global_norm(1, norm_type=inf)'
     """
     if not (_check_number(max_norm, "clip_by_global_norm(max_norm)") > 0 and math.isfinite(max_norm)):
         raise ValueError(f"clip_by_global_norm: max_norm must be a positive finite number, got {max_norm!r}")
+    p = check_norm_type(norm_type, "clip_by_global_norm(norm_type)")
 
     def coefficient(grads: Updates) -> torch.Tensor:
-        return torch.clamp(max_norm / (global_norm(grads).float() + 1e-6), max=1.0)
+        return torch.clamp(max_norm / (global_norm(grads, p).float() + 1e-6), max=1.0)
 
     def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
         coef = coefficient(grads)
@@ -238,11 +289,18 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def update_donated(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
         coef = coefficient(grads)
         for unit in received_units(grads):
-            grads[unit.name].mul_(coef.to(grads[unit.name].device))
+            for x in _received_parts(grads, unit):  # (views: the other parameters' elements stay as they are)
+                x.mul_(coef.to(x.device))
         return grads, state
 
+    name = f"clip_by_global_norm({max_norm:g})" if p == 2 else f"clip_by_global_norm({max_norm:g}, norm_type={p:g})"
     return GradientTransformation(
-        _empty, update, f"clip_by_global_norm({max_norm:g})", global_norms=1, update_donated=update_donated
+        _empty,
+        update,
+        name,
+        global_norms=int(p != math.inf),
+        max_norms=int(p == math.inf),
+        update_donated=update_donated,
     )
 
 

@@ -633,7 +633,7 @@ def inject_hyperparams(
         >>> inject_hyperparams(scale)(step_size=0.5).init(None)
         InjectHyperparamsState(count=0, hyperparams={'step_size': 0.5}, inner_state=EmptyState())
         >>> inject_hyperparams(clip_by_global_norm)(0.1).init(None).hyperparams
-        {'max_norm': 0.1}
+        {'max_norm': 0.1, 'norm_type': 2.0}
     """
     static_names = {static_args} if isinstance(static_args, str) else set(static_args)
     signature = inspect.signature(factory)

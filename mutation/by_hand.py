@@ -816,6 +816,55 @@ MUTANTS = [
         "        if False:\n            return _nothing(grads), state._replace(",
         "tests/test_optax.py::test_accumulate_takes_should_skip_update_fn_as_optax_multisteps",
     ),
+    (
+        "received_parts_whole_unit",
+        "fsdp_fn/_transforms.py",
+        "    if all(mask):\n        return [shard]",
+        "    if any(mask):\n        return [shard]",
+        "tests/test_optax.py::test_masked_and_one_labels_norm_and_finiteness_count_only_their_parameters_as_optax",
+    ),
+    (
+        "max_norm_sums_the_ranks",
+        "fsdp_fn/_transforms.py",
+        "return all_reduce_(each, layout.group).amax()",
+        "return all_reduce_(each, layout.group).sum()",
+        "tests/test_chain.py::test_clip_norm_type_equals_torchs_clip_grad_norm",
+    ),
+    (
+        "p_norm_rooted_as_two",
+        "fsdp_fn/_transforms.py",
+        "else total.pow(1 / p)",
+        "else total.pow(1 / 2)",
+        "tests/test_chain.py::test_clip_norm_type_equals_torchs_clip_grad_norm",
+    ),
+    (
+        "finite_means_not_nan",
+        "fsdp_fn/_wrappers.py",
+        "        finite = bool(torch.isfinite(global_norm(grads)))",
+        "        finite = not bool(torch.isnan(global_norm(grads)))",
+        "tests/test_chain.py::test_apply_if_finite_rejects_infinite_gradients_on_every_rank",
+    ),
+    (
+        "parity_reference_not_moved",
+        "fsdp_fn/testing/_parity.py",
+        "                    p.copy_(new[k])",
+        "                    pass",
+        "tests/test_testing_toolkit.py::test_assert_matches_unsharded_takes_a_gradient_transformation",
+    ),
+    (
+        "parity_step_reference_on_a_part",
+        "fsdp_fn/testing/_parity.py",
+        "step(ref_fn, loss_fn, ref_params, theirs, batch)",
+        "step(ref_fn, loss_fn, ref_params, theirs, split(batch, rank, world))",
+        "tests/test_testing_toolkit.py::test_assert_matches_unsharded_takes_a_step_of_ones_own",
+    ),
+    (
+        "p_norm_replicas_counted_twice",
+        "fsdp_fn/_transforms.py",
+        "        all_reduce_over_(total, layout.replica_groups).div_(layout.replicas)",
+        "        all_reduce_over_(total, layout.replica_groups)",
+        "tests/test_chain.py::test_clip_norm_type_counts_the_replicas_once",
+    ),
 ]
 
 

@@ -115,6 +115,66 @@ def test_apply_if_finite_skips_on_every_rank_and_then_applies(pool):
         assert not skipped2 and moved
 
 
+def _infinite(group):
+    """``apply_if_finite`` on hand-made sharded gradients holding +inf, -inf or both (no NaN),
+    each on one rank's shard only: through ``update`` and ``update_in_place``."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3))
+    params = ff.shard(dict(m.named_parameters()), ff.make_plan(m, ff.layer_policy([nn.Linear])), group)
+    opt = ff.apply_if_finite(ff.adamw(lr=1e-2))
+    out = {}
+    for label, bad in (
+        ("+inf", {"1.bias": (2, math.inf)}),  # the last unit's last elements: the last rank's shard
+        ("-inf", {"0.weight": (0, -math.inf)}),  # the first element: rank 0's shard
+        ("both", {"1.bias": (2, math.inf), "0.weight": (0, -math.inf)}),
+    ):
+        full = {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(7)) for k, v in m.named_parameters()}
+        for name, (i, value) in bad.items():
+            full[name].view(-1)[i] = value
+        grads = ff.reduce_grads(full, params)
+        here = bool(any(t.isinf().any() for t in grads.values()))  # this rank's shards hold an inf
+        nan = bool(any(t.isnan().any() for t in grads.values()))
+        state = opt.init(params)
+        updates, new = opt.update(grads, state, params)
+        same_state = all(
+            torch.equal(a, b)
+            for a, b in zip(ff.tree_leaves(state.inner_state), ff.tree_leaves(new.inner_state), strict=True)
+            if isinstance(a, torch.Tensor)
+        )
+        zero = all(not t.any() for t in updates.values())
+        in_place = ff.tree_map(torch.clone, params)
+        state_ip = opt.init(in_place)
+        before = [t.clone() for t in ff.tree_leaves(state_ip.inner_state) if isinstance(t, torch.Tensor)]
+        state_ip = ff.update_in_place(opt, ff.reduce_grads(full, params), state_ip, in_place)
+        after = [t for t in ff.tree_leaves(state_ip.inner_state) if isinstance(t, torch.Tensor)]
+        unmoved = all(torch.equal(in_place[u], params[u]) for u in params.plan.unit_names)
+        out[label] = (
+            here,
+            nan,
+            zero and same_state,
+            tuple(new[:3]),
+            opt.outcome(new).name,
+            unmoved and all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+            tuple(state_ip[:3]),
+        )
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_apply_if_finite_rejects_infinite_gradients_on_every_rank(pool, world):
+    # Catches (issue 42.12): a finiteness check that treats only NaN as non-finite (an inf loss gives
+    # NaN gradients, so no other test fed an inf): +inf, -inf or both, on one rank's shard only.
+    results = pool.run(_infinite, world=world)
+    for label in ("+inf", "-inf", "both"):
+        assert any(r[label][0] for r in results), label  # some rank holds it
+        for r in results:
+            here, nan, rejected, counters, outcome, rejected_ip, counters_ip = r[label]
+            assert not nan, label  # infinities, not NaN
+            assert rejected and rejected_ip, label  # zero updates, the inner state (and params) as they were
+            assert counters == counters_ip == (1, False, 1), (label, counters, counters_ip)
+            assert outcome == "REJECTED", label
+
+
 def _accumulated(group, every):
     world, rank = group.size(), group.rank()
     model, fn, plan, step, state = _setup(group, ff.accumulate(every, ff.adamw(lr=1e-2)))
@@ -682,3 +742,90 @@ def test_an_empty_chain_applies_the_gradients_in_place_too(pool):
     for moved, off in pool.run(_empty_chain_in_place, world=2):
         assert moved > 1e-3
         assert off < 1e-7
+
+
+# --- issue 42.11: norm_type, as torch's clip_grad_norm_ ----------------------------------------
+
+NORM_TYPES = [1.0, 2.0, math.inf, 3.0]
+
+
+def _norm_types(group, replicas=1):
+    """``clip_grad_norm_`` and ``clip_by_global_norm`` (``update`` and ``update_donated``) with each
+    ``norm_type``, against torch's ``clip_grad_norm_`` on the unsharded gradients (one process);
+    ``replicas``: hybrid sharding over the pool's 4 ranks (2 shards x 2 replicas)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3))  # uneven shards at W=2 and 3
+    plan = ff.make_plan(m, ff.layer_policy([nn.Linear]))
+    if replicas > 1:
+        from fsdp_fn.testing import LayoutSpec
+
+        group = LayoutSpec(4, replicas).group()
+    params = ff.shard(dict(m.named_parameters()), plan, group)
+    world = params.layout.world
+    full = {
+        k: torch.randn(v.shape, generator=torch.Generator().manual_seed(5 + i))
+        for i, (k, v) in enumerate(m.named_parameters())
+    }
+    full["1.bias"][2] = -4.0  # the largest |x|, on the last rank's shard
+    out = {}
+    for p in NORM_TYPES:
+        holders = [nn.Parameter(torch.zeros_like(t)) for t in full.values()]
+        for h, t in zip(holders, full.values(), strict=True):
+            h.grad = t.clone()
+        want_norm = float(torch.nn.utils.clip_grad_norm_(holders, 0.5, norm_type=p))
+        want = {k: h.grad for k, h in zip(full, holders, strict=True)}
+        grads = ff.reduce_grads(full, params)
+        with ff.comm_log() as log:
+            norm = float(ff.clip_grad_norm_(grads, 0.5, norm_type=p))
+        t = ff.clip_by_global_norm(0.5, norm_type=p)
+        updates, _ = t.update(ff.reduce_grads(full, params), ff.EmptyState())
+        donated, _ = t.update_donated(ff.reduce_grads(full, params), ff.EmptyState())
+        offs = [
+            max((got[k] - want[k]).abs().max().item() for k in full)
+            for got in (ff.unshard(grads), ff.unshard(updates), ff.unshard(donated))
+        ]
+        predicted = ff.predict_collectives(plan, world, ff.Schedule(), optimizer=t, replicas=replicas)
+        predicted = predicted[
+            len(ff.predict_collectives(plan, world, ff.Schedule(), replicas=replicas)) :
+        ]  # the clip's
+        out[p] = (
+            rel(norm, want_norm),
+            offs,
+            [(c.op, c.numel, c.world) for c in log.records],
+            [(c.op, c.numel, c.world) for c in predicted],
+        )
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_clip_norm_type_equals_torchs_clip_grad_norm(pool, world):
+    # Catches (issue 42.11): no norm_type (before: a TypeError), a p-norm summed without ** p or
+    # rooted without 1/p, an inf norm that sums the ranks' maxima (or keeps this rank's), a norm
+    # that counts padding.
+    for results in pool.run(_norm_types, world=world):
+        assert set(results) == set(NORM_TYPES)
+        for p, (norm_off, offs, logged, predicted) in results.items():
+            assert norm_off < 1e-6, (p, norm_off)
+            assert max(offs) < 1e-6, (p, offs)
+            one = [("all_reduce", world if p == math.inf else 1, world)] * (world > 1)  # nothing recorded at W=1
+            assert logged == one, (p, logged)
+            assert predicted == one, (p, predicted)
+
+
+def test_clip_norm_type_counts_the_replicas_once(pool):
+    # Catches: a hybrid mesh's replicas (which hold the same shards) counted twice in a p-norm, or a
+    # max-norm all-reduced over the replicas too (W numbers, 2 shards x 2 replicas).
+    for results in pool.run(_norm_types, 2, world=4):
+        for p, (norm_off, offs, logged, predicted) in results.items():
+            assert norm_off < 1e-6 and max(offs) < 1e-6, (p, norm_off, offs)
+            want = [("all_reduce", 2, 2)] if p == math.inf else [("all_reduce", 1, 2)] * 2  # over shards, replicas
+            assert logged == predicted == want, (p, logged, predicted)
+
+
+def test_norm_type_must_be_a_positive_number():
+    # Catches: a norm_type of 0, a negative one or NaN taken (torch's 0 counts non-zeros: not a norm to clip by).
+    for bad in (0, -1.0, math.nan):
+        with pytest.raises(ValueError, match=r"clip_by_global_norm\(norm_type\) must be a number > 0 or math.inf"):
+            ff.clip_by_global_norm(1.0, norm_type=bad)
+    with pytest.raises(TypeError, match=r"clip_by_global_norm\(norm_type\) must be a number"):
+        ff.clip_by_global_norm(1.0, norm_type="inf")

@@ -1150,3 +1150,62 @@ def test_accumulate_takes_should_skip_update_fn_as_optax_multisteps(pool, world)
         assert all(ours == theirs for ours, theirs in seen), seen
         assert [s[0] for s in seen] == [(0, 0), (1, 0), (1, 0), (0, 1), (1, 1), (1, 1), (0, 2)]
         assert skip_state == {"norm_squared": 0.0} and outcome == "rejected"
+
+
+# --- issue 42: a wrapper's inner norm sees only the parameters it selects ---------------------
+
+
+def _selected_only_cases(optax):
+    matrix = lambda n, s: len(s) >= 2  # noqa: E731
+    tree = {"w": True, "b": False}
+    label = lambda n, s: "w" if matrix(n, s) else "b"  # noqa: E731
+    labels = {"w": "w", "b": "b"}
+    nan_b = _nan_at(1, "b", 3)  # a NaN in the parameter the wrapper leaves out
+    return {
+        "masked_clip": (
+            ff.chain(ff.masked(ff.clip_by_global_norm(0.5), matrix), ff.sgd(0.1)),
+            optax.chain(optax.masked(optax.clip_by_global_norm(0.5), tree), optax.sgd(0.1)),
+            _grads_of,
+        ),
+        "label_clip": (
+            ff.multi_transform({"w": ff.chain(ff.clip_by_global_norm(0.5), ff.sgd(0.1)), "b": ff.sgd(0.1)}, label),
+            optax.multi_transform(
+                {"w": optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1)), "b": optax.sgd(0.1)}, labels
+            ),
+            _grads_of,
+        ),
+        "label_apply_if_finite": (
+            ff.multi_transform({"w": ff.apply_if_finite(ff.sgd(0.1), 10), "b": ff.sgd(0.1)}, label),
+            optax.multi_transform({"w": optax.apply_if_finite(optax.sgd(0.1), 10), "b": optax.sgd(0.1)}, labels),
+            nan_b,
+        ),
+        "masked_apply_if_finite": (
+            ff.chain(ff.masked(ff.apply_if_finite(ff.sgd(0.1), 10), matrix), ff.scale(0.5)),
+            optax.chain(optax.masked(optax.apply_if_finite(optax.sgd(0.1), 10), tree), optax.scale(0.5)),
+            nan_b,
+        ),
+    }
+
+
+def _selected_only(group):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import optax
+
+    shapes = [("w", (6, 5)), ("b", (7,))]  # one unit (the root) holding a selected and an unselected parameter
+    out = {}
+    for name, (ours, theirs, grads) in _selected_only_cases(optax).items():
+        got, got_ip, want = _ours_and_optax(group, ours, theirs, shapes, grads=grads)
+        out[name] = (_off(got, want), _off(got_ip, want), bool(want["w"].isfinite().all()))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_masked_and_one_labels_norm_and_finiteness_count_only_their_parameters_as_optax(pool, world):
+    # Catches (issue 42.2): clip_by_global_norm and apply_if_finite inside masked / one label of
+    # multi_transform norming the whole unit (before: the left-out bias counted in the clip's
+    # coefficient, and its NaN made the weight's label reject its own finite update).
+    for results in pool.run(_selected_only, world=world):
+        assert set(results) == {"masked_clip", "label_clip", "label_apply_if_finite", "masked_apply_if_finite"}
+        for name, (off, off_ip, w_finite) in results.items():
+            assert w_finite, name
+            assert off < 2e-6 and off_ip < 2e-6, (name, off, off_ip)
