@@ -347,7 +347,7 @@ def estimate_memory(
             u.padded_numel(world) * schedule.reduce_dtype(schedule.gather_dtype(u.dtype)).itemsize for u in plan.units
         )
         summed = params if schedule.reduce_each_micro_batch else full
-    largest_shard = max(shard_bytes.values())
+    largest_shard = max(shard_bytes.values(), default=0)
     counters = 4 * sum(len(u.params) for u in plan.units)  # one float32 step count per trainable parameter
     with_gradients = 0
     for stage in activations.stages if activations is not None else ():
@@ -366,7 +366,7 @@ def estimate_memory(
         gathered=root + sum(others[:units_in_flight]),
         # One full unit gradient at a time: a unit's reduction ends before the next unit's
         # flat gradient is allocated (with update_in_backward too).
-        full_grad=max(u.gather_bytes(world) for u in plan.units),
+        full_grad=max((u.gather_bytes(world) for u in plan.units), default=0),
         activations=activations.peak if activations is not None else 0,
         with_gradients=with_gradients,
     )

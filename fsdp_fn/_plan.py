@@ -567,7 +567,7 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
         TypeError: if ``module`` is not an ``nn.Module``, ``policy`` is not callable or
             returns something that is not a bool, a parameter is not floating-point, or a
             unit would mix dtypes.
-        ValueError: if the module has no parameters, an ``nn.Embedding`` has ``max_norm``
+        ValueError: if an ``nn.Embedding`` has ``max_norm``
             (its forward changes the table in place), the policy chooses a module whose
             forward never runs, or a ``layer_policy``'s classes are not in the model.
 
@@ -614,8 +614,6 @@ def _parameters(module: nn.Module) -> tuple[dict[int, nn.Parameter], dict[int, l
     for name, p in module.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(name)
         tensors[id(p)] = p
-    if not tensors:
-        raise ValueError(f"{type(module).__name__} has no parameters: there is nothing to shard")
     for path, m in module.named_modules():
         if isinstance(m, nn.Embedding) and m.max_norm is not None:
             raise ValueError(

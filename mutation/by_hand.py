@@ -681,6 +681,13 @@ MUTANTS = [
         "tests/test_checkpoint.py::test_a_rank_that_dies_or_goes_silent_inside_a_save_is_named",
     ),
     (
+        "estimate_of_a_plan_of_no_unit_fails",
+        "fsdp_fn/_memory.py",
+        "    largest_shard = max(shard_bytes.values(), default=0)",
+        "    largest_shard = max(shard_bytes.values())",
+        "tests/test_plan.py::test_module_without_parameters",
+    ),
+    (
         "lookup_choice_ignores_checkpoint_regions",
         "fsdp_fn/_lookup.py",
         "            and name not in forced\n",

@@ -1063,16 +1063,23 @@ def test_extra_arguments_reach_the_links_that_take_them_as_optax(pool, world):
             assert off < 2e-6, (name, off)
 
 
-def _no_trainable(group):
+def _no_trainable(group, kind):
     """optax's test_empty: masked and multi_transform over a tree with no parameter to train (a
-    model whose parameters are all frozen: the plan's units hold none in their gradient buffer)."""
+    model whose parameters are all frozen: the plan's units hold none in their gradient buffer;
+    or a module without any parameter: a plan of no unit, as FSDP2 accepts such a module)."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import optax
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).requires_grad_(False)
+    if kind == "frozen":
+        model: nn.Module = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).requires_grad_(False)
+        plan = ff.make_plan(model, ff.layer_policy([nn.Linear]))
+    else:
+        model = nn.Sequential(nn.ReLU(), nn.Tanh())
+        plan = ff.make_plan(model)
+        assert plan.units == ()
     fn = ff.functionalize(model)
-    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group)
+    params = ff.shard(fn.params, plan, group)
     out = []
     for ours in (
         ff.masked(ff.adamw(), lambda n, s: True),
@@ -1093,9 +1100,10 @@ def _no_trainable(group):
     return out, theirs
 
 
+@pytest.mark.parametrize("kind", ["frozen", "no-parameters"])
 @pytest.mark.parametrize("world", [1, 2])
-def test_masked_and_multi_transform_over_no_trainable_parameter_as_optax_test_empty(pool, world):
-    for out, theirs in pool.run(_no_trainable, world=world):
+def test_masked_and_multi_transform_over_no_trainable_parameter_as_optax_test_empty(pool, world, kind):
+    for out, theirs in pool.run(_no_trainable, kind, world=world):
         assert theirs == [{}, {}]  # optax: an empty tree in, an empty tree out
         assert out == [(True, True)] * 4
 

@@ -173,8 +173,12 @@ def test_container_unit_refused():
 
 
 def test_module_without_parameters():
-    with pytest.raises(ValueError, match="ReLU has no parameters"):
-        ff.make_plan(nn.ReLU())
+    # A plan of no unit, as FSDP2 accepts such a module: it round-trips, costs nothing, issues
+    # only the step's metrics gather (before: "ReLU has no parameters: there is nothing to shard").
+    plan = ff.make_plan(nn.ReLU())
+    assert plan.units == () and ff.Plan.from_json(plan.to_json()) == plan
+    assert ff.estimate_memory(plan, world=2).total == 0
+    assert [c.unit for c in ff.predict_collectives(plan, 2)] == [None]
 
 
 def test_mixed_dtypes_in_a_unit_named():
