@@ -688,6 +688,13 @@ MUTANTS = [
         "tests/test_plan.py::test_module_without_parameters",
     ),
     (
+        "export_state_dict_unguarded",
+        "fsdp_fn/checkpoint/_export.py",
+        '    run_guarded(group, "export_state_dict", timeout, gather_all)\n',
+        "    gather_all()\n",
+        "tests/test_checkpoint.py::test_a_rank_that_dies_during_export_state_dict_is_named",
+    ),
+    (
         "lookup_choice_ignores_checkpoint_regions",
         "fsdp_fn/_lookup.py",
         "            and name not in forced\n",

@@ -1611,3 +1611,34 @@ def test_a_rank_that_dies_or_goes_silent_inside_a_save_is_named(fresh, tmp_path,
         assert "went silent: no answer for" in error and "(timeout 4 s)" in error, error
     assert seconds < 12.0, seconds  # the timeout (4 s) and the grace, not the 15 s of silence
     assert latest.endswith("step_1")  # the last checkpoint stays the latest, intact
+
+
+def _export_with_a_dead_rank(group):
+    """Rank 1 dies just before export_state_dict's gathers; rank 0 (the destination) waits on it."""
+    import time
+
+    _, _, state = _setup(group)
+    torch.distributed.barrier(group=group)
+    if group.rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    started = time.monotonic()
+    try:
+        ckpt.export_state_dict(state.params, timeout=5.0)
+        error = "exported"
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    return error, time.monotonic() - started
+
+
+def test_a_rank_that_dies_during_export_state_dict_is_named(fresh):
+    # Catches: gloo's raw "Connection reset/closed by peer" from dist.gather, naming no rank.
+    try:
+        survivor = fresh.run(_export_with_a_dead_rank, world=2)[0]
+    except RankError as e:
+        survivor = e.results[0][1]
+    finally:
+        fresh.close()
+    error, seconds = survivor
+    assert error.startswith("RankFailure: ") and "rank 1 of group" in error, error
+    assert seconds < 12.0, seconds

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from fsdp_fn._agree import failures
 from fsdp_fn._errors import RankFailure
+from fsdp_fn._guard import run_guarded
 from fsdp_fn._plan import ParamSpec, Unit, unit_label
 from fsdp_fn._shard import Layout, Sharded
 from fsdp_fn.checkpoint._dcp import boxes
@@ -187,7 +188,7 @@ def _settled(layout: Layout, what: str) -> Iterator[None]:
         raise RankFailure(f"{what} failed on another rank: {'; '.join(found)}")
 
 
-def export_state_dict(params: Sharded, *, dst: int = 0) -> dict[str, torch.Tensor] | None:
+def export_state_dict(params: Sharded, *, dst: int = 0, timeout: float = 300.0) -> dict[str, torch.Tensor] | None:
     """The full parameters on rank ``dst`` of the group (``None`` on the others), one unit at a time.
 
     Keyed as the module's ``state_dict()`` keys its parameters, in its order: a tied
@@ -199,6 +200,9 @@ def export_state_dict(params: Sharded, *, dst: int = 0) -> dict[str, torch.Tenso
     Args:
         params: the sharded parameters; frozen ones are exported too.
         dst: the rank, in the shard group, that receives the parameters.
+        timeout: seconds a rank waits for the others' parts: a rank that dies or goes
+            silent meanwhile is a ``RankFailure`` naming it (the gathers run on a thread of
+            their own, watched by the guard).
 
     Returns:
         On rank ``dst``, the full parameters by name, in the module's order (new tensors);
@@ -207,16 +211,20 @@ def export_state_dict(params: Sharded, *, dst: int = 0) -> dict[str, torch.Tenso
     layout = params.layout
     group, rank = layout.group, layout.rank
     out: dict[str, torch.Tensor] = {}
-    for _, part, flat in _parts(params):
-        pieces = [torch.empty_like(flat) for _ in range(layout.world)] if rank == dst else None
-        dist.gather(flat.detach().contiguous(), pieces, group=group, group_dst=dst)
-        if pieces is not None:
-            full = torch.cat(pieces)
-            for spec, at in zip(part.params, part.offsets, strict=True):
-                out[spec.name] = full[at : at + spec.numel].view(spec.shape).clone()
-                for alias in spec.aliases:  # tied: the same tensor, as the module's state dict has it
-                    out[alias] = out[spec.name]
-            del full, pieces
+
+    def gather_all() -> None:
+        for _, part, flat in _parts(params):
+            pieces = [torch.empty_like(flat) for _ in range(layout.world)] if rank == dst else None
+            dist.gather(flat.detach().contiguous(), pieces, group=group, group_dst=dst)
+            if pieces is not None:
+                full = torch.cat(pieces)
+                for spec, at in zip(part.params, part.offsets, strict=True):
+                    out[spec.name] = full[at : at + spec.numel].view(spec.shape).clone()
+                    for alias in spec.aliases:  # tied: the same tensor, as the module's state dict has it
+                        out[alias] = out[spec.name]
+                del full, pieces
+
+    run_guarded(group, "export_state_dict", timeout, gather_all)
     if rank != dst:
         return None
     order = [name for name in params.plan.order if name in out]
