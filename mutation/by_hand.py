@@ -695,6 +695,13 @@ MUTANTS = [
         "tests/test_checkpoint.py::test_a_rank_that_dies_during_export_state_dict_is_named",
     ),
     (
+        "import_strict_false_zeroes_the_missing",
+        "fsdp_fn/checkpoint/_export.py",
+        "                piece.copy_(saved[spec.name, a])\n",
+        "                pass\n",
+        "tests/test_checkpoint.py::test_import_state_dict_with_strict_false_keeps_what_the_state_dict_lacks_as_torch",
+    ),
+    (
         "lookup_choice_ignores_checkpoint_regions",
         "fsdp_fn/_lookup.py",
         "            and name not in forced\n",

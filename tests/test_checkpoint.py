@@ -1642,3 +1642,37 @@ def test_a_rank_that_dies_during_export_state_dict_is_named(fresh):
     error, seconds = survivor
     assert error.startswith("RankFailure: ") and "rank 1 of group" in error, error
     assert seconds < 12.0, seconds
+
+
+def _import_with_missing_keys(group):
+    """A state dict without some parameters, imported with strict=False, against torch's
+    ``load_state_dict(strict=False)`` on the unsharded module: the missing keep their values."""
+    import warnings
+
+    model, _, state = _setup(group)
+    torch.manual_seed(1)
+    other = copy.deepcopy(model)
+    for p in other.parameters():
+        p.data.normal_()
+    sd = {k: v for k, v in other.state_dict().items() if not k.startswith("blocks.1.")}
+    reference = copy.deepcopy(model)
+    missing = reference.load_state_dict(sd, strict=False).missing_keys
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = ff.unshard(ckpt.import_state_dict(sd, state.params, strict=False))
+    try:
+        ckpt.import_state_dict(sd, state.params)
+        strict = "no error"
+    except KeyError as e:
+        strict = str(e)
+    same = all(torch.equal(got[k], p.detach()) for k, p in reference.named_parameters())
+    said = [str(w.message) for w in seen]
+    return same, sorted(missing), said, strict
+
+
+def test_import_state_dict_with_strict_false_keeps_what_the_state_dict_lacks_as_torch(pool):
+    for same, missing, said, strict in pool.run(_import_with_missing_keys, world=2):
+        assert same
+        assert missing and all(k.startswith("blocks.1.") for k in missing)
+        assert len(said) == 1 and "has no parameter 'blocks.1." in said[0] and "strict=False keeps" in said[0]
+        assert "has no parameter 'blocks.1." in strict

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -242,12 +243,29 @@ def _fill(like: Sharded, names: set[str], read: Reader, source: str, strict: boo
     specs = [p for _, part, _ in _parts(like) for p in part.params]
     known = {n for p in specs for n in (p.name, *p.aliases)}
     missing = [p.name for p in specs if p.name not in names and not any(a in names for a in p.aliases)]
-    if missing:
+    meta = any(t.is_meta for t in (*like.shards.values(), *layout.frozen.values()))
+    if missing and (strict or meta):
         unit = like.plan.unit_of(missing[0]).name
         raise KeyError(
             f"{source} has no parameter {missing[0]!r} (unit {unit_label(unit)})"
             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+            + ("" if strict else ": on the meta device there is no value to keep for it")
         )
+    if missing:  # strict=False, as torch's load_state_dict: kept as they are in like, and said
+        warnings.warn(
+            f"{source} has no parameter {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more: {', '.join(map(repr, missing[1:6]))}...)" if len(missing) > 1 else "")
+            + "; strict=False keeps the values like holds for them",
+            stacklevel=3,
+        )
+    kept = {p.name for p in specs if p.name in missing}
+    # (the pieces of the missing parameters, copied before the shards are zeroed: memory of those pieces)
+    saved = {}
+    if kept:
+        for _, part, flat in _parts(like):
+            for spec, a, b, piece in _local(part, flat, layout):
+                if spec.name in kept:
+                    saved[spec.name, a] = piece.clone()
     unexpected = sorted(names - known)
     if strict and unexpected:
         raise KeyError(
@@ -266,6 +284,9 @@ def _fill(like: Sharded, names: set[str], read: Reader, source: str, strict: boo
     out = Sharded(shards, layout)
     for _, part, flat in _parts(out):
         for spec, a, b, piece in _local(part, flat, layout):
+            if spec.name in kept:
+                piece.copy_(saved[spec.name, a])
+                continue
             name = spec.name if spec.name in names else next(n for n in spec.aliases if n in names)
             for box in boxes(spec.shape, a, b):
                 index = tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes, strict=True))
@@ -289,22 +310,26 @@ def import_state_dict(state_dict: Mapping[str, torch.Tensor], like: Sharded, *, 
     """Shards of a full ``state_dict`` (keyed by FQN) in ``like``'s layout, written into ``like``'s tensors.
 
     Each rank copies only its own pieces (values are cast to the shard dtype).
-    ``strict=False`` ignores entries the model does not have (e.g. buffers). Memory: one
-    piece at a time beyond the shards. No communication.
+    ``strict=False`` ignores entries the model does not have (e.g. buffers) and, as torch's
+    ``load_state_dict``, allows parameters the state dict lacks: they keep ``like``'s values,
+    and a warning names them. Memory: one piece at a time beyond the shards (and a copy of
+    the missing parameters' pieces). No communication.
 
     Args:
         state_dict: full tensors keyed by fully-qualified name (a tied parameter under any
             one of its names), the same on every rank.
         like: the sharded parameters whose layout the result takes; their tensors are
             written into (meta tensors are replaced by new ones).
-        strict: ``False`` ignores entries the model does not have.
+        strict: ``False`` ignores entries the model does not have and keeps ``like``'s
+            values for parameters the state dict lacks.
 
     Returns:
         A ``Sharded`` in ``like``'s layout, holding ``like``'s tensors, now filled.
 
     Raises:
-        KeyError: if ``state_dict`` has no entry for a parameter of the model (naming it
-            and its unit), or, with ``strict``, has one the model does not have.
+        KeyError: with ``strict`` (or a ``like`` on the meta device), if ``state_dict`` has
+            no entry for a parameter of the model (naming it and its unit); with
+            ``strict``, if it has one the model does not have.
         ValueError: if an entry's shape is not its parameter's.
     """
     _check_shapes("the state dict", {k: tuple(v.shape) for k, v in state_dict.items()}, like)
