@@ -263,7 +263,7 @@ def _fill(like: Sharded, names: set[str], read: Reader, source: str, strict: boo
     saved = {}
     if kept:
         for _, part, flat in _parts(like):
-            for spec, a, b, piece in _local(part, flat, layout):
+            for spec, a, _, piece in _local(part, flat, layout):
                 if spec.name in kept:
                     saved[spec.name, a] = piece.clone()
     unexpected = sorted(names - known)
