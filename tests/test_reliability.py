@@ -573,8 +573,9 @@ def test_a_hybrid_mesh_names_the_global_rank_that_failed(fragile4, how):
     """2 x 2 (replicate, shard): rank 3 dies or goes silent in blocks.1. Every survivor, in its
     shard group and in the other, names global rank 3 (before: the other shard group named live
     ranks, or "a rank of group '3'")."""
+    # (the silent rank sleeps 10 s: the others give up after 3 s and a grace of 3, before it wakes)
     bad = {"die_in": (3, "blocks.1")} if how == "killed" else {"hang_in": (3, "blocks.1")}
-    outcomes = _messages(fragile4, _gpt_step, hybrid=True, step_kw={"timeout": 5.0}, world=4, **bad)
+    outcomes = _messages(fragile4, _gpt_step, hybrid=True, step_kw={"timeout": 3.0}, world=4, **bad)
     for rank in (0, 1, 2):
         kind, msg = outcomes[rank]
         assert kind == "RankFailure", (rank, msg)
