@@ -34,6 +34,7 @@ from fsdp_fn._phases import phase
 from fsdp_fn._plan import Policy
 from fsdp_fn._policy import Schedule
 from fsdp_fn._remat import Remat
+from fsdp_fn._runtime import model_handle
 from fsdp_fn._shard import Sharded, ensure_live
 from fsdp_fn._sink import GradSink
 from fsdp_fn._standin import module_parameters_hidden
@@ -115,7 +116,7 @@ def lean_pass(
 
     def objective(shards: dict[str, torch.Tensor]) -> torch.Tensor:
         nonlocal aux
-        model = functools.partial(runtime.run_on, params.replace(shards), buffers)
+        model = model_handle(runtime, functools.partial(runtime.run_on, params.replace(shards), buffers))
         with module_parameters_hidden(runtime.fn.module):
             out, aux = split_aux(loss_fn(model, batch), has_aux)
             loss = checked_loss(out)
@@ -421,7 +422,8 @@ def _composable(
         for batch in micro:
             runtime = ComposableRuntime(fn, params.replace(shards), schedule=schedule, remat=remat)
             with module_parameters_hidden(fn.module):
-                loss, aux = split_aux(loss_fn(functools.partial(runtime.run, buffers), batch), has_aux)
+                model = model_handle(runtime, functools.partial(runtime.run, buffers))
+                loss, aux = split_aux(loss_fn(model, batch), has_aux)
             losses.append(checked_loss(loss))
             auxes.append(aux)
         loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()

@@ -106,6 +106,9 @@ class Runtime:
         self.remat_units = wiring.remat_units
         self.forced: set[str] = set()  # units a routed torch checkpoint region rematerialises now
         self.lookups = LookupChoice(wiring.lookups, self.modules, wiring.row_lookups, self.remat_units)
+        # what the next ``run_on`` calls instead of the module: (submodule path, method or None)
+        self.target: tuple[str, str | None] | None = None
+        self.hooks: dict[int, tuple[Callable[..., Any], Callable[..., Any]]] = {}  # a unit module's, for a method
 
     # --- what subclasses say -----------------------------------------------------------------------
 
@@ -182,7 +185,8 @@ class Runtime:
         return self.run_on(self.params, buffers, *args, **kwargs)
 
     def run_on(self, params: Sharded, buffers: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:
-        """Run the module with ``params`` (the runtime's shards, possibly inside a transform)."""
+        """Run the module with ``params`` (the runtime's shards, possibly inside a transform);
+        with ``self.target`` set (``ModelHandle``), one of its submodules or methods instead."""
         self.params = params
         self.phase = Phase.FORWARD
         module = self.fn.module
@@ -213,6 +217,8 @@ class Runtime:
                     continue
                 handles.append(target.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
                 handles.append(target.register_forward_hook(post))
+                if self.target is not None:
+                    self.hooks[id(target)] = (pre, post)
         forwards: list[tuple[nn.Module, Any]] = []  # (module, its own instance-level forward or _MISSING)
         for unit in self.own_unit.values():
             target = self.modules[unit.name]
@@ -229,7 +235,7 @@ class Runtime:
                     value = tensors.get(name)
                     if value is not None:
                         (owner._parameters if is_param else owner._buffers)[attr] = value  # type: ignore[index,assignment]
-                out = module(*args, **kwargs)
+                out = module(*args, **kwargs) if self.target is None else self._call_target(args, kwargs)
             _check_unchanged(ROOT, *root)
         except Exception as e:
             where = f"unit {unit_label(self.running[-1])}" if self.running else "the root unit"
@@ -255,6 +261,25 @@ class Runtime:
             self.fingerprints.clear()
         self._finished()
         return precision.cast_output(out)
+
+    def _call_target(self, args: Any, kwargs: Any) -> Any:
+        """The call a ``ModelHandle`` asked for: a submodule (its hooks gather what it reaches,
+        the root unit is gathered already), or a method; a unit's own method runs between that
+        unit's hooks, as its forward would (FSDP2's ``register_fsdp_forward_method``)."""
+        assert self.target is not None
+        path, method = self.target
+        module = self.fn.module.get_submodule(path)
+        if method is None:
+            return module(*args, **kwargs)
+        call = getattr(module, method)
+        hooks = self.hooks.get(id(module))
+        if hooks is None:
+            return call(*args, **kwargs)
+        pre, post = hooks
+        cast = pre(module, args, kwargs)
+        if cast is not None:
+            args, kwargs = cast
+        return post(module, args, call(*args, **kwargs))
 
     # --- a unit's forward ---------------------------------------------------------------------------
 
@@ -456,3 +481,52 @@ def _check_unchanged(unit: str, before: Mapping[str, int], views: Mapping[str, t
             f"the forward of unit {unit_label(unit)} changed parameter {changed[0]!r} in place (through .data, "
             f"or a copy_/clamp_ under no_grad); {_LOST}"
         )
+
+
+class ModelHandle:
+    """What ``loss_fn`` gets as ``model``: ``model(x)`` runs the module on the shards;
+    ``model.head(h)`` runs one of its submodules and ``model.encode(x)`` (or
+    ``model.vit.forward_features(x)``) one of its methods the same way: every unit the call
+    reaches is gathered just before it runs, and the gradients are those of the same
+    computation on the unsharded module. Plain attributes (``model.config``) read through.
+    Memory and communication: the call's units, as ``model(x)``.
+    """
+
+    __slots__ = ("_module", "_path", "_run")
+
+    def __init__(self, run: Callable[..., Any], module: nn.Module, path: str = "") -> None:
+        self._run, self._module, self._path = run, module, path
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run((self._path, None) if self._path else None, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        target = self._module.get_submodule(self._path)
+        path = f"{self._path}.{name}" if self._path else name
+        if name in target._modules and target._modules[name] is not None:
+            return ModelHandle(self._run, self._module, path)
+        if name in target._parameters or name in target._buffers:
+            raise AttributeError(
+                f"the model's {path!r} is one of its tensors: the loss reaches the model through calls "
+                "(model(x), model.head(h)), which gather the units they use; a tensor read outside them "
+                "would be a stand-in"
+            )
+        value = getattr(target, name)
+        if callable(value) and getattr(value, "__self__", None) is target:  # a method of the module
+            return functools.partial(self._run, (self._path, name))
+        return value
+
+
+def model_handle(runtime: Runtime, run: Callable[..., Any]) -> ModelHandle:
+    """The ``model`` a loss gets: ``run`` (the runtime's ``run_on`` or ``run``, its shards bound)
+    on the module, or on the submodule or method a ``ModelHandle`` names."""
+
+    def call(target: tuple[str, str | None] | None, *args: Any, **kwargs: Any) -> Any:
+        runtime.target = target
+        try:
+            return run(*args, **kwargs)
+        finally:
+            runtime.target = None
+            runtime.hooks.clear()
+
+    return ModelHandle(call, runtime.fn.module)

@@ -91,7 +91,8 @@ class TrainStep:
     Args:
         fn: the model, from ``functionalize(module)``.
         loss_fn: ``loss_fn(model, batch) -> scalar``: calls ``model(*args, **kwargs)`` with
-            whatever the module's forward takes and returns a floating scalar tensor.
+            whatever the module's forward takes (or a submodule or method through it,
+            ``model.head(h)``: a ``ModelHandle``) and returns a floating scalar tensor.
         optimizer: a ``GradientTransformation`` (``adamw()``, ``sgd()``, ``chain(...)``,
             ``from_torch(opt)``).
         schedule: when things happen, as one value (``Schedule``): resharding after

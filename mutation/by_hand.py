@@ -702,6 +702,13 @@ MUTANTS = [
         "tests/test_checkpoint.py::test_import_state_dict_with_strict_false_keeps_what_the_state_dict_lacks_as_torch",
     ),
     (
+        "a_units_method_runs_without_its_gather",
+        "fsdp_fn/_runtime.py",
+        "        hooks = self.hooks.get(id(module))\n",
+        "        hooks = None\n",
+        "tests/test_features.py::test_the_loss_may_call_submodules_and_methods_of_the_model",
+    ),
+    (
         "lookup_choice_ignores_checkpoint_regions",
         "fsdp_fn/_lookup.py",
         "            and name not in forced\n",

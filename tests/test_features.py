@@ -1048,3 +1048,93 @@ def test_each_unit_casts_its_floating_inputs_to_the_compute_dtype_as_fsdp2(pool,
         assert off < 1e-6, off  # measured: 0.0, the same bf16 operations as FSDP2's
     for error in pool.run(_units_cast_their_inputs, False, world=2):
         assert "must have the same dtype" in error
+
+
+# --- calls into the model other than its root forward ---------------------------------------------
+
+
+class _Encoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(4, 8), torch.nn.Linear(8, 8)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:  # a unit's method other than forward
+        return torch.tanh(self.fc2(torch.tanh(self.fc1(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.features(x)
+
+
+class _WithHead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.head = _Encoder(), torch.nn.Linear(8, 3)
+        self.norm = torch.nn.LayerNorm(8)  # the root unit's
+        self.scale = 2.0
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:  # the root's own method
+        return self.norm(self.encoder(x)) * self.scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encode(x))
+
+
+def _chunked(model, x):  # FSDP2's test_partial_group_forward_then_standalone: body, then head by chunks
+    h = model.encode(x)
+    return sum(model.head(c).square().mean() for c in h.chunk(2)) * model.scale
+
+
+def _unit_method(model, x):  # FSDP2's register_fsdp_forward_method: a unit's other method
+    return model.head(model.norm(model.encoder.features(x))).square().mean()
+
+
+def _non_root_alone(model, x):  # FSDP2's test_non_root_forward_backward: a unit's forward on its own
+    return model.encoder(x).square().mean() + model(x).mean()
+
+
+def _calls_other_than_the_root(group, which, classes):
+    loss_fn = {"chunked": _chunked, "unit-method": _unit_method, "non-root": _non_root_alone}[which]
+    torch.manual_seed(0)
+    model = _WithHead()
+    fn = ff.functionalize(model)
+    # [_Encoder]: the encoder's layers are its unit's (its method must gather it), the head the
+    # root's; [_Encoder, Linear]: every layer its own unit
+    plan = ff.make_plan(model, ff.layer_policy(classes))
+    step = ff.train_step(fn, loss_fn, ff.sgd(lr=0.1))
+    state = step.init(ff.shard(fn.params, plan, group))
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    xs = [torch.randn(6, 4, generator=torch.Generator().manual_seed(100 * k + r)) for k in range(2) for r in range(4)]
+    for k in range(2):
+        mine = xs[4 * k + group.rank()]
+        state, _ = step(state, mine)
+        opt.zero_grad()
+        (sum(loss_fn(reference, xs[4 * k + r]) for r in range(group.size())) / group.size()).backward()
+        opt.step()
+    full = ff.unshard(state.params)
+    return max((full[k] - p.detach()).abs().max().item() for k, p in reference.named_parameters())
+
+
+@pytest.mark.parametrize("classes", [[_Encoder], [_Encoder, torch.nn.Linear]], ids=["encoder", "layers"])
+@pytest.mark.parametrize("which", ["chunked", "unit-method", "non-root"])
+def test_the_loss_may_call_submodules_and_methods_of_the_model(pool, which, classes):
+    # Catches: model.head(h) an AttributeError (the handle was a partial), a unit's method run
+    # without its gather (stand-ins read), a root-unit parameter not gathered for a submodule call.
+    for off in pool.run(_calls_other_than_the_root, which, classes, world=2):
+        assert off < 1e-6, off
+
+
+def _tensor_through_the_handle(group):
+    model = _WithHead()
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model), group)
+    try:
+        ff.value_and_grad(fn, lambda m, x: (x @ m.head.weight.T).sum())(params, fn.buffers, torch.randn(2, 8))
+    except Exception as e:  # (a rank may hear of the other's error first: RankFailure relays its words)
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_tensor_read_through_the_model_handle_is_refused_naming_it(pool):
+    for msg in pool.run(_tensor_through_the_handle, world=2):
+        assert "AttributeError: the model's 'head.weight' is one of its tensors" in msg
