@@ -385,6 +385,15 @@ class Guard:
         with contextlib.suppress(Exception):
             self.store.set(f"{self.prefix}/error/{self.rank}", f"{type(error).__name__}: {first}"[:500])
 
+    def _busy(self) -> list[tuple[int, str]]:
+        """The ranks that said they are in local work (``busy``) and have not said they are done."""
+        found = []
+        for r in range(self.world):
+            key = f"{self.prefix}/busy/{r}"
+            if self._has(key) and (what := self._read(key)):
+                found.append((r, what))
+        return found
+
     def _answer_roll(self) -> None:
         """Sign in as alive when a failing rank asks (``_missing``): a rank that waits on a live
         peer (with replicas: one of another shard group) does not fail itself within the grace,
@@ -675,6 +684,29 @@ class _Finished:
         self.event.wait()
 
 
+_beside: dict[int, Guard] = {}  # a run_guarded worker thread -> the guard of its call
+
+
+@contextlib.contextmanager
+def busy(what: str) -> Iterator[None]:
+    """Mark this rank as doing local work (``what``: "writing its data") inside a
+    ``run_guarded`` call, in the call's store: if the others time out meanwhile, they name it
+    (its own waiting thread still answers, so it would not be missing). Outside one: nothing.
+    Communication: two store writes."""
+    guard = _beside.get(threading.get_ident())
+    if guard is None or guard.store is None:
+        yield
+        return
+    key = f"{guard.prefix}/busy/{guard.rank}"
+    with contextlib.suppress(Exception):
+        guard.store.set(key, what)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            guard.store.set(key, "")
+
+
 def run_guarded(group: dist.ProcessGroup, call: str, timeout: float, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` (collectives fsdp_fn does not issue itself: DCP's) on a thread of its own
     while this one waits under a guard: a rank that dies or goes silent in them becomes a
@@ -686,20 +718,35 @@ def run_guarded(group: dist.ProcessGroup, call: str, timeout: float, fn: Callabl
         return fn()
     done, out = threading.Event(), {}
 
+    what = f"{call}'s collectives"
+    guard = Guard(group, 0, timeout=timeout, check=False, call=call)
+
     def run() -> None:
+        _beside[threading.get_ident()] = guard
         try:
             out["value"] = fn()
         except BaseException as e:
             out["error"] = e
         finally:
+            _beside.pop(threading.get_ident(), None)
             done.set()
 
-    what = f"{call}'s collectives"
-    guard = Guard(group, 0, timeout=timeout, check=False, call=call)
     with guard.active():
         started = time.monotonic()
         threading.Thread(target=run, daemon=True, name="fsdp_fn-guarded").start()
-        guard.wait_watched(watch([_Finished(done)]), lambda: what)
+        try:
+            guard.wait_watched(watch([_Finished(done)]), lambda: what)
+        except RankFailure as e:
+            stuck = guard._busy() if "went silent" in str(e) else []
+            if stuck:  # every rank answers, but these are still in their own work
+                doing = "; ".join(f"rank {r} {w}" for r, w in stuck)
+                raise RankFailure(
+                    f"rank{'s' if len(stuck) > 1 else ''} {', '.join(str(r) for r, _ in stuck)} of group "
+                    f"{group.group_name!r} went silent ({call}: {doing}): no answer for "
+                    f"{time.monotonic() - started:.1f} s (timeout {timeout:g} s) while rank {guard.rank} waited "
+                    f"for the {what}"
+                ) from e
+            raise
         error = out.get("error")
         # gloo's own words for a peer gone inside the collectives (DCP reports the rest itself)
         if error is not None and _is_connection_error(error):

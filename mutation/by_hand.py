@@ -709,6 +709,13 @@ MUTANTS = [
         "tests/test_features.py::test_the_loss_may_call_submodules_and_methods_of_the_model",
     ),
     (
+        "busy_ranks_not_marked",
+        "fsdp_fn/_guard.py",
+        "        guard.store.set(key, what)\n",
+        "        pass\n",
+        "tests/test_checkpoint.py::test_a_rank_that_dies_or_goes_silent_inside_a_save_is_named",
+    ),
+    (
         "lookup_choice_ignores_checkpoint_regions",
         "fsdp_fn/_lookup.py",
         "            and name not in forced\n",

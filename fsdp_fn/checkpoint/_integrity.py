@@ -57,6 +57,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
+from fsdp_fn._guard import busy
+
 COMMIT_MARKER = "COMMITTED"  # written last, inside the directory, before it is renamed into place
 METADATA = ".metadata"  # DCP's
 DIGESTS = "digests.json"
@@ -576,7 +578,8 @@ class Writer(FileSystemWriter):
         return super().prepare_global_plan(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        results = super().write_data(plan, planner).value()
+        with busy("writing its data"):
+            results = super().write_data(plan, planner).value()
         start = time.perf_counter()
         out = []
         by_file: dict[str, list[WriteResult]] = {}
