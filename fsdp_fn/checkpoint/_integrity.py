@@ -504,6 +504,10 @@ class Reader(FileSystemReader):
         return md
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        with busy("reading its data"):  # (a rank silent in its reads is named by the others)
+            return self._read(plan, planner)
+
+    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         storage = self.opened.metadata.storage_data
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
