@@ -177,9 +177,15 @@ def pairwise(group: dist.ProcessGroup) -> bool:
     )
 
 
-# group -> (the rule it was chosen by, or None when set by the user; its comm). A group is
-# chosen for again only if the rule was replaced since (a test runs gloo's own collectives so).
-_chosen: dict[dist.ProcessGroup, tuple[Callable[[dist.ProcessGroup], bool] | None, Comm]] = {}
+# group -> (its comm, whether set_comm gave it)
+_chosen: dict[dist.ProcessGroup, tuple[Comm, bool]] = {}
+
+
+def choose_again() -> None:
+    """Forget every default choice (not the comms ``set_comm`` gave): each group chooses at its
+    next collective, reading ``FSDP_FN_COLLECTIVES`` again."""
+    for group in [g for g, (_, by_user) in _chosen.items() if not by_user]:
+        del _chosen[group]
 
 
 def comm_of(group: dist.ProcessGroup) -> Comm:
@@ -203,11 +209,10 @@ def comm_of(group: dist.ProcessGroup) -> Comm:
         ('NativeComm', False, True)
     """
     chosen = _chosen.get(group)
-    if chosen is not None and (chosen[0] is None or chosen[0] is pairwise):
-        return chosen[1]
-    rule = pairwise
-    comm = default_comm(group, rule(group))
-    _chosen[group] = (rule, comm)
+    if chosen is not None:
+        return chosen[0]
+    comm = default_comm(group, pairwise(group))
+    _chosen[group] = (comm, False)
     return comm
 
 
@@ -238,8 +243,8 @@ def set_comm(group: dist.ProcessGroup, comm: Comm | None) -> Comm | None:
         )
     before = _chosen.pop(group, None)
     if comm is not None:
-        _chosen[group] = (None, comm)
-    return None if before is None else before[1]
+        _chosen[group] = (comm, True)
+    return None if before is None else before[0]
 
 
 # --- the raw collectives, on plain tensors -----------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -277,3 +278,23 @@ def tiny_hugging_face(
         batches = [torch.randint(0, 61, (6, 10), generator=g) for _ in range(3)]
         return model, layer, lambda m, b: m(input_ids=b, labels=b, use_cache=False).loss, batches
     raise ValueError(f"no tiny {name!r}")
+
+
+@contextlib.contextmanager
+def native_collectives(on: bool = True) -> Iterator[None]:
+    """The backend's own all-gather and reduce-scatter instead of the pairwise exchanges (gloo has
+    both): ``FSDP_FN_COLLECTIVES=native``, each group's comm chosen again, then as before."""
+    from fsdp_fn import _collectives
+
+    before = os.environ.get("FSDP_FN_COLLECTIVES")
+    if on:
+        os.environ["FSDP_FN_COLLECTIVES"] = "native"
+        _collectives.choose_again()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("FSDP_FN_COLLECTIVES", None)
+        else:
+            os.environ["FSDP_FN_COLLECTIVES"] = before
+        _collectives.choose_again()

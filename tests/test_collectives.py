@@ -7,7 +7,6 @@ reduce-scatter compared with itself.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import threading
@@ -23,18 +22,9 @@ from torch import nn
 
 import fsdp_fn as ff
 from fsdp_fn import _collectives as C
+from tests.helpers import native_collectives
 
-
-@contextlib.contextmanager
-def _native(on: bool):
-    """Run the backend's own all-gather/reduce-scatter instead of the pairwise exchange (gloo has both)."""
-    saved = C.pairwise
-    if on:
-        C.pairwise = lambda group: False
-    try:
-        yield
-    finally:
-        C.pairwise = saved
+_native = native_collectives  # the backend's own all-gather/reduce-scatter instead of the pairwise exchange
 
 
 def _torch_all_gather(x: torch.Tensor, group) -> torch.Tensor:

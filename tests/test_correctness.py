@@ -22,7 +22,7 @@ from torch import nn
 
 import fsdp_fn as ff
 from fsdp_fn.testing import assert_matches_unsharded
-from tests.helpers import rel
+from tests.helpers import native_collectives, rel
 
 
 class Block(nn.Module):
@@ -1277,8 +1277,6 @@ def _routed_loss(model, batch):
 
 
 def _routed(group, update_in_backward, collectives="pairwise"):
-    from fsdp_fn import _collectives
-
     world, rank = group.size(), group.rank()
     torch.manual_seed(0)
     model = RoutedNet()
@@ -1300,10 +1298,7 @@ def _routed(group, update_in_backward, collectives="pairwise"):
     step = ff.train_step(fn, _routed_loss, ff.adamw(lr=0.05, weight_decay=0.1), schedule=schedule)
     state = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([Routed])), target))
     norms = []
-    pairwise = _collectives.pairwise
-    if collectives == "native":
-        _collectives.pairwise = lambda group: False
-    try:
+    with native_collectives(collectives == "native"):
         # every parameter is reached by the global batch, so value_and_grad marks all as received
         _, grads = ff.value_and_grad(fn, lambda m, b: F.mse_loss(m(b[0]), b[1]))(
             state.params, fn.buffers, (x_rank, y_rank)
@@ -1312,8 +1307,6 @@ def _routed(group, update_in_backward, collectives="pairwise"):
         for _ in range(2):
             state, metrics = step(state, (x_rank, y_rank))
             norms.append(metrics["grad_norm"].item())
-    finally:
-        _collectives.pairwise = pairwise
     full = ff.unshard(state.params)
     ref_norms, ref_params = _reference(model, _routed_loss, [(x, y)] * 2, 0.05)
     return (
@@ -1339,14 +1332,8 @@ def test_an_expert_only_some_ranks_route_to_is_stepped_on_every_rank(pool, world
 def _on_native_collectives(group, names, step_kw):
     """``_run`` with the backend's own all-gather and reduce-scatter (NCCL's path; on gloo,
     ``FSDP_FN_COLLECTIVES=native``) instead of the pairwise exchanges."""
-    from fsdp_fn import _collectives
-
-    pairwise = _collectives.pairwise
-    _collectives.pairwise = lambda group: False
-    try:
+    with native_collectives():
         return _run(group, names, step_kw)
-    finally:
-        _collectives.pairwise = pairwise
 
 
 @pytest.mark.parametrize(
