@@ -28,21 +28,10 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
-from fsdp_fn import _comm, _guard
-from fsdp_fn._comm import SENDER_BYTES as SENDER_BYTES  # (the sender thread's, where tests and benches look)
-from fsdp_fn._comm import TAG as TAG
+from fsdp_fn import _guard
 from fsdp_fn._comm import Comm, default_comm
-from fsdp_fn._comm import _QueuedSend as _QueuedSend
-from fsdp_fn._comm import _sender as _sender
 from fsdp_fn._labels import retag
 from fsdp_fn._phases import phased
-
-
-def __getattr__(name: str) -> Any:
-    """The sender thread's state, read where it lives (``_comm``): ``_last``, ``_sends``."""
-    if name in ("_last", "_sends"):
-        return getattr(_comm, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)

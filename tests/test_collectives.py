@@ -22,6 +22,7 @@ from torch import nn
 
 import fsdp_fn as ff
 from fsdp_fn import _collectives as C
+from fsdp_fn import _comm
 from tests.helpers import native_collectives
 
 _native = native_collectives  # the backend's own all-gather/reduce-scatter instead of the pairwise exchange
@@ -127,7 +128,7 @@ def _sends_on_the_sender_thread(group):
         seen.append((threading.current_thread().name, tag, tensors[0].numel() * tensors[0].element_size()))
         return call(pg, tensors, peer, tag)
 
-    big = C.SENDER_BYTES // 4  # float32 elements per shard: a send this large leaves from the sender thread
+    big = _comm.SENDER_BYTES // 4  # float32 elements per shard: a send this large leaves from the sender thread
     PG.send = spy
     try:
         shard = torch.arange(float(big)) + 10 * rank
@@ -150,7 +151,7 @@ def _sends_on_the_sender_thread(group):
         again = C.reduce_scatter(torch.ones(6 * world) * (rank + 1), group, "u")
     finally:
         PG.send = send
-    ours_small = [s for s in seen if s[1] == C.TAG]
+    ours_small = [s for s in seen if s[1] == _comm.TAG]
 
     # A send whose issue fails reaches the thread that waits on it.
     def refuse(*args, **kwargs):
@@ -158,7 +159,7 @@ def _sends_on_the_sender_thread(group):
 
     PG.send = refuse
     try:
-        failed = C._QueuedSend(torch.ones(1), group, (rank + 1) % world)
+        failed = _comm._QueuedSend(torch.ones(1), group, (rank + 1) % world)
         failed.wait()
         raised = False
     except RuntimeError as e:
@@ -173,7 +174,7 @@ def _sends_on_the_sender_thread(group):
         torch.equal(summed, torch.full((6,), world * (world + 1) / 2)),
         torch.equal(again, summed),
         raised,
-        C._last is not None and C._last.issued.is_set(),
+        _comm._last is not None and _comm._last.issued.is_set(),
     )
 
 
@@ -184,13 +185,13 @@ def _large_sends_leave_from_the_sender_thread(group):
     call = PG.send
 
     def spy(pg, tensors, peer, tag=0):
-        if tag == C.TAG:
+        if tag == _comm.TAG:
             names.append(threading.current_thread().name)
         return call(pg, tensors, peer, tag)
 
     PG.send = spy
     try:
-        big = C.SENDER_BYTES // 4
+        big = _comm.SENDER_BYTES // 4
         out = torch.empty(big * world)
         C.all_gather_into(out, torch.full((big,), float(rank)), group, "u")
     finally:
@@ -214,10 +215,10 @@ def test_sends_leave_from_the_sender_thread(pool):
 def test_a_forked_child_starts_its_own_sender_thread():
     # Catches: a child forked after the first send reusing the parent's queue, which no thread serves
     # there (its sends would never leave).
-    assert C._sender() is C._sender()  # one queue, one thread, in this process
+    assert _comm._sender() is _comm._sender()  # one queue, one thread, in this process
     pid = os.fork()
     if pid == 0:
-        os._exit(0 if C._sends is None and C._sender() is not None else 1)
+        os._exit(0 if _comm._sends is None and _comm._sender() is not None else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
 
