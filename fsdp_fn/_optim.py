@@ -24,7 +24,7 @@ from torch.optim.adam import adam as _adam_kernel
 from torch.optim.adamw import adamw as _adamw_kernel
 from torch.optim.sgd import sgd as _sgd_kernel
 
-from fsdp_fn._base import GradientTransformation, Params, Updates, apply_updates_, chain, copy_into
+from fsdp_fn._base import GradientTransformation, Params, Updates, chain, update_in_place
 from fsdp_fn._plan import unit_label
 from fsdp_fn._shard import Sharded
 from fsdp_fn._transforms import (
@@ -180,14 +180,6 @@ def _like_params(grads: Updates, params: Params) -> Updates:
     return grads.replace({u: grads[u].to(t.dtype) for u, t in params.shards.items()})
 
 
-def _functional(tx: GradientTransformation, grads: Updates, state: Any, params: Params) -> Any:
-    """``tx``'s ``update`` applied in place: the fused form where torch's kernel cannot run
-    (a first moment in another dtype than the parameters)."""
-    updates, new = tx.update(grads, state, params)
-    apply_updates_(params, updates)
-    return copy_into(state, new)
-
-
 def _flipped(maximize: bool) -> list[GradientTransformation]:
     return [scale(-1.0)] if maximize else []
 
@@ -262,7 +254,7 @@ def adamw(
     def fused(grads: Updates, state: tuple[Any, ...], params: Params) -> tuple[Any, ...]:
         moments: ScaleByAdamState = state[-3]
         if any(moments.mu[u].dtype != t.dtype for u, t in params.shards.items()):
-            return _functional(tx, grads, state, params)  # type: ignore[no-any-return]
+            return update_in_place(tx, grads, state, params)  # type: ignore[no-any-return]  # (the chain: torch's kernel takes one dtype)
         grads = _like_params(grads, params)
         rate, schedule = _rate(lr, state[-1], "adamw")
         todo = _select(grads, params, [moments.mu, moments.nu], moments.count, weight_decay_mask)
@@ -346,7 +338,7 @@ def adam(
     def fused(grads: Updates, state: tuple[Any, ...], params: Params) -> tuple[Any, ...]:
         moments: ScaleByAdamState = state[-2]
         if any(moments.mu[u].dtype != t.dtype for u, t in params.shards.items()):
-            return _functional(tx, grads, state, params)  # type: ignore[no-any-return]
+            return update_in_place(tx, grads, state, params)  # type: ignore[no-any-return]  # (the chain: torch's kernel takes one dtype)
         grads = _like_params(grads, params)
         rate, schedule = _rate(lr, state[-1], "adam")
         todo = _select(grads, params, [moments.mu, moments.nu], moments.count, weight_decay_mask)
