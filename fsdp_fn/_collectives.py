@@ -412,7 +412,7 @@ class _AllGather(_Linear):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _ReduceScatter.apply(grad, ctx.group, ctx.unit, ctx.scale), None, None, None
+        return _GradReduceScatter.apply(grad, ctx.group, ctx.unit, ctx.scale), None, None, None
 
     @staticmethod
     def vmap(
@@ -447,8 +447,9 @@ class _ReduceScatter(_Linear):
         scaled = grad * ctx.scale if ctx.scale != 1.0 else grad
         return _AllGather.apply(scaled, ctx.group, ctx.unit, ctx.scale), None, None, None
 
-    @staticmethod
-    def vmap(
+    @classmethod
+    def vmap(  # type: ignore[override]
+        cls,
         info: Any,
         in_dims: tuple[int | None, ...],
         full: torch.Tensor,
@@ -458,7 +459,7 @@ class _ReduceScatter(_Linear):
     ) -> tuple[torch.Tensor, int | None]:
         dim = in_dims[0]
         if dim is None:
-            return _ReduceScatter.apply(full, group, unit, scale), None
+            return cls.apply(full, group, unit, scale), None
         # (B, W * n) -> (W, B, n): rank r's slots of every batch element are contiguous, so one
         # reduce-scatter of the (W * B * n) buffer leaves this rank (B, n).
         world = group.size()
@@ -467,7 +468,29 @@ class _ReduceScatter(_Linear):
         _same_batch_size(size, group, unit, "reduce_scatter")
         n = batch.shape[1] // world
         ranked = batch.reshape(size, world, n).transpose(0, 1).reshape(-1)
-        return _ReduceScatter.apply(ranked, group, unit, scale).view(size, n), 0
+        return cls.apply(ranked, group, unit, scale).view(size, n), 0
+
+
+class _GradReduceScatter(_ReduceScatter):
+    """The reduce-scatter an all-gather's backward makes: a gradient, averaged over the ranks.
+
+    Its average is the seed's ``1/W`` (each rank's loss is one estimate of the mean loss),
+    which every gather's backward applies. A gradient that is itself gathered again (a MAML
+    inner step, ``s - lr * grad``, run by the outer loss) carries it already when the outer
+    derivative reaches this node, and would take it a second time at the inner gather:
+    ``regather`` marks such nodes, and their backward leaves the ``1/W`` out.
+    """
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _Linear.setup_context(ctx, inputs, output)
+        ctx.regathered = False  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        scale = 1.0 if ctx.regathered else ctx.scale
+        scaled = grad * scale if scale != 1.0 else grad
+        return _AllGather.apply(scaled, ctx.group, ctx.unit, ctx.scale), None, None, None
 
 
 def all_gather(
@@ -476,7 +499,8 @@ def all_gather(
     """Differentiable all-gather of 1-D ``shard`` into a new (W * n) tensor.
 
     Backward: ``grad_scale * reduce_scatter(grad)`` (``grad_scale=1/W`` averages over
-    ranks, like DDP); forward mode: the all-gather of the tangent; under ``vmap`` a
+    ranks, like DDP; a shard made from such a gradient is not averaged twice, see
+    ``regather``); forward mode: the all-gather of the tangent; under ``vmap`` a
     (B, n) batch of shards is one all-gather of ``B * n`` elements per rank. Memory:
     allocates the gathered buffer; communication: one all-gather of ``W * n`` elements.
 
@@ -495,6 +519,7 @@ def all_gather(
         RankFailure: if a rank of ``group`` is known to be gone, or fails while this rank
             waits (under a train step's guard).
     """
+    regather(shard)
     return cast(torch.Tensor, _AllGather.apply(shard, group, unit, grad_scale))
 
 
@@ -585,6 +610,35 @@ class _AllReduce(_Linear):
         if in_dims[0] is not None:
             _same_batch_size(x.shape[in_dims[0]], group, unit, "all_reduce")
         return _AllReduce.apply(x, group, unit, scale), in_dims[0]  # elementwise: one all-reduce of the batch
+
+
+def regather(shard: torch.Tensor) -> None:
+    """Mark the gradient reductions a shard about to be gathered was computed from.
+
+    A shard made from a gradient (``s - lr * grad(loss)(s)``, MAML's inner step) is gathered
+    again by a loss the outer derivative differentiates. That derivative's cotangent took the
+    seed's average at this gather's backward; on its way back through the inner gradient's
+    reductions it would take it again at the inner gather, so the meta-gradient's
+    second-order term came out ``1/W`` too small. Marked reductions leave it out. Walks the
+    shard's autograd graph at every ``torch.func`` level down to its leaves, not past a
+    gradient's reduce-scatter; a leaf shard (every first-order call) costs nothing.
+    """
+    functorch = torch._C._functorch
+    nodes = [shard.grad_fn]
+    while functorch.is_functorch_wrapped_tensor(shard):  # each level's own history: an inner
+        shard = functorch.get_unwrapped(shard)
+        nodes.append(shard.grad_fn)  # grad's input is a leaf at its level, made from a gradient below
+    stack = [node for node in nodes if node is not None]
+    seen = {id(node): node for node in stack}
+    while stack:
+        node = stack.pop()
+        if hasattr(node, "regathered"):  # an inner gradient's reduction: nothing below it is a gradient
+            node.regathered = True
+            continue
+        for child, _ in node.next_functions:
+            if child is not None and id(child) not in seen:
+                seen[id(child)] = child
+                stack.append(child)
 
 
 def replicate(

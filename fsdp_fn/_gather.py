@@ -49,7 +49,8 @@ def gather_for(unit: str | Unit) -> Callable[[Sharded], dict[str, torch.Tensor]]
 def gather_differentiably(shard: torch.Tensor, layout: Layout, unit: str) -> torch.Tensor:
     """The full flat buffer of a unit from this rank's shard: its backward averages the
     gradient over the shard group (reduce-scatter) and, with hybrid sharding, over the
-    replicas (all-reduce), so every ``torch.func`` transform sees the mean over all ranks."""
+    replicas (all-reduce), so every ``torch.func`` transform sees the mean over all ranks,
+    at every order (a shard made from a gradient: ``_collectives.regather``)."""
     for axis in layout.replica_axes:
         shard = replicate(shard, axis.group, unit=unit, grad_scale=1.0 / axis.size)
     return all_gather(shard, layout.group, unit=unit, grad_scale=1.0 / layout.world)

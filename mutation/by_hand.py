@@ -900,6 +900,20 @@ MUTANTS = [
         "        all_reduce_over_(total, layout.replica_groups)",
         "tests/test_chain.py::test_clip_norm_type_counts_the_replicas_once",
     ),
+    (
+        "regathered_gradient_averaged_twice",
+        "fsdp_fn/_collectives.py",
+        "        scale = 1.0 if ctx.regathered else ctx.scale",
+        "        scale = ctx.scale",
+        "tests/test_transforms.py::test_maml_meta_gradient_equals_one_process",
+    ),
+    (
+        "regather_walks_one_level_only",
+        "fsdp_fn/_collectives.py",
+        "    while functorch.is_functorch_wrapped_tensor(shard):",
+        "    while False:",
+        "tests/test_transforms.py::test_nested_transforms_of_the_pair",
+    ),
 ]
 
 

@@ -16,7 +16,9 @@ full flat (padded) unit buffers and ``[r]`` this rank's slice of them:
   rank's partial dot ``<grad[r], v[r]>`` gives ``(H v)[r] / W`` (the dot is one rank's
   share of a sum, and gradients average);
 - ``hessian`` (replicated input): rows ``[r]``, columns folded; ``jacrev`` of ``grad``
-  (reverse over reverse): columns ``[r]``, rows folded, divided by ``W``.
+  (reverse over reverse): columns ``[r]``, rows folded, divided by ``W``;
+- ``grad`` of an outer loss after inner ``grad`` steps (MAML): the meta-gradient of the mean
+  outer loss, ``[r]``: exact at every ``W``.
 """
 
 from __future__ import annotations
@@ -127,6 +129,11 @@ def _nested_pair(group):
     )
     want = torch.vmap(torch.func.grad(lambda z, ci: (z.sin() * ci).sum()), in_dims=(None, 0))(full, cs)
     torch.testing.assert_close(got, world * _slice(want, world, rank), **TOL)  # a sum over W identical ranks
+    # MAML: the outer loss after two inner steps; an exact meta-gradient, where the inner
+    # gradients' average must not be taken a second time by the outer derivative
+    got = torch.func.grad(lambda s: f(s - 0.3 * torch.func.grad(f)(s - 0.3 * torch.func.grad(f)(s))))(x)
+    want = torch.func.grad(lambda z: ref(z - 0.3 * torch.func.grad(ref)(z - 0.3 * torch.func.grad(ref)(z))))(full)
+    torch.testing.assert_close(got, _slice(want, world, rank), **TOL)
     return True
 
 
@@ -163,6 +170,10 @@ def _hybrid_pair(group):
     torch.testing.assert_close(torch.func.jvp(torch.func.grad(f), (x,), (vr,))[1], _slice(hv, world, rank), **TOL)
     got = torch.func.grad(lambda s: torch.dot(torch.func.grad(f)(s), vr))(x)
     torch.testing.assert_close(got, _slice(hv, world, rank) / world, **TOL)
+    # MAML: both averages (shards and replicas) taken once at the outer derivative
+    got = torch.func.grad(lambda s: f(s - 0.3 * torch.func.grad(f)(s)))(x)
+    want = torch.func.grad(lambda z: ref(z - 0.3 * torch.func.grad(ref)(z)))(full)
+    torch.testing.assert_close(got, _slice(want, world, rank), **TOL)
     # the sum over ranks: its tangent, batch and transpose
     y, t = (torch.randn(5, generator=g, dtype=torch.float64) + torch.distributed.get_rank() for _ in range(2))
     total = all_reduce_sum(y, replicas, scale=0.5)
@@ -179,6 +190,73 @@ def _hybrid_pair(group):
 
 def test_hybrid_replicas_tie_through_every_transform(pool):
     assert all(pool.run(_hybrid_pair, world=4))
+
+
+def _maml(group, mesh, inner):
+    """One MAML meta-gradient of an MLP through the library's paths: the inner step by
+    ``torch.func.grad`` of ``apply_sharded``, by ``value_and_grad`` or by plain autograd
+    (shards that require grad, ``create_graph=True``); the outer loss by ``apply_sharded``."""
+    from tests.helpers import MLP
+
+    layout = fft.LayoutSpec(*mesh)
+    place = layout.group()
+    ranks, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    torch.manual_seed(0)
+    module = MLP().double()
+    fn = ff.functionalize(module)
+    plan = ff.make_plan(module, ff.layer_policy([torch.nn.Linear]))
+    params = ff.shard(fn.params, plan, place)
+    world, shard_rank = params.layout.world, params.layout.rank
+    flats = {u: ff.all_gather(s.detach(), params.layout.group) for u, s in params.shards.items()}
+    g = torch.Generator().manual_seed(3)
+    xin, xout = (torch.randn(2 * ranks, 7, generator=g, dtype=torch.float64) for _ in range(2))
+    yin, yout = (torch.randn(2 * ranks, 3, generator=g, dtype=torch.float64) for _ in range(2))
+    mine = lambda t: t[2 * rank : 2 * rank + 2]  # noqa: E731
+    lr = 0.4
+
+    def ref_loss(f, x, y):
+        full = {}
+        for unit in plan.units:
+            full.update(unit_views(unit, f[unit.name]))
+        return _loss_fn(lambda x: fn(full, fn.buffers, x), (x, y))
+
+    def ref_meta(f):
+        gi = torch.func.grad(ref_loss)(f, xin, yin)
+        return ref_loss({u: f[u] - lr * gi[u] for u in f}, xout, yout)
+
+    want = {u: v.unflatten(0, (world, -1))[shard_rank] for u, v in torch.func.grad(ref_meta)(flats).items()}
+
+    def loss(s, x, y):
+        return _loss_fn(lambda x: ff.apply_sharded(fn, params.replace(s), fn.buffers, x), (x, y))
+
+    def inner_grad(s):
+        if inner == "value_and_grad":
+            return ff.value_and_grad(fn, _loss_fn)(params.replace(s), fn.buffers, (mine(xin), mine(yin)))[1].shards
+        if inner == "autograd":
+            ss = list(s.values())
+            return dict(zip(s, torch.autograd.grad(loss(s, mine(xin), mine(yin)), ss, create_graph=True), strict=True))
+        return torch.func.grad(loss)(s, mine(xin), mine(yin))
+
+    def meta(s):
+        gi = inner_grad(s)
+        return loss({u: s[u] - lr * gi[u] for u in s}, mine(xout), mine(yout))
+
+    if inner == "autograd":
+        leaves = {u: v.detach().requires_grad_() for u, v in params.shards.items()}
+        got = dict(zip(leaves, torch.autograd.grad(meta(leaves), list(leaves.values())), strict=True))
+    else:
+        got = torch.func.grad(meta)(params.shards)
+    torch.testing.assert_close(got, want, **TOL)
+    return True
+
+
+@pytest.mark.parametrize("inner", ["func_grad", "value_and_grad", "autograd"])
+@pytest.mark.parametrize("mesh", [(2, 1), (3, 1), (4, 2)], ids=["2", "3", "hybrid-2x2"])
+def test_maml_meta_gradient_equals_one_process(pool, mesh, inner):
+    # Catches: the inner gradient's average taken a second time by the outer derivative (the
+    # meta-gradient's second-order term 1/W too small), a replica axis averaged twice, a walk
+    # that misses the inner step's shard inside torch.func's own level, or plain autograd.
+    assert all(pool.run(_maml, mesh, inner, world=mesh[0]))
 
 
 # --- whole models, through each path ---------------------------------------------------
@@ -280,6 +358,28 @@ def _model_transform(group, path, transform, spec, plan_spec):
             v = mine(tangent)
             partial_dot = lambda s: sum(torch.dot(g_, v[u]) for u, g_ in grad_of(s, local).items())  # noqa: E731
             close(torch.func.grad(partial_dot)(shards), {u: t / world for u, t in mine(hv).items()})
+    elif transform == "maml":  # the outer loss on other data after two inner steps on the rank's batch
+        lr, outer = 0.3, spec.batch(2 * world, seed=spec.seed + 7)
+        outer_loss = (
+            loss
+            if path != "value_and_grad"
+            else lambda s, b: _loss_fn(lambda x: _forward("apply_sharded", fn, params.replace(s), fn.buffers, x), b)
+        )
+
+        def meta(s):
+            for _ in range(2):
+                s = {u: v - lr * g_ for (u, v), g_ in zip(s.items(), grad_of(s, local).values(), strict=True)}
+            return outer_loss(s, fft.split_batch(outer, rank, world))
+
+        def ref_meta(f):
+            for _ in range(2):
+                f = {
+                    u: v - lr * g_
+                    for (u, v), g_ in zip(f.items(), torch.func.grad(ref_loss)(f, batch).values(), strict=True)
+                }
+            return ref_loss(f, outer)
+
+        close(torch.func.grad(meta)(shards), mine(torch.func.grad(ref_meta)(flats)))
     elif transform == "hessian":  # replicated batch: jacfwd of the gradient
         got = torch.func.jacfwd(lambda s: grad_of(s, batch))(shards)
         want = torch.func.hessian(ref_loss)(flats, batch)
@@ -319,8 +419,17 @@ TRANSFORMS = [
     "hvp_grad_of_grad",
     "hessian",
     "hessian_rev",
+    "maml",
 ]
-GRADIENT_TRANSFORMS = ["grad", "per_example_grads", "hvp_jvp_of_grad", "hvp_grad_of_grad", "hessian", "hessian_rev"]
+GRADIENT_TRANSFORMS = [
+    "grad",
+    "per_example_grads",
+    "hvp_jvp_of_grad",
+    "hvp_grad_of_grad",
+    "hessian",
+    "hessian_rev",
+    "maml",
+]
 
 
 def _check(pool, path, transform, spec, plan, world):
