@@ -54,6 +54,7 @@ from fsdp_fn._transforms import (
     trace,
     zero_nans,
 )
+from fsdp_fn._unfrozen import train_unfrozen
 from fsdp_fn._unit import UnitState
 from fsdp_fn._wrappers import (
     AccumulateState,
@@ -155,6 +156,7 @@ __all__ = [
     "size_policy",
     "sync_buffers",
     "train_step",
+    "train_unfrozen",
     "tree_leaves",
     "tree_map",
     "unshard",

@@ -8,6 +8,7 @@ Units are chosen by an auto-wrap policy with the seed's signature
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -295,6 +296,59 @@ class Plan:
     def _planned(self) -> dict[str, ParamSpec]:
         return {name: spec for spec in self.params for name in (spec.name, *spec.aliases)}
 
+    def unfrozen(self, module: nn.Module) -> frozenset[str]:
+        """The parameters the plan holds frozen that ``module`` has made trainable since.
+
+        Args:
+            module: the module the plan was made for.
+
+        Returns:
+            Their canonical names (empty: nothing was unfrozen). Reads only ``requires_grad`` flags.
+        """
+        planned = self._planned
+        return frozenset(
+            planned[name].name
+            for name, p in index_of(module).named_parameters()
+            if name in planned and p.requires_grad and not planned[name].requires_grad
+        )
+
+    def with_trainable(self, names: Iterable[str]) -> Plan:
+        """This plan with the frozen parameters ``names`` trainable: each joins its unit's
+        trainable part after the parameters it holds already (their places do not move).
+
+        Args:
+            names: canonical names of frozen parameters of the plan.
+
+        Returns:
+            A new plan with the same units, in the same order.
+
+        Raises:
+            ValueError: if a name is not a frozen parameter of the plan, or its dtype is not
+                its unit's trainable dtype (a unit's flat buffer holds one dtype).
+        """
+        names = set(names)
+        units = []
+        for u in self.units:
+            moved = tuple(p for p in u.frozen if p.name in names)
+            if not moved:
+                units.append(u)
+                continue
+            for p in moved:
+                if u.params and p.dtype != u.params[0].dtype:
+                    raise ValueError(
+                        f"parameter {p.name!r} of unit {unit_label(u.name)} is trainable now but is {p.dtype}, "
+                        f"and the unit's trainable parameters are {u.params[0].dtype}: one flat buffer holds one "
+                        "dtype; make a new plan and carry the parameters over"
+                    )
+            names -= {p.name for p in moved}
+            trainable = tuple(dataclasses.replace(p, requires_grad=True) for p in moved)
+            units.append(
+                dataclasses.replace(u, params=u.params + trainable, frozen=tuple(p for p in u.frozen if p not in moved))
+            )
+        if names:
+            raise ValueError(f"not frozen parameters of the plan: {sorted(names)}")
+        return dataclasses.replace(self, units=tuple(units))
+
     def check_trainable(self, module: nn.Module) -> frozenset[str]:
         """The trainable parameters of the plan that ``module`` has frozen since the plan was made.
 
@@ -310,7 +364,7 @@ class Plan:
 
         Raises:
             ValueError: if a parameter the plan holds frozen is trainable now: it has no
-                gradient buffer or optimizer state to train with.
+                gradient buffer or optimizer state to train with (``train_unfrozen`` gives it them).
         """
         planned = self._planned
         frozen = set()
@@ -324,9 +378,9 @@ class Plan:
             raise ValueError(
                 f"parameter {name!r} of unit {unit_label(self.unit_of(name).name)} is trainable now "
                 "(requires_grad=True) but was frozen when the plan was made: the plan holds it outside the unit's "
-                "gradient buffer and optimizer state, so it would not be trained. Make the plan while it is "
-                "trainable and freeze it after (requires_grad_(False) between steps is followed), or make a new "
-                "plan and step and carry the parameters over: ff.shard(ff.unshard(state.params), new_plan)"
+                "gradient buffer and optimizer state, so it would not be trained. A train step moves it into "
+                "training by itself; here, do it first: params, opt_state = ff.train_unfrozen(params, opt_state, "
+                "optimizer, fn.module)"
             )
         return frozenset(frozen)
 

@@ -36,6 +36,7 @@ from fsdp_fn._remat import Remat
 from fsdp_fn._shard import Layout, Sharded, ensure_live, sharded_in
 from fsdp_fn._transforms import check_norm_type, global_norm
 from fsdp_fn._tree import NAMESPACE, tree_map
+from fsdp_fn._unfrozen import train_unfrozen
 
 logger = logging.getLogger("fsdp_fn")
 
@@ -338,15 +339,20 @@ class TrainStep:
         with guard.active():
             with phase("setup"):
                 # This rank's own input first: a rank that rejects it reports before any rank waits on it.
-                frozen = state.params.plan.check_trainable(self.fn.module)
+                unfrozen = state.params.plan.unfrozen(self.fn.module)
                 micro = self._micro_batches(batch)
                 for mb in micro:
                     _check_not_empty(mb, guard.rank)
                 guard.enter(rendezvous=check)
+                given = state
+                if unfrozen:  # parameters frozen at make_plan, trainable now: into their units' training
+                    params, opt_state = train_unfrozen(state.params, state.opt_state, self.optimizer, self.fn.module)
+                    state = state._replace(params=params, opt_state=opt_state)
+                frozen = state.params.plan.check_trainable(self.fn.module)
             new, metrics = self._step(state, micro, guard, frozen)
         if self.donate:
             _consume(
-                (state.params, state.opt_state),
+                (given.params, given.opt_state),
                 f"these shards were donated to step {self.calls} (donate=True updates in place, so they hold "
                 "that step's result now); use the state the step returned, or build the step with donate=False",
             )

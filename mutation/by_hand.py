@@ -914,6 +914,20 @@ MUTANTS = [
         "    while False:",
         "tests/test_transforms.py::test_nested_transforms_of_the_pair",
     ),
+    (
+        "unfrozen_state_not_kept",
+        "fsdp_fn/_unfrozen.py",
+        "    fresh_full[: unit.numel] = full.to(fresh_full.dtype)",
+        "    pass",
+        "tests/test_correctness.py::test_unfreezing_a_parameter_the_plan_holds_frozen_trains_like_torch",
+    ),
+    (
+        "unfrozen_counts_restart",
+        "fsdp_fn/_unfrozen.py",
+        "        return torch.cat([old, fresh[len(unit.params) :]])",
+        "        return fresh",
+        "tests/test_correctness.py::test_unfreezing_a_parameter_the_plan_holds_frozen_trains_like_torch",
+    ),
 ]
 
 

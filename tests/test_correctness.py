@@ -515,63 +515,146 @@ def test_small_bf16_parameters_off_the_word_grid_train_like_one_process(pool):
         assert worst < 2e-2  # bf16: a rank's half-batch gradient rounds differently from the whole batch's
 
 
-def _unfrozen_after_the_plan(group):
-    """Plan with ``inp`` frozen, step, then unfreeze it: the step refuses (the plan holds it
-    outside the gradient buffers); a new plan built after the change trains from the same
-    parameters, as torch does."""
+UNFREEZES = {  # what is frozen at make_plan, and when (before which step) it is unfrozen
+    "a_whole_unit": ("blocks.0", 2),  # a unit with no trainable parameter until then
+    "part_of_a_unit": ("inp", 1),  # the root unit: inp joins out's trainable part
+    "then_frozen_again": ("blocks.1.fc", 1),  # unfrozen, then frozen again at step 3
+}
+
+
+def _unfrozen_after_the_plan(group, change, optimizer, update_in_backward):
+    """Progressive unfreezing (FSDP2's users unfreeze layers between steps): frozen at
+    make_plan, made trainable later, the step moves them into training itself; a
+    value_and_grad loop refuses until ``train_unfrozen`` does it."""
     world, rank = group.size(), group.rank()
+    path, when = UNFREEZES[change]
+    torch.manual_seed(0)
+    module = Net()
+    _set(module, path, False)
+    fn = ff.functionalize(module)
+    opt = {"adamw": ff.adamw(lr=0.05, weight_decay=0.1), "sgd": ff.sgd(lr=0.05, momentum=0.9)}[optimizer]
+    step = ff.train_step(fn, make_loss(["plain"]), opt, schedule=ff.Schedule(update_in_backward=update_in_backward))
+    state = step.init(ff.shard(fn.params, ff.make_plan(module, ff.layer_policy([Block])), group))
+    planned = state.params.plan
+    errors, norms = [], []
+    for k, b in enumerate(_batches(world, 5)):
+        local = tuple(t.chunk(world)[rank] for t in b)
+        if k == when:
+            _set(module, path, True)
+            try:
+                ff.value_and_grad(fn, make_loss(["plain"]))(state.params, fn.buffers, local)
+            except ValueError as e:
+                errors.append(str(e))
+        if k == 3 and change == "then_frozen_again":
+            _set(module, path, False)
+        state, metrics = step(state, local)
+        norms.append(float(metrics["grad_norm"]))
+    moved = [s.name for u in state.params.plan.units for s in u.params if s not in planned.unit(u.name).params]
+    return ff.unshard(state.params), norms, errors, moved
+
+
+@pytest.mark.parametrize("update_in_backward", [False, True], ids=["default", "update_in_backward"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("change", list(UNFREEZES))
+def test_unfreezing_a_parameter_the_plan_holds_frozen_trains_like_torch(pool, change, optimizer, update_in_backward):
+    """torch.optim built once over every parameter makes a parameter's state at its first
+    gradient (zero moments, step 0; SGD's momentum buffer is that first gradient). The step
+    gives an unfrozen parameter the same, keeps every other parameter's state, and a
+    value_and_grad loop is told what to call. Before, the step refused any unfreezing."""
+    path, when = UNFREEZES[change]
+    torch.manual_seed(0)
+    ref = Net()
+    _set(ref, path, False)
+    make = {
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    }[optimizer]
+    opt = make(list(ref.parameters()))
+    norms = []
+    for k, b in enumerate(_batches(2, 5)):
+        if k == when:
+            _set(ref, path, True)
+        if k == 3 and change == "then_frozen_again":
+            _set(ref, path, False)
+        make_loss(["plain"])(ref, b).backward()
+        grads = [p.grad for p in ref.parameters() if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+        opt.step()
+        ref.zero_grad(set_to_none=True)
+    for full, got, errors, moved in pool.run(_unfrozen_after_the_plan, change, optimizer, update_in_backward, world=2):
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        assert got == pytest.approx(norms, rel=1e-5)
+        assert sorted(moved) == sorted(n for n, _ in ref.named_parameters() if n.startswith(path + "."))
+        assert len(errors) == 1 and "ff.train_unfrozen(params, opt_state, optimizer, fn.module)" in errors[0]
+
+
+def _unfrozen_then_resumed(group, directory):
+    """Unfrozen after the plan, stepped, saved; resumed by a job that plans with the flags as
+    they are now (the unfrozen parameter trainable from the start, in module order): the same
+    parameters and optimizer state, so the next step equals the uninterrupted one."""
+    world, rank = group.size(), group.rank()
+    batches = [tuple(t.chunk(world)[rank] for t in b) for b in _batches(world, 3)]
     torch.manual_seed(0)
     module = Net()
     module.inp.requires_grad_(False)
     fn = ff.functionalize(module)
-    batches = _batches(world, 2)
-    local = [tuple(t.chunk(world)[rank] for t in b) for b in batches]
-    loss = make_loss(["plain"])
-    step = ff.train_step(fn, loss, ff.adamw(lr=0.05, weight_decay=0.1))
+    step = ff.train_step(fn, make_loss(["plain"]), ff.adamw(lr=0.05, weight_decay=0.1))
     state = step.init(ff.shard(fn.params, ff.make_plan(module, ff.layer_policy([Block])), group))
-    state, _ = step(state, local[0])
+    state, _ = step(state, batches[0])
     module.inp.requires_grad_(True)
-    errors = []
-    for attempt in (
-        lambda: step(state, local[1]),
-        lambda: ff.value_and_grad(fn, loss)(state.params, fn.buffers, local[1]),
-    ):
-        try:
-            attempt()
-            errors.append("no error")
-        except ValueError as e:
-            errors.append(str(e))
-    new_plan = ff.make_plan(module, ff.layer_policy([Block]))
-    step = ff.train_step(ff.functionalize(module), loss, ff.adamw(lr=0.05, weight_decay=0.1))
-    state = step.init(ff.shard(ff.unshard(state.params), new_plan, group))
-    state, _ = step(state, local[1])
-    return errors, ff.unshard(state.params)
+    state, _ = step(state, batches[1])
+    ff.checkpoint.save(directory, state)
+    state, _ = step(state, batches[2])
+    torch.manual_seed(1)  # another job: other initial values, the flags as they are now
+    fresh = Net()
+    fresh_fn = ff.functionalize(fresh)
+    resumed_step = ff.train_step(fresh_fn, make_loss(["plain"]), ff.adamw(lr=0.05, weight_decay=0.1))
+    like = resumed_step.init(ff.shard(fresh_fn.params, ff.make_plan(fresh, ff.layer_policy([Block])), group))
+    resumed, _ = ff.checkpoint.load(directory, like)
+    resumed, _ = resumed_step(resumed, batches[2])
+    return ff.unshard(state.params), ff.unshard(resumed.params)
 
 
-def test_unfreezing_a_parameter_the_plan_holds_frozen_raises_and_a_new_plan_trains(pool):
-    """The plan holds a parameter frozen at plan time outside the gradient buffers; unfreezing it
-    raises, naming it and the way out, in the train step and in ``value_and_grad``."""
+def test_a_state_unfrozen_after_the_plan_saves_and_resumes_under_a_plan_made_now(pool, tmp_path):
+    for want, got in pool.run(_unfrozen_then_resumed, str(tmp_path / "ckpt"), world=2):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+
+
+def _unfrozen_in_a_loop_of_ones_own(group):
+    """value_and_grad -> update -> apply_updates, with ``train_unfrozen`` after unfreezing, at
+    an uneven world (W = 3 shards a 5 x 6 weight unevenly); torch.optim on one process beside it."""
+    world, rank = group.size(), group.rank()
     torch.manual_seed(0)
     module = Net()
     module.inp.requires_grad_(False)
     ref = copy.deepcopy(module)
-    for i, b in enumerate(_batches(2, 2)):  # torch: an optimizer over the parameters that train now
-        if i == 1:
+    torch_opt = torch.optim.AdamW(list(ref.parameters()), lr=0.05, weight_decay=0.1)
+    fn = ff.functionalize(module)
+    opt = ff.adamw(lr=0.05, weight_decay=0.1)
+    params = ff.shard(fn.params, ff.make_plan(module, ff.layer_policy([Block])), group)
+    opt_state = opt.init(params)
+    for k, b in enumerate(_batches(world, 3)):
+        if k == 1:
+            module.inp.requires_grad_(True)
             ref.inp.requires_grad_(True)
-        opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=0.05, weight_decay=0.1)
+            params, opt_state = ff.train_unfrozen(params, opt_state, opt, module)
+        _, grads = ff.value_and_grad(fn, make_loss(["plain"]))(
+            params, fn.buffers, tuple(t.chunk(world)[rank] for t in b)
+        )
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = ff.apply_updates(params, updates)
         make_loss(["plain"])(ref, b).backward()
-        opt.step()
+        torch_opt.step()
         ref.zero_grad(set_to_none=True)
-    want = (
-        "parameter 'inp.weight' of unit (root) is trainable now (requires_grad=True) but was frozen when the plan "
-        "was made: the plan holds it outside the unit's gradient buffer and optimizer state, so it would not be "
-        "trained. Make the plan while it is trainable and freeze it after"
-    )
-    for errors, full in pool.run(_unfrozen_after_the_plan, world=2):
-        for error in errors:  # the train step, then value_and_grad
-            assert want in error, error
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-6)
+    return ff.unshard(params), {n: p.detach() for n, p in ref.named_parameters()}
+
+
+def test_train_unfrozen_in_a_loop_of_ones_own_trains_like_torch(pool):
+    for full, want in pool.run(_unfrozen_in_a_loop_of_ones_own, world=3):
+        for name, p in want.items():
+            torch.testing.assert_close(full[name], p, rtol=1e-5, atol=1e-5, msg=name)
 
 
 FREEZES = {  # step -> (module path, requires_grad) set before it
