@@ -276,10 +276,11 @@ def _installed(
                 handles.append(target.register_forward_hook(trace.leave))
         for name in remat_units:
             assert remat is not None
-            target = module.get_submodule(name)
-            # The unit's parameters are the region's inputs (the fake ones functional_call puts in place).
-            region = functools.partial(trace.region, name, target.forward)
-            replaced[target] = _remat_with_state(region, [target], remat.policy, name)
+            for path in plan.unit(name).modules:  # (a group's modules each)
+                target = module.get_submodule(path)
+                # The unit's parameters are the region's inputs (the fake ones functional_call puts in place).
+                region = functools.partial(trace.region, name, target.forward)
+                replaced[target] = _remat_with_state(region, [target], remat.policy, name)
         with _forwards_replaced(replaced):
             yield
     finally:

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import hashlib
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -84,8 +84,11 @@ class Unit:
             reduce-scattered).
         frozen: the frozen ones (``requires_grad=False``), a second flat buffer that is
             gathered but never reduced and has no optimizer state.
-        hooks: the modules whose forward gathers the unit; empty: the module the unit is
-            named after.
+        hooks: the modules whose forward gathers the unit, each its own gather (a shared
+            tied parameter's users); empty: the module the unit is named after.
+        members: consecutive modules gathered once for all of them (FSDP2's
+            ``fully_shard([m1, m2])``, ``Plan.merged``): the first to run gathers, the unit
+            stays gathered until the last has run, and its backward spans theirs.
         lookup: the unit is one plain ``nn.Embedding``, whose backward reads the indices
             and not the table, so the table is not gathered again for backward (a hint
             about how the module runs, not part of the layout: not serialised, not
@@ -97,11 +100,18 @@ class Unit:
     frozen: tuple[ParamSpec, ...] = ()
     hooks: tuple[str, ...] = ()
     lookup: bool = field(default=False, compare=False)
+    members: tuple[str, ...] = ()
 
     @property
     def modules(self) -> tuple[str, ...]:
-        """The modules whose forward gathers this unit."""
-        return self.hooks or (self.name,)
+        """The modules whose forward gathers this unit (or runs inside its one gather: ``members``)."""
+        return self.hooks or self.members or (self.name,)
+
+    @property
+    def own_module(self) -> bool:
+        """Whether the unit is one module's, the one it is named after (not the root, a shared
+        parameter's or a group's)."""
+        return self.name != ROOT and not self.hooks and not self.members
 
     @functools.cached_property
     def frozen_part(self) -> Unit:
@@ -349,6 +359,94 @@ class Plan:
             raise ValueError(f"not frozen parameters of the plan: {sorted(names)}")
         return dataclasses.replace(self, units=tuple(units))
 
+    def merged(self, names: Sequence[str]) -> Plan:
+        """This plan with the consecutive units ``names`` as one: one all-gather and one
+        reduce-scatter for all of them (FSDP2's ``fully_shard([m1, m2])``).
+
+        The merged unit is named ``"first..last"``; its parameters are theirs in order, its
+        modules (``members``) theirs, each run inside the one gather: the first to run
+        gathers it, the last resharding it after forward. A checkpoint does not see the
+        grouping (it keys parameters by name), so one saved under one grouping loads under
+        another. Fewer, larger units: fewer round trips and less host work per step, more
+        memory gathered at once.
+
+        Args:
+            names: two or more unit names, consecutive in the plan (its run order), each a
+                module's own unit (not the root, a shared tied parameter's, or a lookup that
+                fetches rows), or a merged one.
+
+        Returns:
+            A new plan; the other units unchanged.
+
+        Raises:
+            ValueError: if fewer than two names are given, a name is not such a unit, the
+                units are not consecutive, one's module lies inside another's, or their
+                trainable (or frozen) parameters differ in dtype.
+        """
+        names = list(names)
+        if len(names) < 2:
+            raise ValueError(f"merging needs two or more units, got {names}")
+        at = {u.name: i for i, u in enumerate(self.units)}
+        for n in names:
+            if n not in at:
+                raise ValueError(f"unit {unit_label(n)} is not in the plan (its units: {list(self.unit_names)})")
+            u = self.units[at[n]]
+            if not (u.own_module or u.members):
+                raise ValueError(
+                    f"unit {unit_label(n)} cannot be merged: only a module's own units (or merged ones) can be, "
+                    "not the root or a tied parameter's unit gathered by several modules"
+                )
+        first = at[names[0]]
+        if [at[n] for n in names] != list(range(first, first + len(names))):
+            raise ValueError(f"units {names} are not consecutive in the plan: {list(self.unit_names)}")
+        group = self.units[first : first + len(names)]
+        members = tuple(m for u in group for m in u.modules)
+        for a in members:
+            inner = next((b for b in members if b != a and b.startswith(a + ".")), None)
+            if inner is not None:
+                raise ValueError(f"units {names} cannot be merged: module {inner!r} lies inside {a!r}")
+        params = tuple(p for u in group for p in u.params)
+        frozen = tuple(p for u in group for p in u.frozen)
+        for part, what in ((params, "trainable"), (frozen, "frozen")):
+            dtypes = {p.dtype for p in part}
+            if len(dtypes) > 1:
+                raise ValueError(
+                    f"units {names} cannot be merged: their {what} parameters are of several dtypes "
+                    f"({sorted(map(_dtype_name, dtypes))}); one flat buffer holds one dtype"
+                )
+        first_name, last_name = group[0].name.split("..")[0], group[-1].name.split("..")[-1]
+        unit = Unit(f"{first_name}..{last_name}", params, frozen, members=members)
+        return dataclasses.replace(self, units=(*self.units[:first], unit, *self.units[first + len(names) :]))
+
+    def grouped(self, size: int) -> Plan:
+        """This plan with every run of ``size`` consecutive mergeable units merged (``merged``):
+        blocks ``0..size-1``, ``size..2*size-1``, ... of each run of a module's own units of one
+        dtype; the root, tied and lookup units stay as they are.
+
+        Args:
+            size: units per merged unit (1: the plan itself).
+
+        Returns:
+            A new plan.
+        """
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"size must be a positive int, got {size!r}")
+        plan, i = self, 0
+        while i < len(plan.units):
+            run: list[str] = []
+            for u in plan.units[i:]:
+                if not u.own_module or u.lookup or (run and not _one_dtype_each(plan.unit(run[0]), u)):
+                    break
+                run.append(u.name)
+                if len(run) == size:
+                    break
+            if len(run) > 1:
+                plan = plan.merged(run)
+                i += 1
+            else:
+                i += max(1, len(run))
+        return plan
+
     def check_trainable(self, module: nn.Module) -> frozenset[str]:
         """The trainable parameters of the plan that ``module`` has frozen since the plan was made.
 
@@ -423,7 +521,13 @@ class Plan:
 
         return {
             "units": [
-                {"name": u.name, "params": specs(u.params), "frozen": specs(u.frozen), "hooks": list(u.hooks)}
+                {
+                    "name": u.name,
+                    "params": specs(u.params),
+                    "frozen": specs(u.frozen),
+                    "hooks": list(u.hooks),
+                    **({"members": list(u.members)} if u.members else {}),
+                }
                 for u in self.units
             ]
         }
@@ -453,7 +557,13 @@ class Plan:
 
         return cls(
             tuple(
-                Unit(u["name"], specs(u["params"]), specs(u.get("frozen", [])), tuple(u.get("hooks", [])))
+                Unit(
+                    u["name"],
+                    specs(u["params"]),
+                    specs(u.get("frozen", [])),
+                    tuple(u.get("hooks", [])),
+                    members=tuple(u.get("members", [])),
+                )
                 for u in data["units"]
             )
         )
@@ -504,12 +614,18 @@ class Plan:
         for u in self.units:
             extra = f"  ({len(u.frozen)} frozen)" if u.frozen else ""
             extra += f"  gathered by {', '.join(u.hooks)}" if u.hooks else ""
+            extra += f"  ({len(u.members)} modules, one gather)" if u.members else ""
             rows.append(
                 f"  {unit_label(u.name):<32} {len(u.all_params):>4} params "
                 f"{u.numel + u.frozen_part.numel:>14,} elements "
                 f"{u.gather_bytes():>14,} B gathered  {_dtype_name(u.dtype)}{extra}"
             )
         return "\n".join(rows)
+
+
+def _one_dtype_each(a: Unit, b: Unit) -> bool:
+    """Whether two units' trainable parts, and their frozen ones, may share a flat buffer."""
+    return all(not x or not y or x[0].dtype == y[0].dtype for x, y in ((a.params, b.params), (a.frozen, b.frozen)))
 
 
 # --- policies ---------------------------------------------------------------------------

@@ -99,7 +99,7 @@ def predict_collectives(
             schedule.reshard_after_forward and u.name != ROOT and not u.lookup and (first_step or u.name not in kept)
         )
         parts = [p for p in (u, u.frozen_part) if p.params]
-        for _ in u.modules:
+        for _ in u.hooks or (u.name,):  # a shared unit is gathered by each of its modules, a group once
             for part in parts:
                 n, gather = part.padded_numel(world), schedule.gather_dtype(part.dtype)
                 out += [Collective("all_gather", u.name, n, gather, world)] * (1 + resharded)

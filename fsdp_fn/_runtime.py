@@ -60,6 +60,7 @@ class Phase(enum.Enum):
 _MISSING = object()
 _DEFAULT_SCHEDULE = Schedule()
 FETCHING = "fetching rows"  # a use that gathers nothing: a lookup whose forward fetches its rows
+JOINED = "joined"  # a group's module running inside the group's open gather (``Unit.members``)
 
 
 class Runtime:
@@ -100,6 +101,8 @@ class Runtime:
         # (unit, module) -> its uses whose forward runs now: what ``_enter_unit`` gathered (or
         # FETCHING), and autograd's node count at its start
         self.live: dict[tuple[str, int], list[tuple[Any, int]]] = {}
+        # group units (``Unit.members``) gathered now: [use, views, node count at the gather, last output]
+        self.open: dict[str, list[Any]] = {}
         self.targets, self.slots, self.own_unit = wiring.targets, wiring.slots, wiring.own_unit
         self.modules = wiring.modules
         self.remat = remat
@@ -147,16 +150,15 @@ class Runtime:
 
     # --- rematerialisation -------------------------------------------------------------------------
 
-    def _forward(self, unit: Unit, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """The unit's forward for this call: rematerialised when asked, a lookup of fetched rows,
-        otherwise the module's own."""
+    def _forward(self, unit: Unit, module: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The forward of ``unit``'s module (one of a group's) for this call: rematerialised
+        when asked, a lookup of fetched rows, otherwise the module's own."""
         if self._fetches_rows(unit):
             return self._lookup(unit, *args, **kwargs)
         if unit.name in self.forced:
-            return _remat_with_state(original, [self.modules[unit.name]], save_nothing, unit.name)(*args, **kwargs)
+            return _remat_with_state(original, [module], save_nothing, unit.name)(*args, **kwargs)
         if unit.name in self.remat_units:
             assert self.remat is not None
-            module = self.modules[unit.name]
             return _remat_with_state(original, [module], self.remat.policy, unit.name)(*args, **kwargs)
         return original(*args, **kwargs)
 
@@ -220,10 +222,10 @@ class Runtime:
                 if self.target is not None:
                     self.hooks[id(target)] = (pre, post)
         forwards: list[tuple[nn.Module, Any]] = []  # (module, its own instance-level forward or _MISSING)
-        for unit in self.own_unit.values():
-            target = self.modules[unit.name]
+        for key, unit in self.own_unit.items():
+            target = self.wiring.own_modules[key]
             forwards.append((target, target.__dict__.get("forward", _MISSING)))
-            target.forward = functools.partial(self._forward, unit, target.forward)
+            target.forward = functools.partial(self._forward, unit, target, target.forward)
         try:
             with (
                 parameters_restored(module),
@@ -236,6 +238,7 @@ class Runtime:
                     if value is not None:
                         (owner._parameters if is_param else owner._buffers)[attr] = value  # type: ignore[index,assignment]
                 out = module(*args, **kwargs) if self.target is None else self._call_target(args, kwargs)
+                self._close_groups()
             _check_unchanged(ROOT, *root)
         except Exception as e:
             where = f"unit {unit_label(self.running[-1])}" if self.running else "the root unit"
@@ -259,6 +262,7 @@ class Runtime:
             # call's stand-ins, would undo that.)
             self.running.clear()
             self.fingerprints.clear()
+            self.open.clear()
         self._finished()
         return precision.cast_output(out)
 
@@ -299,6 +303,13 @@ class Runtime:
             if cast_args is not None:
                 args, kwargs = cast_args
             self.running.append(unit.name)
+            group = self.open.get(unit.name)
+            if group is not None:  # a group's module inside the group's gather: its views swapped in
+                for owner, attr, name in self.slots[key]:
+                    swapped.append((owner, attr, owner._parameters[attr]))
+                    owner._parameters[attr] = group[1][name]  # type: ignore[assignment]
+                self.live.setdefault(key, []).append((JOINED, 0))
+                return cast_args
             entered = self._enter_unit(unit, args, kwargs)
             self.order.append(unit.name)
             if entered is None:  # nothing gathered or swapped in
@@ -308,9 +319,14 @@ class Runtime:
             for owner, attr, name in self.slots[key]:
                 swapped.append((owner, attr, owner._parameters[attr]))
                 owner._parameters[attr] = views[name]  # type: ignore[assignment]
-            self.live.setdefault(key, []).append((use, torch._C._autograd._get_sequence_nr()))
+            nodes_before = torch._C._autograd._get_sequence_nr()
+            self.live.setdefault(key, []).append((use, nodes_before))
+            if unit.members:
+                self.open[unit.name] = [use, views, nodes_before, None]
             if self.check_unchanged:
-                self.fingerprints.setdefault(key, []).append((_fingerprints(views), views))
+                self.fingerprints.setdefault(key if not unit.members else (unit.name, -1), []).append(
+                    (_fingerprints(views), views)
+                )
             self._entered(unit, use, args, kwargs)
             return cast_args
 
@@ -330,12 +346,31 @@ class Runtime:
             for _ in self.slots[key]:
                 owner, attr, original = swapped.pop()
                 owner._parameters[attr] = original
+            self.running.pop()
+            if unit.members:
+                group = self.open[unit.name]
+                group[3] = output
+                if target is self.targets[unit.name][-1]:  # the group's last module: its gather ends
+                    return self._close_group(unit)
+                return output
             if self.check_unchanged:
                 _check_unchanged(unit.name, *self.fingerprints[key].pop())
-            self.running.pop()
             return self._leave_unit(unit, use, output, nodes_before)
 
         return hook
+
+    def _close_group(self, unit: Unit) -> Any:
+        """A group's gather ends (its last module has run, or the forward did): what its
+        modules' forwards made is its forward's, its last output refills it for backward."""
+        use, _, nodes_before, output = self.open.pop(unit.name)
+        if self.check_unchanged:
+            _check_unchanged(unit.name, *self.fingerprints[(unit.name, -1)].pop())
+        return self._leave_unit(unit, use, output, nodes_before)
+
+    def _close_groups(self) -> None:
+        """The forward is over: the groups whose last module did not run end here."""
+        for name in list(self.open):
+            self._close_group(self.plan.unit(name))
 
     # --- compiled units -----------------------------------------------------------------------------
 

@@ -62,7 +62,9 @@ class Wiring:
         module, plan = fn.module, params.plan
         self.keep = (plan, schedule, remat)  # (the cache's key holds their ids)
         self.sparse_grads = _sparse_grad_params(module, plan) if composable else frozenset()
-        self.modules: dict[str, nn.Module] = {u.name: module.get_submodule(u.name) for u in plan.units if not u.hooks}
+        self.modules: dict[str, nn.Module] = {
+            u.name: module.get_submodule(u.name) for u in plan.units if not u.hooks and not u.members
+        }
         # Each unit's modules, one entry per module object (a module shared under several
         # paths is hooked once), and where a gather puts its parameters in it.
         self.targets: dict[str, list[nn.Module]] = {}
@@ -76,7 +78,7 @@ class Wiring:
                 for spec in unit.all_params:
                     for full_name in (spec.name, *spec.aliases):
                         owner, _, attr = full_name.rpartition(".")
-                        if not unit.hooks or owner == path:
+                        if _holds(unit, path, owner):
                             slot = (module.get_submodule(owner), attr, spec.name)
                             if not any(s[0] is slot[0] and s[1] == attr for s in slots):
                                 slots.append(slot)
@@ -95,10 +97,13 @@ class Wiring:
         # ones ``remat`` selects, and the ones a torch.utils.checkpoint region asks for
         # (compiled ones are rematerialised around their compiled call instead).
         self.own_unit: dict[int, Unit] = {
-            id(self.modules[u.name]): u
+            id(target): u
             for u in plan.units
-            if u.name != ROOT and not u.hooks and id(self.modules[u.name]) not in self.compiled
+            if u.own_module or u.members
+            for target in self.targets[u.name]
+            if id(target) not in self.compiled
         }
+        self.own_modules = {id(t): t for ts in self.targets.values() for t in ts if id(t) in self.own_unit}
         self.remat_units = remat.selects(plan, module) if remat is not None else frozenset()
         for name in self.remat_units:
             check_rematerialisable(fn, plan, plan.unit(name), "train_step(remat=...)")
@@ -176,12 +181,23 @@ class Wiring:
 _wirings: weakref.WeakKeyDictionary[Functional, dict[tuple[Any, ...], Wiring]] = weakref.WeakKeyDictionary()
 
 
+def _holds(unit: Unit, path: str, owner: str) -> bool:
+    """Whether module ``path`` of ``unit`` holds a parameter whose owner is module ``owner``:
+    a module's own unit holds all of its, a shared one's user its own, a group's member what lies in it."""
+    if unit.members:
+        return owner == path or owner.startswith(path + ".")
+    return not unit.hooks or owner == path
+
+
 def check_rematerialisable(fn: Functional, plan: Plan, unit: Unit, asked_by: str) -> None:
     """A rematerialised unit is recomputed in backward, after this call's hooks are gone:
     every parameter it reads must be its own (another unit's would not be gathered then)."""
-    module = fn.module.get_submodule(unit.name)
     own = {spec.name for spec in unit.all_params} | {a for spec in unit.all_params for a in spec.aliases}
-    prefix = f"{unit.name}."
+    for path in unit.modules:
+        _check_reads_only(fn.module.get_submodule(path), f"{path}.", own, plan, unit, asked_by)
+
+
+def _check_reads_only(module: nn.Module, prefix: str, own: set[str], plan: Plan, unit: Unit, asked_by: str) -> None:
     for name, _ in module.named_parameters(remove_duplicate=False):
         full = prefix + name
         if full not in own:

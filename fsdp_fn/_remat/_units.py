@@ -104,7 +104,7 @@ class Remat:
             if unit.name == ROOT or unit.hooks or unit.lookup:
                 continue
             try:
-                sub = module.get_submodule(unit.name)
+                sub = module.get_submodule(unit.modules[0])  # (a group's first module answers for it)
             except AttributeError as e:
                 raise ValueError(
                     f"Remat: unit {unit_label(unit.name)} is not a submodule of {type(module).__name__}: "
