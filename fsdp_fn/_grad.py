@@ -31,7 +31,7 @@ from fsdp_fn._functional import Functional, index_of
 from fsdp_fn._guard import guarded
 from fsdp_fn._lean import LeanRuntime
 from fsdp_fn._phases import phase
-from fsdp_fn._plan import Policy
+from fsdp_fn._plan import Plan, Policy
 from fsdp_fn._policy import Schedule
 from fsdp_fn._remat import Remat
 from fsdp_fn._runtime import model_handle
@@ -303,10 +303,16 @@ class PassMemo:
     """What one call of the pass leaves for the next (kept by the caller: a ``TrainStep``, a
     ``value_and_grad`` function): the order the units ran in, which forward prefetch follows."""
 
-    __slots__ = ("order",)
+    __slots__ = ("order", "plan")
 
     def __init__(self) -> None:
         self.order: list[str] = []
+        self.plan: Plan | None = None  # the plan ``order`` names units of
+
+    def order_for(self, plan: Plan) -> list[str]:
+        """The last call's order, if it ran this plan (a state loaded under another grouping
+        names other units): else none."""
+        return self.order if plan is self.plan or plan == self.plan else []
 
 
 class PassResult(NamedTuple):
@@ -378,7 +384,7 @@ def sharded_pass(
                 fn,
                 params,
                 schedule=schedule,
-                order_hint=memo.order,
+                order_hint=memo.order_for(params.plan),
                 sink=sink,
                 remat=remat,
                 check_unchanged=check_unchanged,
@@ -387,7 +393,7 @@ def sharded_pass(
         loss, aux = lean_pass(runtime, params, buffers, mb, loss_fn, has_aux)
         losses.append(loss)
         auxes.append(aux)
-        memo.order = runtime.order
+        memo.order, memo.plan = runtime.order, params.plan
     if deferred is not None:
         sink.reduce_deferred()
     totals = sink.totals if on_unit is None else {}

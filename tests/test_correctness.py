@@ -165,7 +165,7 @@ def _batches(world, steps=3):
     return [(torch.randn(4 * world, 5, generator=g), torch.randn(4 * world, 3, generator=g)) for _ in range(steps)]
 
 
-def _run(group, names, step_kw, split_root=False, under_no_grad=False):
+def _run(group, names, step_kw, split_root=False, under_no_grad=False, grouped=1):
     """Train sharded with the loss built from ``names``; compare with the reference on every rank.
 
     ``step_kw``: ``Schedule`` fields, ``clip`` for a chain that clips first, ``remat`` for train_step.
@@ -175,7 +175,7 @@ def _run(group, names, step_kw, split_root=False, under_no_grad=False):
     torch.manual_seed(0)
     model = Net()
     fn = ff.functionalize(model)
-    plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=split_root)
+    plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=split_root).grouped(grouped)
     schedule = {k: v for k, v in step_kw.items() if k not in ("clip", "remat")}
     opt = ff.adamw(lr=0.05, weight_decay=0.1)
     if "clip" in step_kw:
@@ -209,6 +209,27 @@ def _check(results):
         assert norm < 1e-5, norm
         assert param < 1e-5, param
         assert untouched
+
+
+@pytest.mark.parametrize(
+    "step_kw", [{}, {"remat": True}, {"update_in_backward": True}], ids=["default", "remat", "uib"]
+)
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["first_block_only", "ungated"],  # the group's last module never runs: its gather ends with the forward
+        ["repeated", "plain"],
+        ["no_head", "discarded"],
+        ["nograd_extra", "detached_branch"],
+        ["vmapped", "per_example"],
+    ],
+    ids=lambda names: "+".join(names),
+)
+def test_one_unit_of_both_blocks_trains_like_one_process_under_unusual_losses(pool, names, step_kw):
+    # Catches: a group gathered once per module (its gradient reduced twice), a group whose
+    # last module did not run left gathered or never refilled, remat of a group's modules
+    # outside its gather, update_in_backward stepping a group before its first module's backward.
+    _check(pool.run(_run, names, step_kw, grouped=2, world=2))
 
 
 @pytest.mark.parametrize("world", [1, 2])

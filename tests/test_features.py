@@ -57,6 +57,7 @@ def _train_with(
     lazy_ref=False,
     opt="adamw",
     count_on_demand=False,
+    grouped=1,
 ):
     world, rank = group.size(), group.rank()
     step_kw, plan_kw, ref_kw = dict(step_kw or {}), plan_kw or {}, ref_kw or {}
@@ -73,7 +74,7 @@ def _train_with(
 
         shape, names = mesh
         target = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    plan = ff.make_plan(model, policy, **plan_kw)
+    plan = ff.make_plan(model, policy, **plan_kw).grouped(grouped)
     params = ff.shard(fn.params, plan, target)
     clip, remat = step_kw.pop("clip", None), step_kw.pop("remat", None)  # the rest are Schedule fields
     if micro > 1:
@@ -588,6 +589,69 @@ def test_a_hugging_face_llama_with_a_frozen_top_trains_like_one_process(pool):
 
 
 # --- 6. tied parameters in different units ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"world": 2, "grouped": 2},
+        {"world": 3, "grouped": 3},
+        {"world": 2, "grouped": 3, "model_kw": {"tie": True}, "plan_kw": {"split_root": True}},
+        {"world": 3, "grouped": 2, "freeze": ("blocks.1.",)},  # a frozen part in the group
+        {"world": 2, "grouped": 3, "step_kw": {"reshard_after_forward": False}},
+        {"world": 4, "grouped": 2, "hsdp": True},
+    ],
+    ids=["2-of-3", "3-of-3", "tied", "frozen-part", "kept-gathered", "hsdp"],
+)
+def test_units_of_several_consecutive_blocks_train_like_one_process(pool, case):
+    # One gather from the first block's forward to the last's: the collectives are the
+    # prediction's (one all-gather per group, not per block), and training is parity.
+    case = dict(case)
+    world = case.pop("world")
+    out = pool.run(_train_with, log_comm=True, world=world, **case)[0]
+    exact(out)
+    plan = out["plan"]
+    merged = [u for u in plan.units if u.members]
+    assert merged and all(len(u.members) == min(case["grouped"], 3) for u in merged[:1])
+    step = case.get("step_kw", {})
+    predicted = ff.predict_collectives(
+        plan,
+        world // (2 if case.get("hsdp") else 1),
+        ff.Schedule(**step),
+        first_step=False,
+        replicas=2 if case.get("hsdp") else 1,
+    )
+    key = lambda c: (c.op, c.unit, c.numel, c.world)  # noqa: E731
+    assert Counter(map(key, out["logs"][1])) == Counter(map(key, predicted))
+
+
+def _grouped_checkpoint(group, directory):
+    """Saved under units of two blocks each, loaded under a unit per block and under one
+    unit of all three: the same parameters and optimizer state (a checkpoint keys by name)."""
+    world, rank = group.size(), group.rank()
+    model, policy, loss_fn = make("gpt")
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, policy)
+    step = ff.train_step(fn, loss_fn, ff.adamw(lr=1e-2))
+    state = step.init(ff.shard(fn.params, plan.grouped(2), group))
+    for k in range(2):
+        state, _ = step(state, local_part(batch_for("gpt", model, k, size=BATCH), rank, world))
+    ff.checkpoint.save(directory, state)
+    batch = local_part(batch_for("gpt", model, 2, size=BATCH), rank, world)
+    want, _ = step(state, batch)
+    out = []
+    for size in (1, 3):
+        like = step.init(ff.shard(fn.params, plan.grouped(size), group))
+        loaded, _ = ff.checkpoint.load(directory, like)
+        got, _ = step(loaded, batch)
+        a, b = ff.unshard(want.params), ff.unshard(got.params)
+        out.append(max((a[n] - b[n]).abs().max().item() for n in a))
+    return out
+
+
+def test_a_checkpoint_saved_under_one_grouping_loads_under_another(pool, tmp_path):
+    for diffs in pool.run(_grouped_checkpoint, str(tmp_path / "ckpt"), world=2):
+        assert diffs == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("world", [2, 3])

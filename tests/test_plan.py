@@ -187,3 +187,55 @@ def test_mixed_dtypes_in_a_unit_named():
     with pytest.raises(TypeError, match="unit \\(root\\) mixes dtypes"):
         ff.make_plan(m)
     assert ff.make_plan(m, ff.layer_policy([nn.Linear])).unit("net.2").dtype == torch.float16
+
+
+def test_merged_units_are_one_unit_of_their_parameters_in_order_and_a_value():
+    plan = ff.make_plan(gpt(n_layers=4), ff.layer_policy([Block]))
+    merged = plan.merged(["blocks.1", "blocks.2"])
+    assert merged.unit_names == ("", "blocks.0", "blocks.1..blocks.2", "blocks.3")
+    unit = merged.unit("blocks.1..blocks.2")
+    assert unit.members == unit.modules == ("blocks.1", "blocks.2")
+    assert unit.params == plan.unit("blocks.1").params + plan.unit("blocks.2").params
+    assert ff.Plan.from_json(merged.to_json()) == merged  # members serialised
+    assert merged.fingerprint() != plan.fingerprint()
+    assert plan.unit_fingerprints()["blocks.0"] == merged.unit_fingerprints()["blocks.0"]  # the others unchanged
+    assert "2 modules, one gather" in str(merged)
+    # merging a merged unit with its neighbour flattens the modules; grouped runs of k
+    assert merged.merged(["blocks.1..blocks.2", "blocks.3"]).unit("blocks.1..blocks.3").members == (
+        "blocks.1",
+        "blocks.2",
+        "blocks.3",
+    )
+    assert plan.grouped(3).unit_names == ("", "blocks.0..blocks.2", "blocks.3")
+    assert plan.grouped(1) == plan
+    assert plan.grouped(8).unit_names == ("", "blocks.0..blocks.3")
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [
+        (["blocks.0"], "merging needs two or more units"),
+        (["blocks.0", "blocks.9"], "unit 'blocks.9' is not in the plan"),
+        (["", "blocks.0"], r"unit \(root\) cannot be merged: only a module's own units"),
+        (["blocks.0", "blocks.2"], "are not consecutive in the plan"),
+    ],
+)
+def test_merging_what_cannot_be_one_unit_is_refused_naming_it(names, message):
+    plan = ff.make_plan(gpt(), ff.layer_policy([Block]))
+    with pytest.raises(ValueError, match=message):
+        plan.merged(names)
+
+
+def test_merging_nested_or_mixed_dtype_units_is_refused():
+    model = gpt()
+    nested = ff.make_plan(model, ff.layer_policy([Block, nn.Linear]))
+    assert nested.unit_names[1:3] == ("blocks.0", "blocks.0.qkv")
+    with pytest.raises(ValueError, match="module 'blocks.0.qkv' lies inside 'blocks.0'"):
+        nested.merged(["blocks.0", "blocks.0.qkv"])
+    model.blocks[1].double()
+    mixed = ff.make_plan(model, ff.layer_policy([Block]))
+    with pytest.raises(ValueError, match=r"trainable parameters are of several dtypes \(\['float32', 'float64'\]\)"):
+        mixed.merged(["blocks.0", "blocks.1"])
+    assert mixed.grouped(3).unit_names == ("", "blocks.0", "blocks.1", "blocks.2")  # runs stop at a dtype change
+    with pytest.raises(ValueError, match="size must be a positive int"):
+        mixed.grouped(0)

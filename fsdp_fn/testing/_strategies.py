@@ -114,17 +114,20 @@ class ModelSpec:
 @dataclass(frozen=True)
 class PlanSpec:
     """A drawn unit policy: ``"whole"`` (one root unit), ``"layers"`` (a unit per ``nn.Linear``)
-    or ``"size"`` (``size_policy(min_num_params)``); ``split_root`` as in ``make_plan``.
+    or ``"size"`` (``size_policy(min_num_params)``); ``split_root`` as in ``make_plan``;
+    ``grouped`` consecutive units merged into one (``Plan.grouped``).
 
     Args:
         policy: ``"whole"``, ``"layers"`` or ``"size"``.
         min_num_params: the size policy's threshold (for ``"size"``).
         split_root: whether to shard the root like any other unit, as in ``make_plan``.
+        grouped: units per merged unit (1: none merged).
     """
 
     policy: str = "layers"
     min_num_params: int = 1
     split_root: bool = False
+    grouped: int = 1
 
     def make(self, module: nn.Module) -> Plan:
         """The plan of ``module`` under this policy (``make_plan``: reads shapes only).
@@ -145,7 +148,7 @@ class PlanSpec:
             "layers": layer_policy([nn.Linear]),
             "size": size_policy(self.min_num_params),
         }
-        return make_plan(module, policies[self.policy], split_root=self.split_root)
+        return make_plan(module, policies[self.policy], split_root=self.split_root).grouped(self.grouped)
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,8 @@ def models(
 
 
 def plans() -> SearchStrategy[PlanSpec]:
-    """``PlanSpec``s: one unit, a unit per layer (with or without a split root), or by size.
+    """``PlanSpec``s: one unit, a unit per layer (with or without a split root; one to three
+    consecutive layers per unit), or by size.
 
     Returns:
         A hypothesis strategy of ``PlanSpec``s.
@@ -237,7 +241,7 @@ def plans() -> SearchStrategy[PlanSpec]:
 
     return st.one_of(
         st.just(PlanSpec("whole")),
-        st.builds(PlanSpec, st.just("layers"), st.just(1), st.booleans()),
+        st.builds(PlanSpec, st.just("layers"), st.just(1), st.booleans(), st.integers(1, 3)),
         st.builds(PlanSpec, st.just("size"), st.integers(1, 60), st.booleans()),
     )
 
