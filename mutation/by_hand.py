@@ -928,6 +928,34 @@ MUTANTS = [
         "        return fresh",
         "tests/test_correctness.py::test_unfreezing_a_parameter_the_plan_holds_frozen_trains_like_torch",
     ),
+    (
+        "group_module_gathers_again",
+        "fsdp_fn/_runtime.py",
+        "            group = self.open.get(unit.name)",
+        "            group = None",
+        "tests/test_correctness.py::test_one_unit_of_both_blocks_trains_like_one_process_under_unusual_losses",
+    ),
+    (
+        "group_closes_after_each_module",
+        "fsdp_fn/_runtime.py",
+        "                if target is self.targets[unit.name][-1]:  # the group's last module: its gather ends",
+        "                if True:",
+        "tests/test_features.py::test_units_of_several_consecutive_blocks_train_like_one_process",
+    ),
+    (
+        "group_left_open_after_forward",
+        "fsdp_fn/_runtime.py",
+        "                self._close_groups()",
+        "                pass",
+        "tests/test_correctness.py::test_one_unit_of_both_blocks_trains_like_one_process_under_unusual_losses",
+    ),
+    (
+        "group_predicted_per_module",
+        "fsdp_fn/_predict.py",
+        "        for _ in u.hooks or (u.name,):",
+        "        for _ in u.modules:",
+        "tests/test_features.py::test_units_of_several_consecutive_blocks_train_like_one_process",
+    ),
 ]
 
 
