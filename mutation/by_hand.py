@@ -933,7 +933,7 @@ MUTANTS = [
         "fsdp_fn/_runtime.py",
         "            group = self.open.get(unit.name)",
         "            group = None",
-        "tests/test_correctness.py::test_one_unit_of_both_blocks_trains_like_one_process_under_unusual_losses",
+        "tests/test_correctness.py::test_one_unit_of_both_blocks_is_gathered_once_and_refilled_once",
     ),
     (
         "group_closes_after_each_module",
@@ -947,7 +947,7 @@ MUTANTS = [
         "fsdp_fn/_runtime.py",
         "                self._close_groups()",
         "                pass",
-        "tests/test_correctness.py::test_one_unit_of_both_blocks_trains_like_one_process_under_unusual_losses",
+        "tests/test_correctness.py::test_one_unit_of_both_blocks_is_gathered_once_and_refilled_once",
     ),
     (
         "group_predicted_per_module",

@@ -232,6 +232,28 @@ def test_one_unit_of_both_blocks_trains_like_one_process_under_unusual_losses(po
     _check(pool.run(_run, names, step_kw, grouped=2, world=2))
 
 
+def _group_gathers(group, names):
+    """The all-gathers of one unit of both blocks in a step after the first (its collective log)."""
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = Net()
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([Block])).grouped(2)
+    step = ff.train_step(fn, make_loss(names), ff.adamw(lr=0.05))
+    state = step.init(ff.shard(fn.params, plan, group))
+    for k, b in enumerate(_batches(world, 2)):
+        with ff.comm_log() as log:
+            state, _ = step(state, tuple(t.chunk(world)[rank] for t in b))
+    return [c.op for c in log.records if c.unit == "blocks.0..blocks.1"]
+
+
+@pytest.mark.parametrize("names", [["plain"], ["first_block_only"]])
+def test_one_unit_of_both_blocks_is_gathered_once_and_refilled_once(pool, names):
+    # Catches: each block gathering the unit again (a gather and a reduction per block), and a
+    # group whose last block did not run left gathered after forward (no refill for backward).
+    assert pool.run(_group_gathers, names, world=2)[0] == ["all_gather", "all_gather", "reduce_scatter"]
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_step_under_no_grad_with_a_vmapped_loss(pool, world):
     _check(pool.run(_run, ["vmapped", "nograd_extra"], {}, under_no_grad=True, world=world))
