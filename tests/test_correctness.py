@@ -238,10 +238,11 @@ def _group_gathers(group, names):
     torch.manual_seed(0)
     model = Net()
     fn = ff.functionalize(model)
-    plan = ff.make_plan(model, ff.layer_policy([Block])).grouped(2)
-    step = ff.train_step(fn, make_loss(names), ff.adamw(lr=0.05))
+    plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=True).merged(["blocks.0", "blocks.1"])
+    schedule = ff.Schedule(keep_tail_gathered=False)  # (else the units before the head stay gathered)
+    step = ff.train_step(fn, make_loss(names), ff.adamw(lr=0.05), schedule=schedule)
     state = step.init(ff.shard(fn.params, plan, group))
-    for k, b in enumerate(_batches(world, 2)):
+    for b in _batches(world, 2):
         with ff.comm_log() as log:
             state, _ = step(state, tuple(t.chunk(world)[rank] for t in b))
     return [c.op for c in log.records if c.unit == "blocks.0..blocks.1"]
