@@ -14,6 +14,10 @@ the same steps (``--check``: both instruments' totals per phase).
     python bench/overhead.py --compile                         # every block compiled (block.compile())
     python bench/overhead.py --check                           # phase clock against torch.profiler
     python bench/overhead.py --device cuda --world 8 --d-model 1024 --peak-tflops 989   # NCCL, MFU
+    python bench/overhead.py --layers 16 --systems fsdp_fn,fsdp_fn@4,fsdp_fn@16,fsdp2@4,ddp  # K blocks a unit
+
+``SYSTEM@K`` groups K consecutive blocks into one unit: fsdp_fn's ``Plan.grouped(K)``,
+FSDP2's ``fully_shard(blocks[i:i+K])`` (a list of modules, one parameter group).
 
 With ``--compile`` each system's blocks are compiled the way torchtitan users do it
 (``block.compile()``; for fsdp_fn before ``functionalize``, for FSDP2 before ``fully_shard``),
@@ -82,9 +86,11 @@ def _model(cfg: Config, layers: int) -> GPT:
 def _build(system: str, cfg: Config, layers: int, group: Any) -> Any:
     """A function that runs one step on a batch and returns the loss."""
     model = _model(cfg, layers)
+    system, _, k = system.partition("@")
+    per_unit = int(k or 1)  # blocks per unit
     if system == "fsdp_fn":
         fn = ff.functionalize(model)
-        plan = ff.make_plan(model, ff.layer_policy([Block]))
+        plan = ff.make_plan(model, ff.layer_policy([Block])).grouped(per_unit)
         step = ff.train_step(fn, lm_loss, ff.adamw(lr=1e-3))
         holder = {"state": step.init(ff.shard(fn.params, plan, group))}
 
@@ -95,7 +101,7 @@ def _build(system: str, cfg: Config, layers: int, group: Any) -> Any:
         return run
     if system == "fsdp_fn_functional":  # the loop a JAX user writes: value_and_grad, update, apply_updates
         fn = ff.functionalize(model)
-        plan = ff.make_plan(model, ff.layer_policy([Block]))
+        plan = ff.make_plan(model, ff.layer_policy([Block])).grouped(per_unit)
         tx = ff.adamw(lr=1e-3)
         grad_fn = ff.value_and_grad(fn, lm_loss)
         params = ff.shard(fn.params, plan, group)
@@ -113,8 +119,9 @@ def _build(system: str, cfg: Config, layers: int, group: Any) -> Any:
         from torch.distributed.fsdp import fully_shard
 
         mesh = DeviceMesh.from_group(group, cfg.device)
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
+        blocks = list(model.blocks)
+        for at in range(0, len(blocks), per_unit):
+            fully_shard(blocks[at : at + per_unit] if per_unit > 1 else blocks[at], mesh=mesh)
         fully_shard(model, mesh=mesh)
         wrapped: torch.nn.Module = model
     else:
@@ -324,6 +331,11 @@ def print_report(report: dict[str, Any], cfg: Config, args: Any) -> None:
                 f"{ours['step_ms'] / ddp['step_ms']:.2f}x DDP"
             )
     for n in sorted({r["layers"] for r in rows.values()}):
+        ddp = rows.get(f"ddp@{n}")
+        if ddp:
+            ratios = [f"{r['system']} {r['step_ms'] / ddp['step_ms']:.2f}x" for r in rows.values() if r["layers"] == n]
+            print(f"{n} blocks, x DDP: " + ", ".join(ratios))
+    for n in sorted({r["layers"] for r in rows.values()}):
         ours, functional = rows.get(f"fsdp_fn@{n}"), rows.get(f"fsdp_fn_functional@{n}")
         if ours and functional:
             print(f"{n} blocks: functional loop {functional['step_ms'] / ours['step_ms']:.2f}x train_step")
@@ -332,9 +344,9 @@ def print_report(report: dict[str, Any], cfg: Config, args: Any) -> None:
     for row in rows.values():
         if "phases_ms" in row:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items() if v >= 0.005)
-            print(f"fsdp_fn @{row['layers']} blocks, host ms per step by phase (exclusive): {parts}")
+            print(f"{row['system']} @{row['layers']} blocks, host ms per step by phase (exclusive): {parts}")
             parts = ", ".join(f"{k} {v:.2f}" for k, v in row["phases_cpu_ms"].items() if v >= 0.005)
-            print(f"fsdp_fn @{row['layers']} blocks, the step thread's CPU ms per step by phase: {parts}")
+            print(f"{row['system']} @{row['layers']} blocks, the step thread's CPU ms per step by phase: {parts}")
         if "dynamo" in row:
             print(f"{row['system']} @{row['layers']} blocks, Dynamo: {row['dynamo']}")
         if "check" in row:

@@ -239,3 +239,15 @@ def test_merging_nested_or_mixed_dtype_units_is_refused():
     assert mixed.grouped(3).unit_names == ("", "blocks.0", "blocks.1", "blocks.2")  # runs stop at a dtype change
     with pytest.raises(ValueError, match="size must be a positive int"):
         mixed.grouped(0)
+
+
+def test_unfreezing_into_a_unit_of_another_dtype_is_refused_naming_it():
+    model = gpt()
+    model.blocks[0].ln1.double().requires_grad_(False)
+    plan = ff.make_plan(model, ff.layer_policy([Block]))
+    with pytest.raises(ValueError, match="parameter 'blocks.0.ln1.weight' of unit 'blocks.0' is trainable now but is"):
+        plan.with_trainable(["blocks.0.ln1.weight"])
+    with pytest.raises(ValueError, match="not frozen parameters of the plan"):
+        plan.with_trainable(["blocks.1.ln1.weight"])
+    moved = plan.with_trainable([])
+    assert moved == plan
