@@ -31,6 +31,7 @@ from fsdp_fn._losses import chunked_cross_entropy
 from fsdp_fn._memory import CATEGORIES, MemoryEstimate, MemoryMeter, estimate_memory
 from fsdp_fn._optim import adam, adamw, from_torch, lion, sgd, tree_leaves, tree_map
 from fsdp_fn._plan import ROOT, ParamSpec, Plan, Policy, Unit, layer_policy, make_plan, size_policy
+from fsdp_fn._planner import Candidate, PlanChoice, StepCosts, measure_costs, plan_for_budget
 from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedule
 from fsdp_fn._predict import predict_collectives
 from fsdp_fn._remat import Remat, RematError, SavePolicy, remat, route_torch_checkpoint, save_dots, save_nothing
@@ -126,6 +127,9 @@ __all__ = [
     "ParamSpec",
     "RankFailure",
     "Plan",
+    "PlanChoice",
+    "StepCosts",
+    "Candidate",
     "Policy",
     "ActivationStage",
     "Schedule",
@@ -148,6 +152,8 @@ __all__ = [
     "init_shards",
     "layer_policy",
     "make_plan",
+    "measure_costs",
+    "plan_for_budget",
     "predict_collectives",
     "reduce_grads",
     "reduce_scatter_sum",
