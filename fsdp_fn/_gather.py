@@ -16,10 +16,11 @@ def gather_for(unit: str | Unit) -> Callable[[Sharded], dict[str, torch.Tensor]]
 
     The full parameters are views into one gathered flat buffer. The backward is the
     reduce-scatter, averaged over ranks (like DDP). Works inside ``torch.func.grad``,
-    ``grad_and_value`` and ``vjp``. The unit's frozen parameters come too, gathered into a
-    second buffer that needs no gradient. Memory: the unit's full parameters (padded);
-    communication: one all-gather forward (one more per dtype of frozen parameters), one reduce-scatter
-    backward (and, with hybrid sharding, one all-reduce over the replicas).
+    ``grad_and_value`` and ``vjp``. The unit's frozen parameters come too, gathered into
+    buffers of their own (one per dtype, an integer one in its own) that need no gradient.
+    Memory: the unit's full parameters (padded); communication: one all-gather forward (one
+    more per dtype of frozen parameters), one reduce-scatter backward (and, with hybrid
+    sharding, one all-reduce over the replicas).
 
     Args:
         unit: the unit, or its name in the plan of the ``Sharded`` the gather is given.
