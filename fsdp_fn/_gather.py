@@ -16,10 +16,11 @@ def gather_for(unit: str | Unit) -> Callable[[Sharded], dict[str, torch.Tensor]]
 
     The full parameters are views into one gathered flat buffer. The backward is the
     reduce-scatter, averaged over ranks (like DDP). Works inside ``torch.func.grad``,
-    ``grad_and_value`` and ``vjp``. The unit's frozen parameters come too, gathered into a
-    second buffer that needs no gradient. Memory: the unit's full parameters (padded);
-    communication: one all-gather forward (two with frozen parameters), one reduce-scatter
-    backward (and, with hybrid sharding, one all-reduce over the replicas).
+    ``grad_and_value`` and ``vjp``. The unit's frozen parameters come too, gathered into
+    buffers of their own (one per dtype, an integer one in its own) that need no gradient.
+    Memory: the unit's full parameters (padded); communication: one all-gather forward (one
+    more per dtype of frozen parameters), one reduce-scatter backward (and, with hybrid
+    sharding, one all-reduce over the replicas).
 
     Args:
         unit: the unit, or its name in the plan of the ``Sharded`` the gather is given.
@@ -38,9 +39,9 @@ def gather_for(unit: str | Unit) -> Callable[[Sharded], dict[str, torch.Tensor]]
         u = params.plan.unit(name)
         full = unit_views(u, gather_differentiably(check_shard(params, u), params.layout, u.name))
         if u.frozen:
-            frozen = params.layout.frozen[u.name].detach()
             with torch.no_grad():
-                full.update(unit_views(u.frozen_part, gather_differentiably(frozen, params.layout, u.name)))
+                for part, frozen in zip(u.frozen_parts, params.layout.frozen[u.name], strict=True):
+                    full.update(unit_views(part, gather_differentiably(frozen.detach(), params.layout, u.name)))
         return full
 
     return gather

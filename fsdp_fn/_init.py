@@ -14,7 +14,7 @@ from fsdp_fn._functional import entries_set
 from fsdp_fn._group import Group, Role, resolve_axes
 from fsdp_fn._guard import guarded
 from fsdp_fn._plan import Plan, Unit, unit_label
-from fsdp_fn._shard import Layout, Sharded, local_slice
+from fsdp_fn._shard import Layout, Sharded, frozen_slices, local_slice
 
 Init = Callable[[nn.Module], None]
 
@@ -135,7 +135,7 @@ def init_shards(
                 reset()
 
     shards: dict[str, torch.Tensor] = {}
-    frozen: dict[str, torch.Tensor] = {}
+    frozen: dict[str, tuple[torch.Tensor, ...]] = {}
     with _swapped(buffer_slots, buffers, "buffer"), torch.random.fork_rng(devices=[]):
         for unit in plan.units:
             full = _materialise(unit, device)
@@ -144,7 +144,7 @@ def init_shards(
                 initialise()
             shards[unit.name] = local_slice(unit, full, world, rank)
             if unit.frozen:
-                frozen[unit.name] = local_slice(unit.frozen_part, full, world, rank)
+                frozen[unit.name] = frozen_slices(unit, full, world, rank)
             del full
     return Sharded(shards, Layout(plan, axes, frozen)), buffers
 

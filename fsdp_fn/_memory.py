@@ -249,7 +249,7 @@ class MemoryEstimate:
     ``with_gradients``. ``total`` is the step's peak.
 
     Attributes:
-        params: sharded parameters (padding included).
+        params: sharded parameters, trainable and frozen (padding included).
         grads: gradient shards alive at once.
         optimizer: optimizer state.
         gathered: gathered parameters in flight at most.
@@ -261,7 +261,7 @@ class MemoryEstimate:
             the moment that sum peaks.
     """
 
-    params: int  # sharded parameters (padding included)
+    params: int  # sharded parameters, trainable and frozen (padding included)
     grads: int  # gradient shards alive at once
     optimizer: int  # optimizer state
     gathered: int  # gathered parameters in flight at most
@@ -332,7 +332,9 @@ def estimate_memory(
         if not schedule.reshard_after_forward:
             units_in_flight = len(plan.units)  # each stays gathered from its forward to its backward
     shard_bytes = {u.name: u.shard_numel(world) * u.dtype.itemsize for u in plan.units}
-    params = sum(shard_bytes.values())
+    params = sum(shard_bytes.values())  # the trainable shards: what gradients and optimizer state mirror
+    # The frozen shards, each part in its own dtype (an integer one too), held beside them.
+    frozen = sum(part.shard_numel(world) * part.dtype.itemsize for u in plan.units for part in u.frozen_parts)
 
     def gathered(u: Unit) -> int:
         return u.gather_bytes(world, schedule.gather_dtype(u.dtype) if schedule is not None else None)
@@ -360,13 +362,13 @@ def estimate_memory(
         )
         with_gradients = max(with_gradients, stage.peak + shards + full + summed)
     return MemoryEstimate(
-        params=params,
+        params=params + frozen,
         grads=largest_shard if update_in_backward else params,
         optimizer=optimizer_slots * params + counters,
         gathered=root + sum(others[:units_in_flight]),
         # One full unit gradient at a time: a unit's reduction ends before the next unit's
         # flat gradient is allocated (with update_in_backward too).
-        full_grad=max((u.gather_bytes(world) for u in plan.units), default=0),
+        full_grad=max((u.padded_numel(world) * u.dtype.itemsize for u in plan.units), default=0),
         activations=activations.peak if activations is not None else 0,
         with_gradients=with_gradients,
     )

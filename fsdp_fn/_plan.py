@@ -49,8 +49,10 @@ class ParamSpec:
     Attributes:
         name: the canonical fully-qualified name (first in ``named_parameters()``).
         shape: the full (unsharded) shape.
-        dtype: the parameter's dtype (every parameter of a unit's part has the same).
-        requires_grad: trainable (in the unit's flat buffer) or frozen (in its second one).
+        dtype: the parameter's dtype (every parameter of a unit's part has the same):
+            floating, or, for a frozen parameter, also an integer or bool one.
+        requires_grad: trainable (in the unit's flat buffer) or frozen (in one of its
+            frozen parts).
         aliases: other names of the same tensor (tied weights).
     """
 
@@ -82,8 +84,9 @@ class Unit:
             tied parameter's own unit.
         params: the trainable parameters, in buffer order (gathered with autograd,
             reduce-scattered).
-        frozen: the frozen ones (``requires_grad=False``), a second flat buffer that is
-            gathered but never reduced and has no optimizer state.
+        frozen: the frozen ones (``requires_grad=False``): one more flat buffer per dtype
+            among them (``frozen_parts``: an integer or bool parameter beside floating
+            ones), gathered in its own dtype but never reduced, with no optimizer state.
         hooks: the modules whose forward gathers the unit, each its own gather (a shared
             tied parameter's users); empty: the module the unit is named after.
         members: consecutive modules gathered once for all of them (FSDP2's
@@ -114,9 +117,13 @@ class Unit:
         return self.name != ROOT and not self.hooks and not self.members
 
     @functools.cached_property
-    def frozen_part(self) -> Unit:
-        """The frozen parameters as a unit of their own (the layout of the second buffer)."""
-        return Unit(self.name, self.frozen)
+    def frozen_parts(self) -> tuple[Unit, ...]:
+        """The frozen parameters as units of their own, one per dtype in order of first
+        appearance: the layouts of the unit's frozen buffers, each gathered in its own dtype."""
+        by_dtype: dict[torch.dtype, list[ParamSpec]] = {}
+        for p in self.frozen:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        return tuple(Unit(self.name, tuple(specs)) for specs in by_dtype.values())
 
     @functools.cached_property
     def all_params(self) -> tuple[ParamSpec, ...]:
@@ -130,8 +137,14 @@ class Unit:
 
     @functools.cached_property
     def dtype(self) -> torch.dtype:
-        """The unit's dtype: its trainable parameters', else its frozen ones'."""
-        return (self.params or self.frozen)[0].dtype
+        """The unit's dtype: its trainable parameters', else its first floating frozen one's.
+
+        A unit of integer or bool parameters alone is float32: its trainable shard (and so its
+        gradient and optimizer moments) is empty but floating like every other one.
+        """
+        if self.params:
+            return self.params[0].dtype
+        return next((p.dtype for p in self.frozen if p.dtype.is_floating_point), torch.float32)
 
     @functools.cached_property
     def offsets(self) -> tuple[int, ...]:
@@ -214,19 +227,19 @@ class Unit:
         return memo[key]
 
     def gather_bytes(self, world: int = 1, dtype: torch.dtype | None = None) -> int:
-        """Bytes of the gathered flat buffers (padding included, frozen part too) on one rank.
+        """Bytes of the gathered flat buffers (padding included, frozen parts too) on one rank.
 
         Args:
             world: the number of ranks the unit is sharded over (it sets the padding).
-            dtype: the dtype the trainable buffer is gathered in (mixed precision);
-                ``None``: the unit's own. The frozen part keeps its own dtype.
+            dtype: the dtype its floating buffers are gathered in (mixed precision's
+                ``param_dtype``); ``None``: their own. Integer and bool parts keep theirs.
 
         Returns:
             What one gather of the unit allocates, in bytes.
         """
         total = self.padded_numel(world) * (dtype or self.dtype).itemsize
-        if self.frozen:
-            total += self.frozen_part.gather_bytes(world, dtype)
+        for part in self.frozen_parts:
+            total += part.gather_bytes(world, dtype if part.dtype.is_floating_point else None)
         return total
 
 
@@ -381,7 +394,7 @@ class Plan:
         Raises:
             ValueError: if fewer than two names are given, a name is not such a unit, the
                 units are not consecutive, one's module lies inside another's, or their
-                trainable (or frozen) parameters differ in dtype.
+                trainable parameters differ in dtype.
         """
         names = list(names)
         if len(names) < 2:
@@ -406,14 +419,13 @@ class Plan:
             if inner is not None:
                 raise ValueError(f"units {names} cannot be merged: module {inner!r} lies inside {a!r}")
         params = tuple(p for u in group for p in u.params)
-        frozen = tuple(p for u in group for p in u.frozen)
-        for part, what in ((params, "trainable"), (frozen, "frozen")):
-            dtypes = {p.dtype for p in part}
-            if len(dtypes) > 1:
-                raise ValueError(
-                    f"units {names} cannot be merged: their {what} parameters are of several dtypes "
-                    f"({sorted(map(_dtype_name, dtypes))}); one flat buffer holds one dtype"
-                )
+        frozen = tuple(p for u in group for p in u.frozen)  # (one frozen part per dtype: any mix)
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"units {names} cannot be merged: their trainable parameters are of several dtypes "
+                f"({sorted(map(_dtype_name, dtypes))}); one flat buffer holds one dtype"
+            )
         first_name, last_name = group[0].name.split("..")[0], group[-1].name.split("..")[-1]
         unit = Unit(f"{first_name}..{last_name}", params, frozen, members=members)
         return dataclasses.replace(self, units=(*self.units[:first], unit, *self.units[first + len(names) :]))
@@ -612,20 +624,22 @@ class Plan:
     def __str__(self) -> str:
         rows = [f"Plan: {len(self.units)} units, {self.numel:,} parameters"]
         for u in self.units:
-            extra = f"  ({len(u.frozen)} frozen)" if u.frozen else ""
+            others = [_dtype_name(p.dtype) for p in u.frozen_parts if p.dtype != u.dtype]
+            extra = f"  ({len(u.frozen)} frozen{''.join(f', {d}' for d in others)})" if u.frozen else ""
             extra += f"  gathered by {', '.join(u.hooks)}" if u.hooks else ""
             extra += f"  ({len(u.members)} modules, one gather)" if u.members else ""
             rows.append(
                 f"  {unit_label(u.name):<32} {len(u.all_params):>4} params "
-                f"{u.numel + u.frozen_part.numel:>14,} elements "
+                f"{u.numel + sum(p.numel for p in u.frozen):>14,} elements "
                 f"{u.gather_bytes():>14,} B gathered  {_dtype_name(u.dtype)}{extra}"
             )
         return "\n".join(rows)
 
 
 def _one_dtype_each(a: Unit, b: Unit) -> bool:
-    """Whether two units' trainable parts, and their frozen ones, may share a flat buffer."""
-    return all(not x or not y or x[0].dtype == y[0].dtype for x, y in ((a.params, b.params), (a.frozen, b.frozen)))
+    """Whether two units' trainable parameters may share a flat buffer (frozen ones always may:
+    a part per dtype)."""
+    return not a.params or not b.params or a.params[0].dtype == b.params[0].dtype
 
 
 # --- policies ---------------------------------------------------------------------------
@@ -716,8 +730,10 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
     becomes a unit, ``n`` being its parameters not yet claimed by a unit below it.
     A tied parameter whose users sit in different units becomes a unit of its own, which
     each of them gathers as it runs (gradients from every use are summed). Frozen
-    parameters (``requires_grad=False``) form a second flat buffer in their unit. No
-    communication, no allocation: it reads only shapes.
+    parameters (``requires_grad=False``) form one more flat buffer in their unit per dtype
+    among them: an integer or bool parameter (frozen: torch lets no other require grad)
+    rides along in its own dtype, gathered, never cast or reduced. No communication, no
+    allocation: it reads only shapes.
 
     Args:
         module: the model (it may be on the meta device).
@@ -735,8 +751,9 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
 
     Raises:
         TypeError: if ``module`` is not an ``nn.Module``, ``policy`` is not callable or
-            returns something that is not a bool, a parameter is not floating-point, or a
-            unit would mix dtypes.
+            returns something that is not a bool, a parameter is complex (or not
+            floating-point and requires grad), or a unit's trainable parameters would mix
+            dtypes.
         ValueError: if an ``nn.Embedding`` has ``max_norm``
             (its forward changes the table in place), the policy chooses a module whose
             forward never runs, or a ``layer_policy``'s classes are not in the model.
@@ -851,10 +868,12 @@ def _homes(
     shared: dict[str, tuple[str, ...]] = {}  # a tied parameter's own unit -> the modules using it
     for pid, names in names_of.items():
         p = tensors[pid]
-        if not p.dtype.is_floating_point:
+        if p.dtype.is_complex or (p.requires_grad and not p.dtype.is_floating_point):
             raise TypeError(
-                f"parameter {names[0]!r} has dtype {p.dtype}; only floating-point "
-                "parameters can be sharded (keep integer state in buffers)"
+                f"parameter {names[0]!r} has dtype {p.dtype}"
+                f"{' and requires grad' if p.requires_grad else ''}; only floating-point parameters, and integer "
+                "or bool ones that do not require grad, can be sharded (view a complex one as real: "
+                "torch.view_as_real)"
             )
         spec = ParamSpec(names[0], tuple(p.shape), p.dtype, p.requires_grad, tuple(names[1:]))
         owners = {owner(n) for n in names}
@@ -890,7 +909,8 @@ def _split_root(module: nn.Module, members: dict[str, list[ParamSpec]], shared: 
 def _units_in_order(
     module: nn.Module, members: dict[str, list[ParamSpec]], shared: dict[str, tuple[str, ...]]
 ) -> list[Unit]:
-    """The units: the root first, then by the first module path that uses each; one dtype a part."""
+    """The units: the root first, then by the first module path that uses each; one dtype for the
+    trainable part (the frozen parts are one per dtype)."""
     # Every path a module is reachable by (a module shared by two units appears under each).
     position = {n: i for i, (n, _) in enumerate(module.named_modules(remove_duplicate=False))}
 
@@ -911,12 +931,10 @@ def _units_in_order(
             )
         )
     for u in units:
-        for part, kind in ((u.params, "trainable"), (u.frozen, "frozen")):
-            dtypes = {p.dtype for p in part}
-            if len(dtypes) > 1:
-                detail = ", ".join(f"{p.name}: {_dtype_name(p.dtype)}" for p in part)
-                raise TypeError(
-                    f"unit {unit_label(u.name)} mixes dtypes in its {kind} parameters ({detail}); a unit is one "
-                    "flat buffer of one dtype: cast the module or choose a policy that separates them"
-                )
+        if len({p.dtype for p in u.params}) > 1:
+            detail = ", ".join(f"{p.name}: {_dtype_name(p.dtype)}" for p in u.params)
+            raise TypeError(
+                f"unit {unit_label(u.name)} mixes dtypes in its trainable parameters ({detail}); a unit is one "
+                "flat buffer of one dtype: cast the module or choose a policy that separates them"
+            )
     return units

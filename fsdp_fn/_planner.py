@@ -302,7 +302,9 @@ def plan_for_budget(
             peak = estimate_memory(
                 grouped, costs.world, activations=acts, schedule=schedule, optimizer_slots=optimizer_slots
             ).total
-            largest = max((u for u in grouped.units if u.name), key=lambda u: u.numel + u.frozen_part.numel)
+            largest = max(
+                (u for u in grouped.units if u.name), key=lambda u: u.numel + sum(p.numel for p in u.frozen_parts)
+            )
             candidates.append(
                 Candidate(
                     per_unit,

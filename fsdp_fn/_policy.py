@@ -75,9 +75,10 @@ class MixedPrecision:
             dtype: the unit's own (its shards') dtype.
 
         Returns:
-            ``param_dtype``, else ``dtype``.
+            ``param_dtype`` for a floating ``dtype``, else ``dtype`` (an integer or bool
+            parameter is never cast).
         """
-        return self.param_dtype or dtype
+        return self.param_dtype if self.param_dtype is not None and dtype.is_floating_point else dtype
 
     def reduced(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a gradient of ``dtype`` is reduce-scattered in.
@@ -264,7 +265,7 @@ class Schedule:
             dtype: the unit's own dtype.
 
         Returns:
-            ``mixed_precision.param_dtype``, else ``dtype``.
+            ``mixed_precision.param_dtype`` for a floating ``dtype``, else ``dtype``.
         """
         return self.mixed_precision.gathered(dtype)
 

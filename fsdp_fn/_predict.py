@@ -35,7 +35,7 @@ def predict_collectives(
     """Predict what one train step issues on each rank, from the plan alone (units run in plan order).
 
     Per use of a unit (a shared tied parameter is used by each of its modules), per flat
-    part (trainable, frozen): one all-gather in forward in the gather dtype; one more in
+    part (trainable, one frozen per dtype): one all-gather in forward in the gather dtype; one more in
     backward when the unit is resharded after forward (never the root; from the second
     step on, not the units that ran last and stay gathered for backward, see
     ``_prefetch.kept_tail``; not a ``lookup`` unit, whose backward reads no parameter). Per use, one
@@ -98,7 +98,7 @@ def predict_collectives(
         resharded = (
             schedule.reshard_after_forward and u.name != ROOT and not u.lookup and (first_step or u.name not in kept)
         )
-        parts = [p for p in (u, u.frozen_part) if p.params]
+        parts = [p for p in (u, *u.frozen_parts) if p.params]
         for _ in u.hooks or (u.name,):  # a shared unit is gathered by each of its modules, a group once
             for part in parts:
                 n, gather = part.padded_numel(world), schedule.gather_dtype(part.dtype)

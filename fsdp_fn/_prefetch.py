@@ -71,7 +71,7 @@ def gathered_bytes(plan: Plan, world: int, schedule: Schedule) -> dict[str, int]
     return {
         u.name: sum(
             part.padded_numel(world) * schedule.gather_dtype(part.dtype).itemsize
-            for part in (u, u.frozen_part)
+            for part in (u, *u.frozen_parts)
             if part.params
         )
         for u in plan.units

@@ -34,7 +34,8 @@ class Layout:
     Args:
         plan: the plan the shards follow.
         mesh: the axes (``resolve_axes``'s), or a ``ProcessGroup``: one shard axis.
-        frozen: this rank's frozen shards by unit name.
+        frozen: this rank's frozen shards by unit name: one per ``Unit.frozen_parts``
+            (one per dtype), in that order.
     """
 
     __slots__ = ("axes", "frozen", "group", "guard_group", "plan", "replica_axes", "replica_groups", "replicas")
@@ -43,14 +44,14 @@ class Layout:
         self,
         plan: Plan,
         mesh: tuple[Axis, ...] | dist.ProcessGroup,
-        frozen: Mapping[str, torch.Tensor] | None = None,
+        frozen: Mapping[str, tuple[torch.Tensor, ...]] | None = None,
     ) -> None:
         axes = (Axis(Role.SHARD.value, Role.SHARD, mesh),) if isinstance(mesh, dist.ProcessGroup) else tuple(mesh)
         shards = [a for a in axes if a.role is Role.SHARD]
         if len(shards) != 1:
             raise ValueError(f"a layout shards over exactly one axis, got {axes}")
         self.plan, self.axes = plan, axes
-        self.frozen: Mapping[str, torch.Tensor] = {} if frozen is None else frozen
+        self.frozen: Mapping[str, tuple[torch.Tensor, ...]] = {} if frozen is None else frozen
         self.group: dist.ProcessGroup = shards[0].group
         # (a replicate axis of size 1 has nothing to average)
         self.replica_axes = tuple(a for a in axes if a.role is Role.REPLICATE and a.size > 1)
@@ -99,7 +100,7 @@ class Layout:
         """Whether this rank is the first along every replicate axis (the one that writes what replicas share)."""
         return all(g.rank() == 0 for g in self.replica_groups)
 
-    def with_frozen(self, frozen: Mapping[str, torch.Tensor]) -> Layout:
+    def with_frozen(self, frozen: Mapping[str, tuple[torch.Tensor, ...]]) -> Layout:
         """The same plan and axes with other frozen shards (moved, loaded)."""
         return Layout(self.plan, self.axes, frozen)
 
@@ -315,7 +316,7 @@ def check_params(params: Mapping[str, torch.Tensor], plan: Plan) -> None:
 
 def local_slice(unit: Unit, params: Mapping[str, torch.Tensor], world: int, rank: int) -> torch.Tensor:
     """This rank's shard of ``unit``'s (trainable) flat buffer, copied from full ``params``
-    without building the flat buffer. ``unit.frozen_part`` gives the frozen one."""
+    without building the flat buffer. A part of ``unit.frozen_parts`` gives a frozen one."""
     n = unit.shard_numel(world)
     lo, hi = rank * n, (rank + 1) * n
     out = torch.zeros(n, dtype=unit.dtype, device=_device_of(unit, params))
@@ -324,6 +325,11 @@ def local_slice(unit: Unit, params: Mapping[str, torch.Tensor], world: int, rank
         if a < b:
             out[a - lo : b - lo] = params[spec.name].detach().reshape(-1)[a - at : b - at]
     return out
+
+
+def frozen_slices(unit: Unit, params: Mapping[str, torch.Tensor], world: int, rank: int) -> tuple[torch.Tensor, ...]:
+    """This rank's shard of each of ``unit``'s frozen parts (``local_slice`` of each), each in its own dtype."""
+    return tuple(local_slice(part, params, world, rank) for part in unit.frozen_parts)
 
 
 def _device_of(unit: Unit, params: Mapping[str, torch.Tensor]) -> torch.device:
@@ -357,10 +363,10 @@ def check_shard(sharded: Sharded, unit: Unit) -> torch.Tensor:
 
 
 def shards_of(sharded: Sharded, unit: Unit) -> list[tuple[Unit, torch.Tensor]]:
-    """The unit's flat parts with this rank's shard of each: trainable, then frozen if any."""
+    """The unit's flat parts with this rank's shard of each: trainable, then the frozen ones (one per dtype)."""
     parts = [(unit, check_shard(sharded, unit))]
     if unit.frozen:
-        parts.append((unit.frozen_part, sharded.layout.frozen[unit.name]))
+        parts.extend(zip(unit.frozen_parts, sharded.layout.frozen[unit.name], strict=True))
     return parts
 
 
@@ -431,7 +437,7 @@ def shard(params: Mapping[str, torch.Tensor], plan: Plan, group: Group = None, *
                 {f"unit {unit_label(u.name)}": _checksum(u, params) for u in plan.units},
                 hint="initialise the model with the same seed on every rank",
             )
-    frozen = {u.name: local_slice(u.frozen_part, params, world, rank) for u in plan.units if u.frozen}
+    frozen = {u.name: frozen_slices(u, params, world, rank) for u in plan.units if u.frozen}
     layout = Layout(plan, axes, frozen)
     return Sharded({u.name: local_slice(u, params, world, rank) for u in plan.units}, layout)
 

@@ -231,7 +231,7 @@ class TrainStep:
                 for b in copies.values():
                     broadcast_(b, g)
         if self.schedule.cpu_offload is not None:
-            cpu = {k: v.to("cpu") for k, v in layout.frozen.items()}
+            cpu = {k: tuple(t.to("cpu") for t in v) for k, v in layout.frozen.items()}
             params = Sharded(
                 {k: v.to("cpu") for k, v in params.shards.items()},
                 layout.with_frozen(cpu),
@@ -267,7 +267,7 @@ class TrainStep:
         remat = "off" if self.remat is None else f"{self.remat.policy.name}, every {self.remat.every}"
         return (
             f"fsdp_fn: {len(plan.units)} units ({len(blocks)} trainable non-root), "
-            f"{sum(u.numel + u.frozen_part.numel for u in plan.units):,} parameters, the largest gathered "
+            f"{plan.numel:,} parameters, the largest gathered "
             f"{largest / 2**20:.1f} MiB; world {layout.world}"
             + (f" x {layout.replicas} replicas" if layout.replicas > 1 else "")
             + f"; schedule: {changed or 'defaults'}; remat: {remat}; "

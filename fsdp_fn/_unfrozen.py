@@ -67,12 +67,14 @@ def train_unfrozen(
     with torch.no_grad():
         for name in changed:
             u, v = old.unit(name), new.unit(name)
-            full = unit_views(u.frozen_part, _gathered(frozen.pop(name), layout))
+            full: dict[str, torch.Tensor] = {}
+            for frozen_part, frozen_shard in zip(u.frozen_parts, frozen.pop(name), strict=True):
+                full |= unit_views(frozen_part, _gathered(frozen_shard, layout))
             if u.params:
                 full |= unit_views(u, _gathered(params[name], layout))
             shards[name] = local_slice(v, full, layout.world, layout.rank)
             if v.frozen:
-                frozen[name] = local_slice(v.frozen_part, full, layout.world, layout.rank)
+                frozen[name] = tuple(local_slice(f, full, layout.world, layout.rank) for f in v.frozen_parts)
         moved = Sharded(shards, Layout(new, layout.axes, frozen))
         # The new parameters' state as init makes it, for the changed units alone (not a second whole state).
         part = Layout(

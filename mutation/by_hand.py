@@ -280,8 +280,8 @@ MUTANTS = [
     (
         "gather_for_without_frozen",
         "fsdp_fn/_gather.py",
-        "        if u.frozen:\n            frozen = params.layout.frozen",
-        "        if False:\n            frozen = params.layout.frozen",
+        "        if u.frozen:\n            with torch.no_grad():",
+        "        if False:\n            with torch.no_grad():",
         "tests/test_collectives.py::test_gather_for_gathers_a_units_frozen_parameters_too",
     ),
     (
@@ -955,6 +955,35 @@ MUTANTS = [
         "        for _ in u.hooks or (u.name,):",
         "        for _ in u.modules:",
         "tests/test_features.py::test_units_of_several_consecutive_blocks_train_like_one_process",
+        "integer_part_cast_by_mixed_precision",
+        "fsdp_fn/_policy.py",
+        "        return self.param_dtype if self.param_dtype is not None and dtype.is_floating_point else dtype",
+        "        return self.param_dtype or dtype",
+        "tests/test_features.py::test_mixed_precision_never_casts_an_integer_parameter[2]",
+    ),
+    (
+        "frozen_parts_not_split_by_dtype",
+        "fsdp_fn/_plan.py",
+        "            by_dtype.setdefault(p.dtype, []).append(p)",
+        "            by_dtype.setdefault(self.frozen[0].dtype, []).append(p)",
+        (
+            "tests/test_features.py::test_integer_parameters_ride_along_and_train_like_torch[2] "
+            "tests/test_checkpoint.py::test_integer_parameters_round_trip_through_checkpoints_and_exports_at_another_world_size"
+        ),
+    ),
+    (
+        "integer_unit_shard_in_its_integer_dtype",
+        "fsdp_fn/_plan.py",
+        "        return next((p.dtype for p in self.frozen if p.dtype.is_floating_point), torch.float32)",
+        "        return self.frozen[0].dtype",
+        "tests/test_features.py::test_a_unit_of_an_integer_parameter_alone_trains_like_torch[2]",
+    ),
+    (
+        "estimate_leaves_out_frozen_shards",
+        "fsdp_fn/_memory.py",
+        "        params=params + frozen,",
+        "        params=params,",
+        "tests/test_memory.py::test_estimate_counts_integer_parameters_in_their_own_dtype",
     ),
 ]
 

@@ -31,6 +31,50 @@ class MLP(nn.Module):
         return self.net(x) * scale
 
 
+class Permute(nn.Module):
+    """``x[..., perm]``: a module whose one parameter is a frozen int64 permutation of 5."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.perm = nn.Parameter(torch.tensor([3, 0, 4, 1, 2]), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., self.perm]
+
+
+class Permuted(nn.Module):
+    """A linear layer whose outputs are permuted by a frozen int64 parameter (``x[..., perm]``) and
+    scaled by a frozen float one: a unit with a trainable part and two frozen parts."""
+
+    def __init__(self, d: int = 5) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.perm = nn.Parameter(torch.randperm(d), requires_grad=False)  # 5 elements: no W of 2 or 3 divides it
+        self.scale = nn.Parameter(torch.rand(d) + 0.5, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)[..., self.perm] * self.scale
+
+
+class IntegerParams(nn.Module):
+    """Two ``Permuted`` blocks, a head, and at the root a frozen int32 parameter read by
+    ``torch.index_select`` and a frozen bool one read by ``torch.where`` (the root's frozen
+    parts: int32 and bool)."""
+
+    def __init__(self, d: int = 5, out: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Permuted(d) for _ in range(2)])
+        self.head = nn.Linear(d, out)
+        self.pick = nn.Parameter(torch.tensor([2, 0, 1], dtype=torch.int32), requires_grad=False)
+        self.keep = nn.Parameter(torch.tensor([True, False, True]), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        y = torch.index_select(self.head(x), -1, self.pick)
+        return torch.where(self.keep, y, 0.5 * y)
+
+
 def mse_loss(model: Callable[..., Any], batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     return F.mse_loss(model(x), y)
@@ -41,6 +85,8 @@ def make(kind: str, seed: int = 0, **kw: Any) -> tuple[nn.Module, ff.Policy, Cal
     torch.manual_seed(seed)
     if kind == "mlp":
         return MLP(**kw), ff.layer_policy([nn.Linear]), mse_loss
+    if kind == "int":
+        return IntegerParams(**kw), ff.layer_policy([Permuted]), mse_loss
     if kind == "gpt":
         cfg = GPTConfig(**{"vocab": 37, "seq": 9, "d_model": 12, "n_layers": 3, "n_heads": 2, **kw})
         return GPT(cfg), ff.layer_policy([Block]), lm_loss
@@ -72,8 +118,9 @@ def gpt_state(group, cfg: GPTConfig, *, split_root: bool = False, **schedule: An
 
 
 def batch_for(kind: str, model: nn.Module, step: int, size: int = 12) -> Any:
-    g = torch.Generator().manual_seed(1000 + step)
-    if kind == "mlp":
+    # (the integer model sees one batch every step: it fits it, so its loss drops within a few steps)
+    g = torch.Generator().manual_seed(1000 + (step if kind != "int" else 0))
+    if kind in ("mlp", "int"):
         widths = [m.in_features for m in model.modules() if isinstance(m, nn.Linear)]
         outs = [m.out_features for m in model.modules() if isinstance(m, nn.Linear)]
         return torch.randn(size, widths[0], generator=g), torch.randn(size, outs[-1], generator=g)
@@ -114,7 +161,10 @@ def reference_run(
             loss = loss_fn(model, b)
             loss.backward()
         else:
-            low = {k: v.detach().to(param_dtype).requires_grad_(v.requires_grad) for k, v in model.named_parameters()}
+            low = {  # (an integer or bool parameter is never cast, as fsdp_fn's mixed precision leaves it)
+                k: (v.detach().to(param_dtype) if v.is_floating_point() else v.detach()).requires_grad_(v.requires_grad)
+                for k, v in model.named_parameters()
+            }
 
             def run(*args, low=low, **kwargs):
                 args = [a.to(param_dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args]

@@ -6,6 +6,7 @@ import copy
 import hashlib
 import io
 import json
+import math
 import os
 import pickle
 import re
@@ -28,7 +29,7 @@ from examples.gpt import GPT, Block, GPTConfig, lm_loss
 from fsdp_fn.checkpoint import _opt_state
 from fsdp_fn.checkpoint._dcp import boxes
 from fsdp_fn.testing import RankError, RankPool
-from tests.helpers import batch_for, local_part, reference_run, tiny_llama
+from tests.helpers import batch_for, local_part, make, reference_run, tiny_llama
 
 CFG = GPTConfig(vocab=37, seq=9, d_model=12, n_layers=3, n_heads=2)
 LR = 1e-2
@@ -175,6 +176,69 @@ def test_save_at_two_loads_resharded_bitwise_and_trains_on(pool, tmp_path, world
     )
     losses = [loss for loss, _ in got[0][2]]
     assert losses == pytest.approx(ref["losses"][2:], rel=1e-5)
+
+
+def _integer_state(group, seed):
+    model, policy, loss_fn = make("int", seed)
+    fn = ff.functionalize(model)
+    step = ff.train_step(fn, loss_fn, ff.adamw(lr=LR))
+    return model, step, step.init(ff.shard(fn.params, ff.make_plan(model, policy), group))
+
+
+def _exactly(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    same = (got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in want.items())
+    return got.keys() == want.keys() and all(same)
+
+
+def _integer_checkpoint(group, directory, phase):
+    """After two AdamW steps of a model with integer parameters: save, export_safetensors and
+    export_state_dict; at another world size (from a model of other values) load, import_safetensors
+    and import_state_dict, each compared with what was saved, the integer parameters' dtype too."""
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    if phase == "save":
+        model, step, state = _integer_state(group, seed=0)
+        for k in range(2):
+            state, _ = step(state, local_part(batch_for("int", model, k), group.rank(), group.size()))
+        ckpt.save(d / "c", state, extra={"next": 2})
+        files = ckpt.export_safetensors(d / "hf", state.params)
+        sd = ckpt.export_state_dict(state.params)
+        full = _full(state)
+        if group.rank() == 0:
+            torch.save({k.removeprefix("model."): v for k, v in full.items() if k.startswith("model.")}, d / "full.pt")
+        written = load_file(files[0]) if group.rank() == 0 else None
+        return full, sd, written
+    model, step, like = _integer_state(group, seed=1)  # other values, the integer ones too
+    state, extra = ckpt.load(d / "c", like)
+    full = _full(state)
+    saved = torch.load(d / "full.pt")
+    imported = ff.unshard(ckpt.import_safetensors(d / "hf", like.params))
+    from_sd = ff.unshard(ckpt.import_state_dict(saved, like.params))
+    state, metrics = step(state, local_part(batch_for("int", model, 2), group.rank(), group.size()))
+    return full, _exactly(imported, saved), _exactly(from_sd, saved), math.isfinite(metrics["loss"].item())
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_integer_parameters_round_trip_through_checkpoints_and_exports_at_another_world_size(pool, tmp_path, world):
+    # Catches: an integer parameter saved, exported or loaded in a floating dtype (or not at all),
+    # resharded wrong where 5 elements divide by neither 2 nor 3, or given optimizer state.
+    saved, sd, written = pool.run(_integer_checkpoint, str(tmp_path), "save", world=2)[0]
+    model, _, _ = make("int")
+    integers = {k: v for k, v in model.named_parameters() if not v.is_floating_point()}
+    params = {k.removeprefix("model."): v for k, v in saved.items() if k.startswith("model.")}
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(params) == sorted(names)
+    assert _exactly({k: params[k] for k in integers}, integers)  # frozen: never moved
+    md = dcp_metadata(str(tmp_path / "c")).state_dict_metadata
+    assert {k: md[f"model.{k}"].properties.dtype for k in integers} == {k: v.dtype for k, v in integers.items()}
+    assert not [k for k in md if any(k.startswith(f"optim.state.{n}.") for n in integers)]  # no optimizer state
+    assert _exactly(sd, params) and list(sd) == names  # the module's own order
+    assert _exactly(written, params)  # safetensors holds I32, BOOL and I64 as they are
+    loaded = pool.run(_integer_checkpoint, str(tmp_path), "load", world=world)
+    for full, from_safetensors, from_state_dict, trains in loaded:
+        assert _exactly(full, saved)
+        assert from_safetensors and from_state_dict and trains
 
 
 # --- torch FSDP2 interop ------------------------------------------------------------------

@@ -20,6 +20,7 @@ import torch
 import fsdp_fn as ff
 from fsdp_fn.testing import RankPool, assert_matches_unsharded
 from tests.helpers import (
+    Permute,
     batch_for,
     local_part,
     make,
@@ -119,13 +120,17 @@ def _train_with(
     out.update(
         loss=max(rel(a, b) for a, b in zip(losses, ref["losses"])),
         grad_norm=max(rel(a, b) for a, b in zip(norms, ref["norms"])),
-        param=max((full[k] - v).abs().max().item() for k, v in ref["params"].items()),
+        param=max(_diff(full[k], v) for k, v in ref["params"].items()),
         # |Δ - Δref| relative to max |Δref|: Δ - Δref is just the parameters' difference
-        update=max((v - initial[k]).abs().max().item() for k, v in ref["params"].items()),
+        update=max(_diff(v, initial[k]) for k, v in ref["params"].items()),
         ref_norms=ref["norms"],
         loss_drop=ref["losses"][0] - ref["losses"][-1],
-        frozen_moved=max(
-            ((full[k] - v).abs().max().item() for k, v in model.named_parameters() if not v.requires_grad), default=0.0
+        frozen_moved=max((_diff(full[k], v) for k, v in model.named_parameters() if not v.requires_grad), default=0.0),
+        # an integer or bool parameter comes back in its dtype, bit for bit
+        integers_exact=all(
+            full[k].dtype == v.dtype and torch.equal(full[k], v)
+            for k, v in model.named_parameters()
+            if not v.is_floating_point()
         ),
     )
     if lazy_ref:  # the same reference with lr=0: never updates, so the bf16 criterion must reject it
@@ -133,6 +138,11 @@ def _train_with(
         out["lazy_param"] = max((full[k] - v).abs().max().item() for k, v in lazy["params"].items())
         out["lazy_update"] = max((v - initial[k]).abs().max().item() for k, v in lazy["params"].items())
     return out
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| (an integer or bool parameter's too)."""
+    return (a.double() - b.double()).abs().max().item()
 
 
 # bf16 parity runs with SGD: its update is proportional to the gradient, so bf16 rounding
@@ -390,6 +400,153 @@ def test_refills_pass_over_a_kept_frozen_unit(pool):
     out = pool.run(_train_with, freeze=("blocks.2.",), plan_kw={"split_root": True}, count_on_demand=True, world=2)[0]
     exact(out)
     assert out["on_demand"] == [], out["on_demand"]
+
+
+# An integer or bool parameter (frozen: torch lets none other require grad) rides along in a
+# frozen part of its own dtype, as FSDP2 lets it: gathered, never cast, never reduced.
+
+
+def _int_check(out, world, dtypes, slots=2):
+    """The integer parameters came back exactly, got no optimizer state, and the last step's
+    collectives gathered the integer parts in ``dtypes`` and never reduced them."""
+    assert out["integers_exact"] and out["frozen_moved"] == 0.0, out
+    assert out["state_bytes"] == slots * out["shard_bytes"]  # the optimizer's moments of the trainable shards alone
+    records = out["logs"][-1]
+    if world == 1:
+        assert records == []
+        return
+    gathers = Counter((c.unit, c.dtype) for c in records if c.op == "all_gather" and c.dtype in dtypes)
+    # the root's int32 and bool parts once (it stays gathered), each block's int64 part with its unit
+    assert gathers.keys() == {("", dtypes[0]), ("", dtypes[1]), ("blocks.0", dtypes[2]), ("blocks.1", dtypes[2])}
+    assert gathers["", dtypes[0]] == gathers["", dtypes[1]] == 1, gathers
+    assert not [c for c in records if c.op == "reduce_scatter" and c.dtype in dtypes]
+    assert all(c.numel == 6 for c in records if c.dtype == torch.int64)  # 5 elements, padded to W * ceil(5 / W)
+
+
+INT_DTYPES = (torch.int32, torch.bool, torch.int64)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_integer_parameters_ride_along_and_train_like_torch(pool, world):
+    # Catches: an integer parameter refused, cast, reduced, stepped or given optimizer state, or
+    # sharded wrong where 5 elements divide by no W (its values, or the floats beside it, move).
+    out = pool.run(_train_with, kind="int", log_comm=True, world=world)[0]
+    exact(out)
+    _int_check(out, world, INT_DTYPES)
+    predicted = ff.predict_collectives(out["plan"], world, first_step=False)
+    assert Counter((c.op, c.unit, c.numel, c.dtype) for c in out["logs"][-1]) == Counter(
+        (c.op, c.unit, c.numel, c.dtype) for c in predicted
+    )
+
+
+@pytest.mark.parametrize(
+    "schedule", [{"update_in_backward": True}, {"cpu_offload": ff.CPUOffload(device="cpu")}], ids=["uib", "offload"]
+)
+def test_integer_parameters_with_update_in_backward_or_offload(pool, schedule):
+    out = pool.run(_train_with, kind="int", step_kw=dict(schedule), log_comm=True, world=2)[0]
+    exact(out)
+    _int_check(out, 2, INT_DTYPES)
+    predicted = ff.predict_collectives(out["plan"], 2, ff.Schedule(**schedule), first_step=False)
+    assert Counter((c.op, c.unit, c.numel, c.dtype) for c in out["logs"][-1]) == Counter(
+        (c.op, c.unit, c.numel, c.dtype) for c in predicted
+    )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mixed_precision_never_casts_an_integer_parameter(pool, world):
+    # Catches: an integer part gathered in param_dtype (the forward's indexing would refuse a bf16
+    # index; casting back would round the values) or its bytes predicted in it.
+    out = pool.run(
+        _train_with,
+        kind="int",
+        step_kw={"mixed_precision": BF16_MP},
+        ref_kw={"param_dtype": torch.bfloat16},
+        log_comm=True,
+        **BF16,
+        world=world,
+    )[0]
+    exact(out, **{**BF16_TOLERANCE, "loss": 1e-3})  # (W=2: 1.6e-4 relative, 5e-4 grad norm, 0.002 of the update)
+    _int_check(out, world, INT_DTYPES, slots=1)  # (SGD's momentum)
+    floating = {c.dtype for c in out["logs"][-1] if c.op == "all_gather" and c.unit is not None} - set(INT_DTYPES)
+    assert floating == {torch.bfloat16}
+    predicted = ff.predict_collectives(out["plan"], world, ff.Schedule(mixed_precision=BF16_MP), first_step=False)
+    assert Counter((c.op, c.unit, c.numel, c.dtype) for c in out["logs"][-1]) == Counter(
+        (c.op, c.unit, c.numel, c.dtype) for c in predicted
+    )
+
+
+def _integer_calls(group):
+    """unshard, apply_sharded, value_and_grad and a bf16 train step's forward over a model with
+    integer parameters, against the module on one process."""
+    world, rank = group.size(), group.rank()
+    model, policy, loss_fn = make("int")
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, policy), group)
+    full = ff.unshard(params)
+    x, y = batch_for("int", model, 0)
+    out = {
+        "unshard": all(full[k].dtype == v.dtype and torch.equal(full[k], v) for k, v in model.named_parameters()),
+        "apply": _diff(ff.apply_sharded(fn, params, fn.buffers, x), model(x)),
+        "gather_for": all(
+            torch.equal(t, full[k]) and t.dtype == full[k].dtype for k, t in ff.gather_for("blocks.0")(params).items()
+        ),
+    }
+    _, grads = ff.value_and_grad(fn, loss_fn)(params, fn.buffers, local_part((x, y), rank, world))
+    loss_fn(model, (x, y)).backward()
+    got = ff.unshard(grads, frozen=False)
+    out["grad_keys"] = sorted(got) == sorted(k for k, v in model.named_parameters() if v.requires_grad)
+    out["grad"] = max(_diff(got[k], v.grad) for k, v in model.named_parameters() if v.requires_grad)
+    # What a bf16 step's forward sees: its hooks on the user's modules see the gathered parameters.
+    seen: list[tuple[torch.dtype, ...]] = []
+    handles = [
+        model.register_forward_pre_hook(lambda m, _: seen.append((m.pick.dtype, m.keep.dtype))),
+        model.blocks[1].register_forward_pre_hook(lambda m, _: seen.append((m.perm.dtype, m.scale.dtype))),
+    ]
+    step = ff.train_step(fn, loss_fn, ff.adamw(lr=1e-2), schedule=ff.Schedule(mixed_precision=BF16_MP))
+    state, _ = step(step.init(params), local_part((x, y), rank, world))
+    for h in handles:
+        h.remove()
+    out["seen"] = seen
+    after = ff.unshard(state.params)
+    out["after"] = all(torch.equal(after[k], v) for k, v in full.items() if not v.is_floating_point())
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_integer_parameters_through_unshard_apply_sharded_and_value_and_grad(pool, world):
+    # Catches: an integer parameter's value or dtype lost on the way through a gather, a gradient
+    # (or a gradient key) for it, and mixed precision handing the forward a cast index.
+    for out in pool.run(_integer_calls, world=world):
+        assert out["unshard"] and out["gather_for"] and out["grad_keys"] and out["after"], out
+        assert out["apply"] < 1e-6 and out["grad"] < 1e-6, out
+        assert out["seen"] == [(torch.int32, torch.bool), (torch.int64, torch.bfloat16)], out["seen"]
+
+
+def _integer_unit_alone(group):
+    """Three AdamW steps, clipped, of a model with a unit holding one integer parameter alone (an
+    empty float32 trainable shard), and the parameters against torch on one process."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 5), Permute(), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([torch.nn.Linear, Permute]))
+    optimizer = ff.chain(ff.clip_by_global_norm(0.1), ff.adamw(lr=1e-2))
+    step = ff.train_step(fn, mse_loss, optimizer)
+    state = step.init(ff.shard(fn.params, plan, group))
+    batches = [batch_for("int", model, k) for k in range(3)]
+    for b in batches:
+        state, _ = step(state, local_part(b, group.rank(), group.size()))
+    full = ff.unshard(state.params)
+    ref = reference_run(model, mse_loss, batches, partial(torch.optim.AdamW, lr=1e-2), clip=0.1)["params"]
+    return plan.unit("1").params, max(_diff(full[k], v) for k, v in ref.items()), full["1.perm"].dtype
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_unit_of_an_integer_parameter_alone_trains_like_torch(pool, world):
+    # Catches: its empty trainable shard made in its integer dtype (requires_grad_ on it, the
+    # moments and the global norm over it all refuse an integer tensor).
+    for trainable, diff, dtype in pool.run(_integer_unit_alone, world=world):
+        assert trainable == () and dtype == torch.int64
+        assert diff < 1e-6
 
 
 class _Layer(torch.nn.Module):

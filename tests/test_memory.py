@@ -10,7 +10,7 @@ from torch import nn
 
 import fsdp_fn as ff
 from examples.gpt import GPT, Block, GPTConfig
-from tests.helpers import gpt_state, local_part, refills_on_demand
+from tests.helpers import batch_for, gpt_state, local_part, make, refills_on_demand
 
 CFG = GPTConfig(vocab=64, seq=16, d_model=32, n_layers=6, n_heads=2)
 
@@ -231,6 +231,38 @@ def test_estimate_from_the_plan_alone():
     lean = ff.estimate_memory(plan, 4, update_in_backward=True, optimizer_slots=1)
     assert lean.grads == max(u.shard_numel(4) for u in plan.units) * 4
     assert lean.optimizer == est.params + 4 * sum(len(u.params) for u in plan.units)
+
+
+def _integer_estimate(group):
+    """A bf16 step of a model with integer parameters, measured, beside its estimate."""
+    world, rank = group.size(), group.rank()
+    model, policy, loss_fn = make("int")
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, policy)
+    schedule = ff.Schedule(mixed_precision=ff.MixedPrecision(param_dtype=torch.bfloat16))
+    step = ff.train_step(fn, loss_fn, ff.adamw(), schedule=schedule)
+    state = step.init(ff.shard(fn.params, plan, group))
+    batch = local_part(batch_for("int", model, 0), rank, world)
+    state, _ = step(state, batch)
+    with ff.MemoryMeter() as meter:
+        meter.tag(state, "state")
+        state, _ = step(state, batch)
+    held = [*state.params.values(), *(t for part in state.params.layout.frozen.values() for t in part)]
+    return plan, ff.estimate_memory(plan, world, schedule=schedule), meter.category_peaks(), held
+
+
+def test_estimate_counts_integer_parameters_in_their_own_dtype(pool):
+    # Catches: frozen (integer) shards left out of the parameters' bytes, an integer part counted
+    # in the bf16 gather dtype or as a gradient, optimizer state for it.
+    plan, est, peaks, held = pool.run(_integer_estimate, world=3)[0]
+    assert est.params == sum(t.numel() * t.element_size() for t in held)  # every shard this rank holds
+    trainable = sum(u.shard_numel(3) * 4 for u in plan.units)
+    assert est.optimizer == 2 * trainable + 4 * sum(len(u.params) for u in plan.units)
+    assert est.full_grad == max(u.padded_numel(3) for u in plan.units) * 4  # no frozen part has a gradient
+    block = plan.unit("blocks.0")
+    assert block.gather_bytes(3, torch.bfloat16) == 30 * 2 + 6 * 8 + 6 * 2  # int64 in 8 bytes, floats in 2
+    assert est.gathered == plan.unit("").gather_bytes(3, torch.bfloat16) + 2 * block.gather_bytes(3, torch.bfloat16)
+    assert 0 < peaks["gathered"] <= est.gathered
 
 
 class _Probe(nn.Linear):

@@ -14,7 +14,7 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
 import fsdp_fn as ff
 from examples.gpt import GPT, Block, GPTConfig
-from tests.helpers import MLP
+from tests.helpers import MLP, IntegerParams, Permute, Permuted
 
 
 def gpt(**kw):
@@ -160,10 +160,38 @@ def test_policy_not_returning_bool():
         ff.make_plan(MLP(), lambda m, r, n: 1)
 
 
-def test_integer_parameter_named():
+def test_integer_and_bool_parameters_ride_in_frozen_parts_of_their_own_dtype():
+    # FSDP2 takes a frozen integer parameter; before, make_plan refused it ("only floating-point
+    # parameters can be sharded"). Catches: a part that mixes dtypes, an integer dtype that does
+    # not survive JSON, bytes counted in the gather dtype, a trainable shard of an integer dtype.
+    model = IntegerParams()
+    plan = ff.make_plan(model, ff.layer_policy([Permuted]))
+    root, block = plan.unit(""), plan.unit("blocks.0")
+    assert [p.name for p in root.params] == ["head.weight", "head.bias"] and root.dtype == torch.float32
+    assert [[p.name for p in part.params] for part in root.frozen_parts] == [["pick"], ["keep"]]
+    assert [part.dtype for part in root.frozen_parts] == [torch.int32, torch.bool]
+    assert [part.dtype for part in block.frozen_parts] == [torch.int64, torch.float32]
+    assert [part.params[0].name for part in block.frozen_parts] == ["blocks.0.perm", "blocks.0.scale"]
+    back = ff.Plan.from_json(plan.to_json())
+    assert back == plan and back.fingerprint() == plan.fingerprint()
+    assert [p.dtype for p in back.unit("").frozen] == [torch.int32, torch.bool]
+    assert "(2 frozen, int64)" in str(plan) and "(2 frozen, int32, bool)" in str(plan)
+    # at W=2 with a bf16 gather: the trainable and float parts in bf16, the int64 one in its own 8 bytes
+    assert block.gather_bytes(2, torch.bfloat16) == 30 * 2 + 6 * 8 + 6 * 2
+    assert root.gather_bytes(2, torch.bfloat16) == 18 * 2 + 4 * 4 + 4 * 1
+    # A unit of an integer parameter alone: an empty float32 trainable shard, its value in its frozen part.
+    alone = ff.make_plan(model, ff.layer_policy([Permuted]), split_root=True)
+    assert [p.name for p in alone.unit("").frozen] == ["pick", "keep"]  # the root's own
+    unit = ff.make_plan(nn.Sequential(nn.Linear(5, 5), Permute()), split_root=True).unit("1")
+    assert unit.params == () and unit.dtype == torch.float32 and unit.frozen_parts[0].dtype == torch.int64
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_complex_parameter_named(requires_grad):
     m = MLP()
-    m.register_parameter("count", nn.Parameter(torch.zeros(3, dtype=torch.long), requires_grad=False))
-    with pytest.raises(TypeError, match="parameter 'count' has dtype torch.int64"):
+    m.register_parameter("phase", nn.Parameter(torch.ones(3, dtype=torch.complex64), requires_grad=requires_grad))
+    grad = " and requires grad" if requires_grad else ""
+    with pytest.raises(TypeError, match=f"parameter 'phase' has dtype torch.complex64{grad}; only floating-point"):
         ff.make_plan(m)
 
 

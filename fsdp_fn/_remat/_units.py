@@ -111,7 +111,7 @@ class Remat:
                     "was the plan made for another model?"
                 ) from e
             if not isinstance(self.units, bool):
-                answer = self.units(sub, False, unit.numel + unit.frozen_part.numel)
+                answer = self.units(sub, False, unit.numel + sum(p.numel for p in unit.frozen))
                 if not isinstance(answer, bool):
                     raise TypeError(
                         f"Remat unit policy {getattr(self.units, '__qualname__', self.units)!r} returned "

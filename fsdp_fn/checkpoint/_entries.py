@@ -22,7 +22,7 @@ from fsdp_fn.checkpoint._opt_state import _opt_fields, _rebuild
 def _parts(unit: Unit, layout: Layout, shards: Sharded) -> list[tuple[Unit, torch.Tensor]]:
     out = [(unit, shards[unit.name])]
     if unit.frozen:
-        out.append((unit.frozen_part, layout.frozen[unit.name]))
+        out.extend(zip(unit.frozen_parts, layout.frozen[unit.name], strict=True))
     return out
 
 
@@ -92,8 +92,8 @@ class _Target(NamedTuple):
 def _target(like: TrainState) -> _Target:
     """Tensors to load into (``like``'s, or new ones where it is on the meta device) and their entries."""
     layout = like.params.layout
-    frozen = {k: _ready(v) for k, v in layout.frozen.items()}
-    if any(frozen[k] is not v for k, v in layout.frozen.items()):
+    frozen = {k: tuple(_ready(t) for t in v) for k, v in layout.frozen.items()}
+    if any(a is not b for k, v in layout.frozen.items() for a, b in zip(frozen[k], v, strict=True)):
         layout = layout.with_frozen(frozen)
 
     def ready(tree: Sharded) -> Sharded:

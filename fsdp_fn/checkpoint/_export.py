@@ -45,11 +45,12 @@ _DTYPES = {
 
 
 def _parts(params: Sharded) -> Iterator[tuple[Unit, Unit, torch.Tensor]]:
-    """(unit, part, this rank's shard of it): each unit's trainable part, then its frozen part."""
+    """(unit, part, this rank's shard of it): each unit's trainable part, then its frozen parts."""
     for unit in params.plan.units:
         yield unit, unit, params[unit.name]
         if unit.frozen:
-            yield unit, unit.frozen_part, params.layout.frozen[unit.name]
+            for part, shard in zip(unit.frozen_parts, params.layout.frozen[unit.name], strict=True):
+                yield unit, part, shard
 
 
 def _local(part: Unit, flat: torch.Tensor, layout: Layout) -> Iterator[tuple[ParamSpec, int, int, torch.Tensor]]:
@@ -243,7 +244,7 @@ def _fill(like: Sharded, names: set[str], read: Reader, source: str, strict: boo
     specs = [p for _, part, _ in _parts(like) for p in part.params]
     known = {n for p in specs for n in (p.name, *p.aliases)}
     missing = [p.name for p in specs if p.name not in names and not any(a in names for a in p.aliases)]
-    meta = any(t.is_meta for t in (*like.shards.values(), *layout.frozen.values()))
+    meta = any(t.is_meta for t in (*like.shards.values(), *(t for v in layout.frozen.values() for t in v)))
     if missing and (strict or meta):
         unit = like.plan.unit_of(missing[0]).name
         raise KeyError(
@@ -278,8 +279,8 @@ def _fill(like: Sharded, names: set[str], read: Reader, source: str, strict: boo
         return torch.zeros(t.shape, dtype=t.dtype) if t.is_meta else t.zero_()
 
     shards = {k: ready(v) for k, v in like.shards.items()}
-    frozen = {k: ready(v) for k, v in layout.frozen.items()}
-    if any(frozen[k] is not v for k, v in layout.frozen.items()):
+    frozen = {k: tuple(ready(t) for t in v) for k, v in layout.frozen.items()}
+    if any(a is not b for k, v in layout.frozen.items() for a, b in zip(frozen[k], v, strict=True)):
         layout = layout.with_frozen(frozen)
     out = Sharded(shards, layout)
     for _, part, flat in _parts(out):
