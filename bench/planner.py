@@ -1,0 +1,199 @@
+"""The planner against what it predicts and against every uniform grouping, measured.
+
+On the tiny GPT of ``bench/overhead.py`` (vocab 512, d 64, seq 32, 2 sequences per rank, 16
+blocks, AdamW), CPU, gloo, W ranks: the budget is FSDP2's measured peak with ``fully_shard``
+on every block (``MemoryMeter`` with ``bench/compare.py``'s FSDP2 rule), ``measure_costs``
+times the costs, ``plan_for_budget`` chooses. Then every uniform grouping (1..16 blocks a
+unit, without and with remat) is timed and metered, and DDP timed beside them, so the
+report says how close the prediction came (step and peak), whether the choice fits the
+budget, and how far the chosen plan is from the fastest measured one that fits.
+
+    python bench/planner.py                     # W=2, 16 blocks, CPU, gloo
+    python bench/planner.py --layers 8 --steps 10 --json out/planner.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import fsdp_fn as ff
+from bench.compare import fsdp2_rule
+from examples.gpt import GPT, Block, GPTConfig, lm_loss
+from fsdp_fn.testing import RankPool
+
+
+def _model(layers: int) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab=512, seq=32, d_model=64, n_layers=layers, n_heads=2))
+
+
+def _batch(rank: int, k: int) -> torch.Tensor:
+    return torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(1000 * k + rank))
+
+
+def _timed(run: Any, rank: int, steps: int) -> float:
+    run(_batch(rank, 0))
+    times = []
+    for k in range(steps):
+        start = time.perf_counter()
+        run(_batch(rank, k + 1))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _metered(run: Any, rank: int, rule: Any = None) -> int:
+    """The peak of the second step, the state it holds included (tagged: made before the meter)."""
+    run(_batch(rank, 0))
+    with ff.MemoryMeter(rule=rule) as meter:
+        run.tag(meter)
+        run(_batch(rank, 1))
+    return meter.peak()["total"]
+
+
+def _torch_system(kind: str, layers: int, group: Any) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(layers)
+    if kind == "fsdp2":
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        wrapped: torch.nn.Module = model
+    else:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, foreach=True)
+
+    def run(batch: torch.Tensor) -> None:
+        opt.zero_grad(set_to_none=True)
+        lm_loss(wrapped, batch).backward()
+        opt.step()
+
+    def tag(meter: ff.MemoryMeter) -> None:
+        meter.tag(list(wrapped.parameters()), "params")
+        state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        meter.tag(state, "optimizer")
+
+    run.tag = tag  # type: ignore[attr-defined]
+    return run
+
+
+def _fsdp_fn(plan: ff.Plan, remat: bool, layers: int, group: Any) -> Any:
+    fn = ff.functionalize(_model(layers))
+    step = ff.train_step(fn, lm_loss, ff.adamw(lr=1e-3), remat=remat or None)
+    holder = {"state": step.init(ff.shard(fn.params, plan, group))}
+
+    def run(batch: torch.Tensor) -> None:
+        holder["state"], _ = step(holder["state"], batch)
+
+    run.tag = lambda meter: meter.tag(holder["state"], "state")  # type: ignore[attr-defined]
+    return run
+
+
+def _slowest(value: float, group: Any) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def bench(group: Any, layers: int, steps: int, sizes: list[int]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    rank = group.rank()
+    budget = int(_slowest(_metered(_torch_system("fsdp2", layers, group), rank, fsdp2_rule), group))
+    fn = ff.functionalize(_model(layers))
+    base = ff.make_plan(fn.module, ff.layer_policy([Block]), split_root=False)
+    start = time.perf_counter()
+    costs = ff.measure_costs(fn, lm_loss, _batch(rank, 0), base, group)
+    measured_in = time.perf_counter() - start
+    start = time.perf_counter()
+    choice = ff.plan_for_budget(fn, lm_loss, _batch(rank, 0), base, costs, budget)
+    planned_in = time.perf_counter() - start
+    rows = []
+    for per_unit in sizes:
+        for remat in (False, True):
+            plan = base.grouped(per_unit)
+            step_s = _slowest(_timed(_fsdp_fn(plan, remat, layers, group), rank, steps), group)
+            peak = int(_slowest(_metered(_fsdp_fn(plan, remat, layers, group), rank), group))
+            predicted = next((c for c in choice.candidates if c.per_unit == per_unit and c.remat == remat), None)
+            rows.append(
+                {
+                    "per_unit": per_unit,
+                    "remat": remat,
+                    "units": len(plan.units),
+                    "step_ms": 1e3 * step_s,
+                    "peak": peak,
+                    "predicted_ms": 1e3 * predicted.step_s if predicted else None,
+                    "predicted_peak": predicted.peak_bytes if predicted else None,
+                }
+            )
+    ddp_ms = 1e3 * _slowest(_timed(_torch_system("ddp", layers, group), rank, steps), group)
+    return {
+        "budget": budget,
+        "choice": choice.to_dict(),
+        "explain": choice.explain(),
+        "rows": rows,
+        "ddp_ms": ddp_ms,
+        "measure_s": measured_in,
+        "plan_s": planned_in,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--json", type=pathlib.Path)
+    args = p.parse_args()
+    sizes = sorted({k for k in (1, 2, 3, 4, 6, 8, 12, 16) if k <= args.layers} | {args.layers})
+    with RankPool(args.world, threads=1, timeout=3600) as pool:
+        report = pool.run(bench, args.layers, args.steps, sizes)[0]
+    choice = ff.PlanChoice.from_dict(report["choice"])
+    c = choice.chosen
+    print(f"# planner, CPU, gloo, W={args.world}, tiny GPT ({args.layers} blocks), budget = FSDP2 per block's peak")
+    print(report["explain"])
+    print(f"measure_costs {report['measure_s']:.1f} s, plan_for_budget {report['plan_s']:.1f} s")
+    print(
+        f"{'blocks/unit':>11} {'remat':>5} {'units':>5} {'step ms':>8} {'predicted':>9} {'peak MiB':>9} {'predicted':>9}"
+    )
+    for r in report["rows"]:
+        pm = f"{r['predicted_ms']:.1f}" if r["predicted_ms"] is not None else "-"
+        pp = f"{r['predicted_peak'] / 2**20:.2f}" if r["predicted_peak"] is not None else "-"
+        print(
+            f"{r['per_unit']:>11} {'on' if r['remat'] else 'off':>5} {r['units']:>5} {r['step_ms']:>8.1f} {pm:>9} "
+            f"{r['peak'] / 2**20:>9.2f} {pp:>9}"
+        )
+    mine = next(r for r in report["rows"] if r["per_unit"] == c.per_unit and r["remat"] == c.remat)
+    fitting = [r for r in report["rows"] if r["peak"] <= report["budget"]]
+    best = min(fitting, key=lambda r: r["step_ms"]) if fitting else None
+    print(f"budget {report['budget'] / 2**20:.2f} MiB; DDP step {report['ddp_ms']:.1f} ms")
+    print(
+        f"chosen: {c.per_unit} blocks a unit, remat {'on' if c.remat else 'off'}: measured {mine['step_ms']:.1f} ms "
+        f"({mine['step_ms'] / report['ddp_ms']:.2f}x DDP), predicted {c.step_s * 1e3:.1f} ms "
+        f"({abs(c.step_s * 1e3 / mine['step_ms'] - 1) * 100:.0f}% off); peak {mine['peak'] / 2**20:.2f} MiB, "
+        f"predicted {c.peak_bytes / 2**20:.2f} MiB ({(c.peak_bytes / mine['peak'] - 1) * 100:+.0f}%), "
+        f"{'within' if mine['peak'] <= report['budget'] else 'OVER'} the budget"
+    )
+    if best is not None:
+        print(
+            f"fastest measured that fits: {best['per_unit']} blocks a unit, remat {'on' if best['remat'] else 'off'}, "
+            f"{best['step_ms']:.1f} ms: the choice is {(mine['step_ms'] / best['step_ms'] - 1) * 100:+.0f}% from it"
+        )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""The planner: costs measured once and agreed on every rank, the fastest plan under a budget."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import fsdp_fn as ff
+from examples.gpt import GPT, Block, GPTConfig, lm_loss
+
+
+def _setup(rank, layers=4):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, seq=16, d_model=16, n_layers=layers, n_heads=2))
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([Block]), split_root=False)
+    batch = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
+    return fn, plan, batch
+
+
+def _plan_everywhere(group):
+    fn, plan, batch = _setup(group.rank())
+    costs = ff.measure_costs(fn, lm_loss, batch, plan, group, steps=1)
+    fastest = ff.plan_for_budget(fn, lm_loss, batch, plan, costs)
+    peaks = sorted({c.peak_bytes for c in fastest.candidates})
+    budget = peaks[len(peaks) // 2]  # some candidates fit, some do not
+    tight = ff.plan_for_budget(fn, lm_loss, batch, plan, costs, budget)
+    try:
+        ff.plan_for_budget(fn, lm_loss, batch, plan, costs, peaks[0] - 1)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    # the chosen plan, metered: no more than it predicted
+    step = ff.train_step(fn, lm_loss, ff.adamw(), remat=tight.remat or None)
+    state, _ = step(step.init(ff.shard(fn.params, tight.plan, group)), batch)
+    with ff.MemoryMeter() as meter:
+        meter.tag(state, "state")  # (made before the meter: counted by tagging)
+        state, _ = step(state, batch)
+    return {
+        "costs": costs.to_dict(),
+        "fastest": fastest.to_dict(),
+        "tight": tight.to_dict(),
+        "explain": tight.explain(),
+        "budget": budget,
+        "peaks": peaks,
+        "refused": refused,
+        "metered": meter.peak()["total"],
+    }
+
+
+def test_the_plan_is_the_same_on_every_rank_and_the_fastest_that_fits(pool):
+    # Catches: costs that differ between ranks (each rank would plan its own units: a hang),
+    # a choice over the budget, a refusal that names no budget, a choice that is not data.
+    results = pool.run(_plan_everywhere, world=2)
+    first = results[0]
+    for other in results[1:]:
+        assert other["costs"] == first["costs"] and other["tight"] == first["tight"]
+    costs = ff.StepCosts.from_dict(first["costs"])
+    assert costs.world == 2 and costs.blocks == 4 and costs.units == (5, 2)
+    assert costs.step(costs.units[1]) == pytest.approx(costs.step_s[1])
+    assert costs.step(costs.units[0]) == pytest.approx(costs.step_s[0])  # the slope runs through both ends
+    fastest, tight = (ff.PlanChoice.from_dict(json.loads(json.dumps(first[k]))) for k in ("fastest", "tight"))
+    assert fastest.chosen == min(fastest.candidates, key=lambda c: c.step_s)
+    assert {(c.per_unit, c.remat) for c in fastest.candidates} == {(k, r) for k in (1, 2, 4) for r in (False, True)}
+    assert tight.chosen.peak_bytes <= first["budget"]
+    fitting = [c for c in tight.candidates if c.peak_bytes <= first["budget"]]
+    assert tight.chosen == min(fitting, key=lambda c: c.step_s)
+    assert any(not c.fits for c in tight.candidates)
+    assert tight.plan == ff.PlanChoice.from_dict(first["tight"]).plan
+    assert "<- chosen" in first["explain"] and "(over the budget)" in first["explain"]
+    assert first["refused"] is not None
+    assert f"the smallest predicted peak is {first['peaks'][0]} bytes" in first["refused"]
+    assert "its largest unit" in first["refused"]
+    assert abs(first["metered"] / tight.chosen.peak_bytes - 1) <= 0.05  # the prediction, metered
+
+
+def test_measuring_needs_blocks_to_merge():
+    fn, plan, batch = _setup(0, layers=1)
+    with pytest.raises(ValueError, match="needs a plan with two or more blocks to merge"):
+        ff.measure_costs(fn, lm_loss, batch, ff.make_plan(fn.module), None)
