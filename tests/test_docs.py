@@ -34,6 +34,7 @@ NO_EXAMPLES = {
     "fsdp_fn._policy": "plain option dataclasses; used by the examples in docs/features.md (test below)",
     "fsdp_fn._step": "train_step: runnable examples in docs/api.md and docs/features.md (test below)",
     "fsdp_fn._unfrozen": "train_unfrozen: runnable example in docs/api.md (test below)",
+    "fsdp_fn._planner": "measure_costs times real steps on several ranks (test_planner.py, bench/planner.py)",
     "fsdp_fn.testing": "its example spawns ranks, so it is +SKIP; RankPool runs every multi-rank test",
     "fsdp_fn.testing._pool": "RankPool spawns ranks; every multi-rank test runs it",
     "fsdp_fn.testing._parity": "assert_matches_unsharded: runnable example in docs/testing-your-model.md (test below)",
