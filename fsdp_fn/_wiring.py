@@ -11,7 +11,7 @@ this again.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,6 +61,7 @@ class Wiring:
         _check_plan_fits(params.plan, fn)
         module, plan = fn.module, params.plan
         self.keep = (plan, schedule, remat)  # (the cache's key holds their ids)
+        self.plan = plan
         self.sparse_grads = _sparse_grad_params(module, plan) if composable else frozenset()
         self.modules: dict[str, nn.Module] = {u.name: module.get_submodule(u.name) for u in plan.units if not u.hooks}
         # Each unit's modules, one entry per module object (a module shared under several
@@ -101,7 +102,9 @@ class Wiring:
         }
         self.remat_units = remat.selects(plan, module) if remat is not None else frozenset()
         for name in self.remat_units:
-            check_rematerialisable(fn, plan, plan.unit(name), "train_step(remat=...)")
+            compiled = id(self.modules[name]) in self.compiled
+            check_rematerialisable(fn, plan, plan.unit(name), "train_step(remat=...)", compiled)
+        self._within: dict[tuple[int, ...], tuple[Unit, ...]] = {}
         # Each non-root unit's gathered bytes; prefetching may hold max_inflight times the largest.
         self.unit_bytes = gathered_bytes(plan, params.group.size(), schedule)
         self.inflight_limit = inflight_limit(self.unit_bytes, schedule)
@@ -138,6 +141,18 @@ class Wiring:
             composable=composable,
             deferred=deferred,
         )
+
+    def units_within(self, modules: Sequence[nn.Module]) -> tuple[Unit, ...]:
+        """The non-root units gathered by a module inside ``modules`` (or one of them), in plan order:
+        the units a region over ``modules`` may call. Worked out once per set of modules."""
+        key = tuple(id(m) for m in modules)
+        found = self._within.get(key)
+        if found is None:
+            inside = {id(sub) for m in modules for sub in m.modules()}
+            found = self._within[key] = tuple(
+                u for u in self.plan.units if u.name != ROOT and any(id(t) in inside for t in self.targets[u.name])
+            )
+        return found
 
     @staticmethod
     def of(
@@ -176,21 +191,27 @@ class Wiring:
 _wirings: weakref.WeakKeyDictionary[Functional, dict[tuple[Any, ...], Wiring]] = weakref.WeakKeyDictionary()
 
 
-def check_rematerialisable(fn: Functional, plan: Plan, unit: Unit, asked_by: str) -> None:
-    """A rematerialised unit is recomputed in backward, after this call's hooks are gone:
-    every parameter it reads must be its own (another unit's would not be gathered then)."""
+def check_rematerialisable(fn: Functional, plan: Plan, unit: Unit, asked_by: str, compiled: bool = False) -> None:
+    """A rematerialised unit is recomputed in backward, after this call's hooks are gone: every
+    parameter it reads must be its own or one of a unit whose own module lies inside it, which
+    the recomputation gathers again (not under a compiled unit, whose recomputation is its
+    compiled code); another unit's would not be gathered then."""
     module = fn.module.get_submodule(unit.name)
     own = {spec.name for spec in unit.all_params} | {a for spec in unit.all_params for a in spec.aliases}
     prefix = f"{unit.name}."
     for name, _ in module.named_parameters(remove_duplicate=False):
         full = prefix + name
-        if full not in own:
-            other = plan.unit_of(full).name
-            raise ValueError(
-                f"{asked_by}: unit {unit_label(unit.name)} cannot be rematerialised: it reads parameter "
-                f"{full!r} of unit {unit_label(other)}, which is not gathered when the unit is recomputed in "
-                "backward; rematerialise the units inside it instead (or put that parameter in this unit)"
-            )
+        if full in own:
+            continue
+        other = plan.unit_of(full)
+        if not compiled and not other.hooks and other.name.startswith(prefix):
+            continue  # a unit inside it: gathered again by its own module in the recomputation
+        why = "it is compiled: its recomputation" if compiled else "that unit is gathered outside it: the recomputation"
+        raise ValueError(
+            f"{asked_by}: unit {unit_label(unit.name)} cannot be rematerialised: it reads parameter "
+            f"{full!r} of unit {unit_label(other.name)}, and {why} would not gather it; "
+            "rematerialise the units inside it instead (or put that parameter in this unit)"
+        )
 
 
 def _sparse_grad_params(module: nn.Module, plan: Plan) -> frozenset[str]:
