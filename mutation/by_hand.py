@@ -917,7 +917,8 @@ MUTANTS = [
     (
         "region_gathers_from_the_calls_shards",
         "fsdp_fn/_runtime.py",
-        "            shard = run.shards.get(unit.name)\n            if shard is not None:\n                return shard",
+        "            shard = run.shards.get(unit.name)\n"
+        "            if shard is not None:\n                return shard",
         "            pass",
         (
             "tests/test_remat_units.py::test_a_checkpointed_closure_that_calls_a_unit_trains_like_torch "
