@@ -193,9 +193,10 @@ _wirings: weakref.WeakKeyDictionary[Functional, dict[tuple[Any, ...], Wiring]] =
 
 def check_rematerialisable(fn: Functional, plan: Plan, unit: Unit, asked_by: str, compiled: bool = False) -> None:
     """A rematerialised unit is recomputed in backward, after this call's hooks are gone: every
-    parameter it reads must be its own or one of a unit whose own module lies inside it, which
-    the recomputation gathers again (not under a compiled unit, whose recomputation is its
-    compiled code); another unit's would not be gathered then."""
+    parameter it reads must be its own or one of a unit gathered by a module inside it (a unit
+    of its own, a module it shares with another block), which the recomputation gathers again
+    (not under a compiled unit, whose recomputation is its compiled code); another unit's would
+    not be gathered then."""
     module = fn.module.get_submodule(unit.name)
     own = {spec.name for spec in unit.all_params} | {a for spec in unit.all_params for a in spec.aliases}
     prefix = f"{unit.name}."
@@ -203,13 +204,18 @@ def check_rematerialisable(fn: Functional, plan: Plan, unit: Unit, asked_by: str
         full = prefix + name
         if full in own:
             continue
-        other = plan.unit_of(full)
-        if not compiled and not other.hooks and other.name.startswith(prefix):
-            continue  # a unit inside it: gathered again by its own module in the recomputation
-        why = "it is compiled: its recomputation" if compiled else "that unit is gathered outside it: the recomputation"
+        other, owner = plan.unit_of(full), full.rpartition(".")[0]
+        if not compiled and any(m.startswith(prefix) and f"{owner}.".startswith(f"{m}.") for m in other.modules):
+            continue  # gathered by a module inside it, whose hooks the recomputation installs again
+        why = (
+            "and it is compiled: its recomputation would not gather that unit"
+            if compiled
+            else "which no module inside it gathers (a parameter shared with another block), so its recomputation "
+            "in backward would not"
+        )
         raise ValueError(
             f"{asked_by}: unit {unit_label(unit.name)} cannot be rematerialised: it reads parameter "
-            f"{full!r} of unit {unit_label(other.name)}, and {why} would not gather it; "
+            f"{full!r} of unit {unit_label(other.name)}, {why}; "
             "rematerialise the units inside it instead (or put that parameter in this unit)"
         )
 

@@ -299,6 +299,46 @@ def test_a_block_with_units_inside_rematerialised_updates_in_backward(pool):
         assert worst["parameter"] < 1e-5, worst
 
 
+class SharingBlock(nn.Module):
+    """Calls a module it shares with the other block (a unit of its own, gathered by each block's
+    call of it), and reads a parameter of its own."""
+
+    def __init__(self, shared: nn.Module) -> None:
+        super().__init__()
+        self.own, self.shared = nn.Linear(6, 6), shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.shared(torch.tanh(self.own(x)))
+
+
+def _shared_module_trained(group, schedule):
+    from fsdp_fn.testing import assert_matches_unsharded
+
+    torch.manual_seed(0)
+    shared = nn.Linear(6, 6)
+    model = nn.Sequential(nn.Linear(5, 6), SharingBlock(shared), SharingBlock(shared), nn.Linear(6, 2))
+    return assert_matches_unsharded(
+        model,
+        _mse,
+        _batches(),
+        group=group,
+        policy=ff.layer_policy([SharingBlock]),
+        optimizer=ff.adamw(lr=1e-2),
+        remat=True,
+        schedule=ff.Schedule(update_in_backward=schedule == "update_in_backward"),
+    )
+
+
+@pytest.mark.parametrize("schedule", ["default", "update_in_backward"])
+def test_blocks_sharing_a_module_rematerialised_train_like_torch(pool, schedule):
+    """The shared module's parameters are a unit of their own, gathered by each block's call of it:
+    each block's recomputation gathers it again. Before, ``ValueError: train_step(remat=...): unit
+    '2' cannot be rematerialised: it reads parameter '2.shared.weight' of unit '1.shared.weight'``."""
+    for world in (1, 2):
+        for worst in pool.run(_shared_module_trained, schedule, world=world):
+            assert worst["parameter"] < 1e-5, (world, worst)
+
+
 class Holder(nn.Module):
     """Not a unit: its linear layer is one, its norm is the root's."""
 
@@ -439,6 +479,35 @@ def _nested_compiled(group):
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+class TiedBlock(nn.Module):
+    def __init__(self, w: nn.Parameter) -> None:
+        super().__init__()
+        self.own, self.w = nn.Linear(4, 4), w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.own(x)) @ self.w
+
+
+def _tied_directly(group):
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    model = nn.Sequential(TiedBlock(w), TiedBlock(w), nn.Linear(4, 1))
+    fn = ff.functionalize(model)
+    step = ff.train_step(fn, _mse, ff.sgd(), remat=True)
+    try:
+        plan = ff.make_plan(model, ff.layer_policy([TiedBlock]))
+        step(step.init(ff.shard(fn.params, plan, group)), (torch.randn(2, 4), torch.randn(2, 1)))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_unit_reading_a_parameter_no_module_inside_it_gathers_is_refused_by_name(pool):
+    """A parameter two blocks share directly is a unit gathered around each block, not inside it."""
+    (message,) = pool.run(_tied_directly, world=1)
+    assert "unit '0' cannot be rematerialised: it reads parameter '0.w' of unit '0.w', which no module" in message
 
 
 def test_a_compiled_unit_with_units_inside_is_refused_by_name(pool):
