@@ -101,9 +101,10 @@ class Wiring:
             if u.name != ROOT and not u.hooks and id(self.modules[u.name]) not in self.compiled
         }
         self.remat_units = remat.selects(plan, module) if remat is not None else frozenset()
-        for name in self.remat_units:
-            compiled = id(self.modules[name]) in self.compiled
-            check_rematerialisable(fn, plan, plan.unit(name), "train_step(remat=...)", compiled)
+        for unit in plan.units:  # (in plan order: the first refused is named, on every rank the same)
+            if unit.name in self.remat_units:
+                compiled = id(self.modules[unit.name]) in self.compiled
+                check_rematerialisable(fn, plan, unit, "train_step(remat=...)", compiled)
         self._within: dict[tuple[int, ...], tuple[Unit, ...]] = {}
         # Each non-root unit's gathered bytes; prefetching may hold max_inflight times the largest.
         self.unit_bytes = gathered_bytes(plan, params.group.size(), schedule)

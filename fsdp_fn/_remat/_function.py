@@ -487,11 +487,28 @@ def _remat_with_state(
     return rematerialised
 
 
-class _SetAside:
-    """The modes of the rematerialised regions running now, set aside by ``outside_region``."""
+class outside_region:  # (lower case: a context manager, as torch.no_grad)
+    """For the block, the rematerialised regions running now (their forward or recomputation)
+    set their modes aside: what runs in it (a unit's all-gather, issued by the runtime from
+    inside a region) is neither traced, kept, checked nor left out by them, and its collectives
+    always run. No communication, no copy; outside every region, two reads of torch's mode stacks."""
 
-    def __init__(self, dispatch: list[Any], function: list[Any]) -> None:
-        self.dispatch, self.function = dispatch, function
+    __slots__ = ("dispatch", "function")
+
+    def __enter__(self) -> outside_region:
+        self.dispatch: list[Any] = []
+        while isinstance(_current_dispatch_mode(), _Forward | _Checked):
+            self.dispatch.append(torch_dispatch._pop_mode())
+        self.function: list[Any] = []
+        while isinstance(torch.overrides._get_current_function_mode(), _CapturedCheck):
+            self.function.append(torch.overrides._pop_mode())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for mode in reversed(self.function):
+            torch.overrides._push_mode(mode)
+        for mode in reversed(self.dispatch):
+            torch_dispatch._push_mode(mode)
 
     @property
     def inside(self) -> bool:
@@ -504,24 +521,3 @@ class _SetAside:
         for mode in self.dispatch:
             if isinstance(mode, _Forward):
                 mode.derive(tensors, source)
-
-
-@contextlib.contextmanager
-def outside_region() -> Iterator[_SetAside]:
-    """For the block, the rematerialised regions running now (their forward or recomputation)
-    set their modes aside: what runs in it (a unit's all-gather, issued by the runtime from
-    inside a region) is neither traced, kept, checked nor left out by them, and its collectives
-    always run. No communication, no copy."""
-    dispatch: list[Any] = []
-    while isinstance(_current_dispatch_mode(), _Forward | _Checked):
-        dispatch.append(torch_dispatch._pop_mode())
-    function: list[Any] = []
-    while isinstance(torch.overrides._get_current_function_mode(), _CapturedCheck):
-        function.append(torch.overrides._pop_mode())
-    try:
-        yield _SetAside(dispatch, function)
-    finally:
-        for mode in reversed(function):
-            torch.overrides._push_mode(mode)
-        for mode in reversed(dispatch):
-            torch_dispatch._push_mode(mode)
