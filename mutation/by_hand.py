@@ -950,6 +950,13 @@ MUTANTS = [
         "tests/test_remat_units.py::test_checkpointed_units_inside_a_region_differentiate_through_apply_sharded",
     ),
     (
+        "unit_out_of_sight_not_named",
+        "fsdp_fn/_runtime.py",
+        "                if aside.inside and not any(unit.name in run.shards for run in self.regions):",
+        "                if False:",
+        "tests/test_remat_units.py::test_a_unit_a_checkpointed_function_reaches_out_of_sight_is_named",
+    ),
+    (
         "units_inside_refused_again",
         "fsdp_fn/_wiring.py",
         "        if not compiled and any(m.startswith(prefix) and "
