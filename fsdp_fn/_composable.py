@@ -45,6 +45,8 @@ class ComposableRuntime(Runtime):
         layout = self.params.layout
         out: dict[str, torch.Tensor] = {}
         for part, shard in shards_of(self.params, unit):
+            if part is unit:  # (a region's own input, inside a region that gathers the unit)
+                shard = self._shard_for(unit)
             source = shard.to(dtype=self.schedule.gather_dtype(part.dtype), device=self.device or shard.device)
             if part is unit:
                 full = gather_differentiably(source, layout, unit.name)

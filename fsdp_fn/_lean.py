@@ -74,6 +74,7 @@ class LeanRuntime(Runtime):
         self.forward_order = ForwardOrder(order_hint, self.unit_bytes, self.schedule)
         self.adds_during_backward = sink.deferred is not None  # full gradients summed over micro-batches
         self.watches: dict[GatheredUnit, InputsWatch] = {}  # frozen uses whose forward is running
+        self.recomputed: list[GatheredUnit] = []  # uses a region's recomputation gathered, kept until their backward
         self._first_record = 0
 
     # --- the call ------------------------------------------------------------------------------------
@@ -114,6 +115,8 @@ class LeanRuntime(Runtime):
             return None
         if unit.name in self.lookups.plain:  # (a bad index names the unit, as a fetch does)
             check_indices(indices_of(args, kwargs), unit, in_range=True)
+        if self._recomputing:  # in backward: gathered for the recomputation, nothing prefetched
+            return self._gather(unit)
         upcoming = self.forward_order.advance(unit.name)
         # The units after it are issued before this one's gather is waited for, when its own
         # buffer is counted already (prefetched); else after it, so they never pass the limit.
@@ -140,6 +143,13 @@ class LeanRuntime(Runtime):
         # (inside an object of its own, not a pytree or dataclass) leaves nothing to hook the
         # refill on: the unit stays gathered for its backward instead.
         use.made = range(nodes_before, torch._C._autograd._get_sequence_nr())
+        if self.regions:
+            if not self.regions[-1].again:  # a region's forward runs without autograd: no backward reads this use
+                use.release()
+                self.records.remove(use)
+            else:  # the recomputation's: gathered until its backward, which comes next
+                self.recomputed.append(use)
+            return output
         hidden = not outputs and torch.is_grad_enabled() and bool(use.made)
         reshard = not hidden and not self.forward_order.keep_gathered(unit.name, self.schedule)
         if reshard:
@@ -202,7 +212,9 @@ class LeanRuntime(Runtime):
         if rec is None:
             rec = self._new_record(unit)
             self.records.append(rec)
-        full = gather_unit(check_shard(self.params, unit), rec)
+        if self.regions and not self._recomputing:  # the forward of a region: its recomputation gathers it again
+            self.regions[0].region.uses[unit.name] += 1
+        full = gather_unit(self._shard_for(unit), rec)
         return rec, rec.views(full)
 
     def _prefetch(self, names: Sequence[str]) -> None:
@@ -322,6 +334,10 @@ class LeanRuntime(Runtime):
                         into.append(next_node)
                         out_of.append(number)
         reached = set(numbers.values())  # (see GatheredUnit.outputs)
+        uses: collections.Counter[str] = collections.Counter()
+        for region in self.region_calls:  # the uses its recomputation makes, one per use of its forward
+            if not reached.isdisjoint(region.nodes):
+                uses.update(region.uses)
         entries: dict[GatheredUnit, list[Any]] = collections.defaultdict(list)
         for k, entered in spans.entries([numbers[n] for n in into], out_of):
             entries[entered].append(into[k])
@@ -329,7 +345,6 @@ class LeanRuntime(Runtime):
             outputs = [n for n in nodes if n._sequence_nr() not in entered.outputs]
             if outputs:
                 entered.refill_on_entry(outputs)
-        uses: collections.Counter[str] = collections.Counter()
         for rec in list(self.records):
             if rec.node in reached or id(rec) in gathers:
                 uses[rec.unit.name] += 1
@@ -345,6 +360,9 @@ class LeanRuntime(Runtime):
     def finalize_backward(self) -> None:
         """The backward is over: wait for the reductions still in flight (before anything reads
         a gradient) and drop what is left gathered."""
+        for use in self.recomputed:  # one the recomputation's outputs did not reach: counted, so handed on empty
+            if use in self.records and use.state is UnitState.GATHERED and use.unit.params:
+                use.post_backward()
         self.sink.settle()
         self.release_all()
 
@@ -354,6 +372,7 @@ class LeanRuntime(Runtime):
         for rec in self.records:
             rec.release()
         self.records.clear()
+        self.recomputed.clear()
         self.sink.spare = None  # no flat gradient comes after backward
         self.phase = Phase.DONE
 

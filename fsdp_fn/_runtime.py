@@ -19,12 +19,13 @@ What is the same at every call is worked out once (``_wiring.py``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import functools
 import warnings
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils.checkpoint
@@ -35,11 +36,11 @@ from fsdp_fn._lookup import LookupChoice
 from fsdp_fn._phases import phased
 from fsdp_fn._plan import ROOT, Unit, unit_label
 from fsdp_fn._policy import Schedule
-from fsdp_fn._remat import Remat, SavePolicy, route_torch_checkpoint, save_nothing
-from fsdp_fn._remat._function import _remat_with_state
+from fsdp_fn._remat import Remat, RematError, SavePolicy, route_torch_checkpoint, save_nothing
+from fsdp_fn._remat._function import _describe, _remat_with_state, outside_region
 from fsdp_fn._remat._routing import handling_regions
 from fsdp_fn._remat._state import _installed, _state_slots
-from fsdp_fn._shard import Sharded, ensure_live
+from fsdp_fn._shard import Sharded, check_shard, ensure_live
 from fsdp_fn._unit import GatheredUnit, plain
 from fsdp_fn._wiring import Wiring, check_rematerialisable
 
@@ -61,6 +62,29 @@ _MISSING = object()
 _DEFAULT_SCHEDULE = Schedule()
 FETCHING = "fetching rows"  # a use that gathers nothing: a lookup whose forward fetches its rows
 JOINED = "joined"  # a group's module running inside the group's open gather (``Unit.members``)
+
+
+class Region:
+    """A rematerialised region of one call whose function calls units of its own (a unit with units
+    inside, a torch.utils.checkpoint of a closure that calls units): those units' trainable shards
+    are inputs of the region, and each run of it (its forward, each recomputation in backward)
+    gathers them from the shards that run sees, so the recomputation gathers them again."""
+
+    __slots__ = ("nodes", "runs", "units", "uses")
+
+    def __init__(self, units: Sequence[Unit]) -> None:
+        self.units = units  # the units its modules hold that are not gathered when it starts
+        self.runs = 0  # how many times it has run: the first is its forward
+        self.uses: collections.Counter[str] = collections.Counter()  # its forward's gathered uses per unit
+        self.nodes = range(0)  # the numbers of the autograd nodes its call made (its own among them)
+
+
+class RegionRun(NamedTuple):
+    """One run of a ``Region``: the shards its units gather from, and whether it is a recomputation."""
+
+    region: Region
+    shards: dict[str, torch.Tensor]
+    again: bool
 
 
 class Runtime:
@@ -112,6 +136,9 @@ class Runtime:
         # what the next ``run_on`` calls instead of the module: (submodule path, method or None)
         self.target: tuple[str, str | None] | None = None
         self.hooks: dict[int, tuple[Callable[..., Any], Callable[..., Any]]] = {}  # a unit module's, for a method
+        self.hooked = False  # the units' hooks are installed (during ``run_on``, or a region's recomputation)
+        self.regions: list[RegionRun] = []  # the regions over units running now, innermost last
+        self.region_calls: list[Region] = []  # the outermost such regions this call ran, in order
 
     # --- what subclasses say -----------------------------------------------------------------------
 
@@ -133,8 +160,9 @@ class Runtime:
         return output
 
     def _fetches_rows(self, unit: Unit) -> bool:
-        """Whether this call of ``unit`` fetches its rows instead of gathering its table."""
-        return self.lookups.fetches_rows(unit.name, self.forced)
+        """Whether this call of ``unit`` fetches its rows instead of gathering its table (not inside
+        a region over units, whose recomputation gathers what it calls)."""
+        return not self.regions and self.lookups.fetches_rows(unit.name, self.forced)
 
     def _lookup(self, unit: Unit, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise NotImplementedError
@@ -156,23 +184,101 @@ class Runtime:
         if self._fetches_rows(unit):
             return self._lookup(unit, *args, **kwargs)
         if unit.name in self.forced:
-            return _remat_with_state(original, [module], save_nothing, unit.name)(*args, **kwargs)
+            return self._rematerialised(original, [module], save_nothing, unit.name)(*args, **kwargs)
         if unit.name in self.remat_units:
             assert self.remat is not None
-            return _remat_with_state(original, [module], self.remat.policy, unit.name)(*args, **kwargs)
+            return self._rematerialised(original, [module], self.remat.policy, unit.name)(*args, **kwargs)
         return original(*args, **kwargs)
+
+    def _rematerialised(
+        self, fn: Callable[..., Any], modules: Sequence[nn.Module], policy: SavePolicy, where: str
+    ) -> Callable[..., Any]:
+        """``remat(fn)`` inside this call, the parameters and buffers of ``modules`` in place now its
+        inputs. The units inside ``modules`` that are not gathered now are ``fn``'s to gather: their
+        trainable shards are inputs too, and each run of the region gathers them (its forward, and
+        the recomputation in backward, with their hooks installed again for it). Memory: the
+        region's inputs, by reference; communication: one all-gather of each such unit use in the
+        forward and one in the recomputation (kept until its backward), one reduce-scatter."""
+        running = set(self.running)
+        units = [u for u in self.wiring.units_within(modules) if u.name not in running]
+        if not units:
+            return _remat_with_state(fn, modules, policy, where)
+        region = Region(units)
+        rematerialised = _remat_with_state(
+            fn,
+            modules,
+            policy,
+            where,
+            (lambda: [self._shard_for(u) for u in units], functools.partial(self._region_run, region)),
+        )
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            outermost = not self.regions
+            before = torch._C._autograd._get_sequence_nr()
+            out = rematerialised(*args, **kwargs)
+            if outermost:
+                region.nodes = range(before, torch._C._autograd._get_sequence_nr())
+                self.region_calls.append(region)
+            return out
+
+        return call
+
+    @contextlib.contextmanager
+    def _region_run(self, region: Region, shards: Sequence[torch.Tensor]) -> Iterator[None]:
+        """One run of ``region``: its units gather from ``shards`` (the region's inputs, as this run
+        sees them). A recomputation after this call's hooks are gone installs its units' again."""
+        again = region.runs > 0
+        region.runs += 1
+        self.regions.append(RegionRun(region, dict(zip((u.name for u in region.units), shards, strict=True)), again))
+        try:
+            if self.hooked:
+                yield
+            else:
+                with (
+                    self._hooks(region.units),
+                    parameters_restored(self.fn.module),
+                    route_torch_checkpoint(),
+                    handling_regions(self._region),
+                    requires_grad_tolerated(),
+                ):
+                    yield
+        finally:
+            self.regions.pop()
+
+    @property
+    def _recomputing(self) -> bool:
+        """Whether a region over units is being recomputed now (in backward)."""
+        return any(run.again for run in self.regions)
+
+    def _shard_for(self, unit: Unit) -> torch.Tensor:
+        """The trainable shard ``unit`` gathers from: the innermost running region's input for it,
+        if one gathers it, else the call's."""
+        for run in reversed(self.regions):
+            shard = run.shards.get(unit.name)
+            if shard is not None:
+                return shard
+        return check_shard(self.params, unit)
 
     def _region(
         self, function: Callable[..., Any], modules: list[nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """A torch.utils.checkpoint region inside this call: the units it names are rematerialised
-        by their own forward (with their gathered parameters); other regions go to ``remat``."""
+        by their own forward (with their gathered parameters); a region that calls units of its
+        modules (a closure, another module's method) is rematerialised here, gathering them in
+        each run; other regions go to ``remat``."""
         units = [self.own_unit[id(m)] for m in modules if id(m) in self.own_unit]
         if not units:
-            return NotImplemented
+            if not self.wiring.units_within(modules):
+                return NotImplemented
+            return self._rematerialised(function, modules, save_nothing, _describe(function))(*args, **kwargs)
         for unit in units:
             check_rematerialisable(
-                self.fn, self.plan, unit, f"torch.utils.checkpoint.checkpoint of unit {unit_label(unit.name)}"
+                self.fn,
+                self.plan,
+                unit,
+                f"torch.utils.checkpoint.checkpoint of unit {unit_label(unit.name)}",
+                any(id(t) in self.wiring.compiled for t in self.targets[unit.name]),
             )
         added = [u.name for u in units if u.name not in self.forced]
         self.forced.update(added)
@@ -202,32 +308,9 @@ class Runtime:
             tensors.update(views)
         tensors.update(_lift(buffers))
         self._starting()
-
-        handles = []
-        calls: list[tuple[nn.Module, Any]] = []  # (compiled module, its own compiled call), put back after
-        swapped: list[tuple[nn.Module, str, Any]] = []
-        for unit in self.plan.units:
-            if unit.name == ROOT:
-                continue
-            for target in self.targets[unit.name]:
-                # First among the module's pre-hooks: a user's (spectral_norm's) may read the parameters.
-                pre, post = self._pre_hook(unit, target, swapped), self._post_hook(unit, target, swapped)
-                compiled = self.wiring.compiled.get(id(target))
-                if compiled is not None:  # around the compiled call, where Dynamo does not look
-                    calls.append((target, target.__dict__.get("_compiled_call_impl")))
-                    target.__dict__["_compiled_call_impl"] = self._around(unit, target, compiled, pre, post)
-                    continue
-                handles.append(target.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-                handles.append(target.register_forward_hook(post))
-                if self.target is not None:
-                    self.hooks[id(target)] = (pre, post)
-        forwards: list[tuple[nn.Module, Any]] = []  # (module, its own instance-level forward or _MISSING)
-        for key, unit in self.own_unit.items():
-            target = self.wiring.own_modules[key]
-            forwards.append((target, target.__dict__.get("forward", _MISSING)))
-            target.forward = functools.partial(self._forward, unit, target, target.forward)
         try:
             with (
+                self._hooks(u for u in self.plan.units if u.name != ROOT),
                 parameters_restored(module),
                 route_torch_checkpoint(),
                 handling_regions(self._region),
@@ -248,15 +331,6 @@ class Runtime:
             self._failed()
             raise
         finally:
-            for h in handles:
-                h.remove()
-            for target, call in calls:
-                target.__dict__["_compiled_call_impl"] = call
-            for target, forward in forwards:
-                if forward is _MISSING:
-                    del target.forward
-                else:
-                    target.forward = forward
             # (A forward that raised inside a unit left its views swapped in: parameters_restored
             # put the module's own parameters back; putting back what the swap replaced, the
             # call's stand-ins, would undo that.)
@@ -265,6 +339,47 @@ class Runtime:
             self.open.clear()
         self._finished()
         return precision.cast_output(out)
+
+    @contextlib.contextmanager
+    def _hooks(self, units: Iterable[Unit]) -> Iterator[None]:
+        """For the block, each of ``units`` is gathered around its modules' forward: a pre- and a
+        post-forward hook on each (a wrapper around a compiled unit's compiled call instead), and
+        a forward of ours on its own module (rematerialised when asked, or a lookup of fetched rows)."""
+        handles = []
+        calls: list[tuple[nn.Module, Any]] = []  # (compiled module, its own compiled call), put back after
+        forwards: list[tuple[nn.Module, Any]] = []  # (module, its own instance-level forward or _MISSING)
+        swapped: list[tuple[nn.Module, str, Any]] = []
+        hooked, self.hooked = self.hooked, True
+        try:
+            for unit in units:
+                for target in self.targets[unit.name]:
+                    # First among the module's pre-hooks: a user's (spectral_norm's) may read the parameters.
+                    pre, post = self._pre_hook(unit, target, swapped), self._post_hook(unit, target, swapped)
+                    compiled = self.wiring.compiled.get(id(target))
+                    if compiled is not None:  # around the compiled call, where Dynamo does not look
+                        calls.append((target, target.__dict__.get("_compiled_call_impl")))
+                        target.__dict__["_compiled_call_impl"] = self._around(unit, target, compiled, pre, post)
+                        continue
+                    handles.append(target.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+                    handles.append(target.register_forward_hook(post))
+                    if self.target is not None:
+                        self.hooks[id(target)] = (pre, post)
+                for own in self.targets[unit.name]:  # (a group's modules each)
+                    if self.own_unit.get(id(own)) is unit:
+                        forwards.append((own, own.__dict__.get("forward", _MISSING)))
+                        own.forward = functools.partial(self._forward, unit, own, own.forward)
+            yield
+        finally:
+            self.hooked = hooked
+            for h in handles:
+                h.remove()
+            for target, call in calls:
+                target.__dict__["_compiled_call_impl"] = call
+            for target, forward in reversed(forwards):
+                if forward is _MISSING:
+                    del target.forward
+                else:
+                    target.forward = forward
 
     def _call_target(self, args: Any, kwargs: Any) -> Any:
         """The call a ``ModelHandle`` asked for: a submodule (its hooks gather what it reaches,
@@ -310,24 +425,32 @@ class Runtime:
                     owner._parameters[attr] = group[1][name]  # type: ignore[assignment]
                 self.live.setdefault(key, []).append((JOINED, 0))
                 return cast_args
-            entered = self._enter_unit(unit, args, kwargs)
-            self.order.append(unit.name)
-            if entered is None:  # nothing gathered or swapped in
-                self.live.setdefault(key, []).append((FETCHING, 0))
-                return cast_args
-            use, views = entered
-            for owner, attr, name in self.slots[key]:
-                swapped.append((owner, attr, owner._parameters[attr]))
-                owner._parameters[attr] = views[name]  # type: ignore[assignment]
-            nodes_before = torch._C._autograd._get_sequence_nr()
-            self.live.setdefault(key, []).append((use, nodes_before))
-            if unit.members:
-                self.open[unit.name] = [use, views, nodes_before, None]
-            if self.check_unchanged:
-                self.fingerprints.setdefault(key if not unit.members else (unit.name, -1), []).append(
-                    (_fingerprints(views), views)
-                )
-            self._entered(unit, use, args, kwargs)
+            # (inside a rematerialised region the gather is no operator of the region's: its
+            # modes neither trace nor skip it, in the forward or the recomputation)
+            with outside_region() as aside:
+                if aside.inside and not any(unit.name in run.shards for run in self.regions):
+                    raise RematError(_NOT_AN_INPUT.format(unit=unit_label(unit.name)))
+                entered = self._enter_unit(unit, args, kwargs)
+                if not self._recomputing:
+                    self.order.append(unit.name)
+                if entered is None:  # nothing gathered or swapped in
+                    self.live.setdefault(key, []).append((FETCHING, 0))
+                    return cast_args
+                use, views = entered
+                if self.regions:  # what the unit computes from them, the region's outputs computed from its shard
+                    aside.derive(list(views.values()), self._shard_for(unit))
+                for owner, attr, name in self.slots[key]:
+                    swapped.append((owner, attr, owner._parameters[attr]))
+                    owner._parameters[attr] = views[name]  # type: ignore[assignment]
+                nodes_before = torch._C._autograd._get_sequence_nr()
+                self.live.setdefault(key, []).append((use, nodes_before))
+                if unit.members:
+                    self.open[unit.name] = [use, views, nodes_before, None]
+                if self.check_unchanged:
+                    self.fingerprints.setdefault(key if not unit.members else (unit.name, -1), []).append(
+                        (_fingerprints(views), views)
+                    )
+                self._entered(unit, use, args, kwargs)
             return cast_args
 
         return hook
@@ -351,11 +474,13 @@ class Runtime:
                 group = self.open[unit.name]
                 group[3] = output
                 if target is self.targets[unit.name][-1]:  # the group's last module: its gather ends
-                    return self._close_group(unit)
+                    with outside_region():
+                        return self._close_group(unit)
                 return output
-            if self.check_unchanged:
-                _check_unchanged(unit.name, *self.fingerprints[key].pop())
-            return self._leave_unit(unit, use, output, nodes_before)
+            with outside_region():
+                if self.check_unchanged:
+                    _check_unchanged(unit.name, *self.fingerprints[key].pop())
+                return self._leave_unit(unit, use, output, nodes_before)
 
         return hook
 
@@ -444,6 +569,14 @@ def _lift(buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for k, v in buffers.items()
     }
 
+
+_NOT_AN_INPUT = (
+    "unit {unit} runs inside a rematerialised region (a torch.utils.checkpoint of a function, ff.remat, or a "
+    "rematerialised unit) that does not hold it: it lies in none of the modules the region's function reaches (the "
+    "function itself, a bound method's owner, a partial's arguments, its closure's cells), so the recomputation "
+    "in backward could not gather it and its gradient would be lost; reach that module through one of those (for "
+    "ff.remat, make the module the region: ff.remat(module))"
+)
 
 _NOT_A_LEAF = "The .grad attribute of a Tensor that is not a leaf"  # (torch's warning, which Dynamo triggers)
 

@@ -11,7 +11,7 @@ this again.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,6 +61,7 @@ class Wiring:
         _check_plan_fits(params.plan, fn)
         module, plan = fn.module, params.plan
         self.keep = (plan, schedule, remat)  # (the cache's key holds their ids)
+        self.plan = plan
         self.sparse_grads = _sparse_grad_params(module, plan) if composable else frozenset()
         self.modules: dict[str, nn.Module] = {
             u.name: module.get_submodule(u.name) for u in plan.units if not u.hooks and not u.members
@@ -105,8 +106,11 @@ class Wiring:
         }
         self.own_modules = {id(t): t for ts in self.targets.values() for t in ts if id(t) in self.own_unit}
         self.remat_units = remat.selects(plan, module) if remat is not None else frozenset()
-        for name in self.remat_units:
-            check_rematerialisable(fn, plan, plan.unit(name), "train_step(remat=...)")
+        for unit in plan.units:  # (in plan order: the first refused is named, on every rank the same)
+            if unit.name in self.remat_units:
+                compiled = any(id(t) in self.compiled for t in self.targets[unit.name])
+                check_rematerialisable(fn, plan, unit, "train_step(remat=...)", compiled)
+        self._within: dict[tuple[int, ...], tuple[Unit, ...]] = {}
         # Each non-root unit's gathered bytes; prefetching may hold max_inflight times the largest.
         self.unit_bytes = gathered_bytes(plan, params.group.size(), schedule)
         self.inflight_limit = inflight_limit(self.unit_bytes, schedule)
@@ -143,6 +147,18 @@ class Wiring:
             composable=composable,
             deferred=deferred,
         )
+
+    def units_within(self, modules: Sequence[nn.Module]) -> tuple[Unit, ...]:
+        """The non-root units gathered by a module inside ``modules`` (or one of them), in plan order:
+        the units a region over ``modules`` may call. Worked out once per set of modules."""
+        key = tuple(id(m) for m in modules)
+        found = self._within.get(key)
+        if found is None:
+            inside = {id(sub) for m in modules for sub in m.modules()}
+            found = self._within[key] = tuple(
+                u for u in self.plan.units if u.name != ROOT and any(id(t) in inside for t in self.targets[u.name])
+            )
+        return found
 
     @staticmethod
     def of(
@@ -189,24 +205,38 @@ def _holds(unit: Unit, path: str, owner: str) -> bool:
     return not unit.hooks or owner == path
 
 
-def check_rematerialisable(fn: Functional, plan: Plan, unit: Unit, asked_by: str) -> None:
-    """A rematerialised unit is recomputed in backward, after this call's hooks are gone:
-    every parameter it reads must be its own (another unit's would not be gathered then)."""
+def check_rematerialisable(fn: Functional, plan: Plan, unit: Unit, asked_by: str, compiled: bool = False) -> None:
+    """A rematerialised unit is recomputed in backward, after this call's hooks are gone: every
+    parameter it reads must be its own or one of a unit gathered by a module inside it (a unit
+    of its own, a module it shares with another block), which the recomputation gathers again
+    (not under a compiled unit, whose recomputation is its compiled code); another unit's would
+    not be gathered then. A group's modules are checked each."""
     own = {spec.name for spec in unit.all_params} | {a for spec in unit.all_params for a in spec.aliases}
     for path in unit.modules:
-        _check_reads_only(fn.module.get_submodule(path), f"{path}.", own, plan, unit, asked_by)
+        _check_reads_only(fn.module.get_submodule(path), f"{path}.", own, plan, unit, asked_by, compiled)
 
 
-def _check_reads_only(module: nn.Module, prefix: str, own: set[str], plan: Plan, unit: Unit, asked_by: str) -> None:
+def _check_reads_only(
+    module: nn.Module, prefix: str, own: set[str], plan: Plan, unit: Unit, asked_by: str, compiled: bool
+) -> None:
     for name, _ in module.named_parameters(remove_duplicate=False):
         full = prefix + name
-        if full not in own:
-            other = plan.unit_of(full).name
-            raise ValueError(
-                f"{asked_by}: unit {unit_label(unit.name)} cannot be rematerialised: it reads parameter "
-                f"{full!r} of unit {unit_label(other)}, which is not gathered when the unit is recomputed in "
-                "backward; rematerialise the units inside it instead (or put that parameter in this unit)"
-            )
+        if full in own:
+            continue
+        other, owner = plan.unit_of(full), full.rpartition(".")[0]
+        if not compiled and any(m.startswith(prefix) and f"{owner}.".startswith(f"{m}.") for m in other.modules):
+            continue  # gathered by a module inside it, whose hooks the recomputation installs again
+        why = (
+            "and it is compiled: its recomputation would not gather that unit"
+            if compiled
+            else "which no module inside it gathers (a parameter shared with another block), so its recomputation "
+            "in backward would not"
+        )
+        raise ValueError(
+            f"{asked_by}: unit {unit_label(unit.name)} cannot be rematerialised: it reads parameter "
+            f"{full!r} of unit {unit_label(other.name)}, {why}; "
+            "rematerialise the units inside it instead (or put that parameter in this unit)"
+        )
 
 
 def _sparse_grad_params(module: nn.Module, plan: Plan) -> frozenset[str]:

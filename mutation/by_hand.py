@@ -984,6 +984,57 @@ MUTANTS = [
         "        params=params + frozen,",
         "        params=params,",
         "tests/test_memory.py::test_estimate_counts_integer_parameters_in_their_own_dtype",
+        "region_gathers_from_the_calls_shards",
+        "fsdp_fn/_runtime.py",
+        "            shard = run.shards.get(unit.name)\n"
+        "            if shard is not None:\n                return shard",
+        "            pass",
+        (
+            "tests/test_remat_units.py::test_a_checkpointed_closure_that_calls_a_unit_trains_like_torch "
+            "tests/test_remat_units.py::test_a_block_with_units_inside_rematerialised_trains_like_torch"
+        ),
+    ),
+    (
+        "region_recomputed_without_its_units_hooks",
+        "fsdp_fn/_runtime.py",
+        "            if self.hooked:\n                yield",
+        "            if True:\n                yield",
+        (
+            "tests/test_remat_units.py::test_a_block_with_units_inside_rematerialised_trains_like_torch "
+            "tests/test_remat_units.py::test_a_checkpointed_closure_that_calls_a_unit_trains_like_torch"
+        ),
+    ),
+    (
+        "region_uses_not_expected",
+        "fsdp_fn/_lean.py",
+        "                uses.update(region.uses)",
+        "                pass",
+        "tests/test_remat_units.py::test_a_block_with_units_inside_rematerialised_updates_in_backward",
+    ),
+    (
+        "gathered_views_not_derived",
+        "fsdp_fn/_remat/_modes.py",
+        "            self.derived[id(t)] = (weakref.ref(t), sources)",
+        "            pass",
+        "tests/test_remat_units.py::test_checkpointed_units_inside_a_region_differentiate_through_apply_sharded",
+    ),
+    (
+        "unit_out_of_sight_not_named",
+        "fsdp_fn/_runtime.py",
+        "                if aside.inside and not any(unit.name in run.shards for run in self.regions):",
+        "                if False:",
+        "tests/test_remat_units.py::test_a_unit_a_checkpointed_function_reaches_out_of_sight_is_named",
+    ),
+    (
+        "units_inside_refused_again",
+        "fsdp_fn/_wiring.py",
+        "        if not compiled and any(m.startswith(prefix) and "
+        'f"{owner}.".startswith(f"{m}.") for m in other.modules):',
+        "        if False:",
+        (
+            "tests/test_remat_units.py::test_a_block_with_units_inside_rematerialised_trains_like_torch "
+            "tests/test_remat_units.py::test_blocks_sharing_a_module_rematerialised_train_like_torch"
+        ),
     ),
 ]
 

@@ -13,9 +13,11 @@ import os
 import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.utils._python_dispatch as torch_dispatch
 import torch.utils._pytree as torch_pytree
 from torch import nn
 from torch.autograd.function import FunctionCtx
@@ -24,11 +26,13 @@ from torch.overrides import TorchFunctionMode
 from fsdp_fn import _guard
 from fsdp_fn._remat._early_stop import _SkipTail, _Trace
 from fsdp_fn._remat._errors import RematError
-from fsdp_fn._remat._modes import _Forward, _Record, _Replay
+from fsdp_fn._remat._modes import _Checked, _Forward, _Record, _Replay
 from fsdp_fn._remat._policies import SavePolicy, save_nothing
 from fsdp_fn._remat._state import _installed, _Opaque, _state_slots
 from fsdp_fn._standin import StandIn
 from fsdp_fn._tree import flatten, unflatten
+
+_current_dispatch_mode = torch_dispatch._get_current_dispatch_mode
 
 
 def _wrapped(t: torch.Tensor) -> bool:
@@ -455,21 +459,65 @@ def _rematerialised(
     return rematerialised
 
 
-def _remat_with_state(
-    fn: Callable[..., Any], modules: Sequence[nn.Module], policy: SavePolicy, where: str
-) -> Callable[..., Any]:
-    """``remat(fn)`` where the parameters and buffers of ``modules`` (read at each call) are inputs too."""
+More = tuple[Callable[[], Sequence[torch.Tensor]], Callable[[Sequence[torch.Tensor]], AbstractContextManager[None]]]
+"""More inputs of a region: what they are (read at each call), and the block every run of the
+region (its forward, each recomputation) runs in, given them as that run sees them."""
 
-    def region(state: list[torch.Tensor], slots: _Opaque, *args: Any, **kwargs: Any) -> Any:
-        with _installed(slots.value, state):
+
+def _remat_with_state(
+    fn: Callable[..., Any], modules: Sequence[nn.Module], policy: SavePolicy, where: str, more: More | None = None
+) -> Callable[..., Any]:
+    """``remat(fn)`` where the parameters and buffers of ``modules`` (read at each call) are inputs
+    too, and ``more``'s tensors (a runtime's shards of the units ``fn`` calls, which it gathers in
+    ``more``'s block)."""
+    tensors, block = more if more is not None else (lambda: (), lambda _: contextlib.nullcontext())
+
+    def region(state: list[torch.Tensor], slots: _Opaque, extra: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        with _installed(slots.value, state), block(extra):
             return fn(*args, **kwargs)
 
     region.__qualname__ = where
-    inner = _rematerialised(region, policy, where, state=lambda state, *_: len(state))
+    inner = _rematerialised(region, policy, where, state=lambda state, _, extra, *__: len(state) + len(extra))
 
     @functools.wraps(fn)
     def rematerialised(*args: Any, **kwargs: Any) -> Any:
         state, slots = _state_slots(modules)
-        return inner(state, _Opaque(slots), *args, **kwargs)
+        return inner(state, _Opaque(slots), list(tensors()), *args, **kwargs)
 
     return rematerialised
+
+
+class outside_region:  # (lower case: a context manager, as torch.no_grad)
+    """For the block, the rematerialised regions running now (their forward or recomputation)
+    set their modes aside: what runs in it (a unit's all-gather, issued by the runtime from
+    inside a region) is neither traced, kept, checked nor left out by them, and its collectives
+    always run. No communication, no copy; outside every region, two reads of torch's mode stacks."""
+
+    __slots__ = ("dispatch", "function")
+
+    def __enter__(self) -> outside_region:
+        self.dispatch: list[Any] = []
+        while isinstance(_current_dispatch_mode(), _Forward | _Checked):
+            self.dispatch.append(torch_dispatch._pop_mode())
+        self.function: list[Any] = []
+        while isinstance(torch.overrides._get_current_function_mode(), _CapturedCheck):
+            self.function.append(torch.overrides._pop_mode())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for mode in reversed(self.function):
+            torch.overrides._push_mode(mode)
+        for mode in reversed(self.dispatch):
+            torch_dispatch._push_mode(mode)
+
+    @property
+    def inside(self) -> bool:
+        """Whether a region's forward or recomputation is running."""
+        return bool(self.dispatch or self.function)
+
+    def derive(self, tensors: Sequence[torch.Tensor], source: torch.Tensor) -> None:
+        """In the regions' forwards, ``tensors`` count as computed from ``source`` (which of their
+        inputs the outputs reach)."""
+        for mode in self.dispatch:
+            if isinstance(mode, _Forward):
+                mode.derive(tensors, source)

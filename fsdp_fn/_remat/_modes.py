@@ -133,6 +133,9 @@ class _Forward(TorchDispatchMode):
             if (i >= state or not t.requires_grad) and (where := _storage(t)):
                 self.constants.setdefault(where, []).append((i, t))
         self.before: dict[int, torch.Tensor] = {}  # input index -> its value before the forward changed it
+        # tensors computed from inputs out of this mode's sight (``derive``), held weakly: a data path
+        # only, never a tensor the forward kept
+        self.derived: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[int]]] = {}
 
     def copy_before_write(self, func: Any, args: Any, kwargs: Any) -> None:
         unmarked = _WRITES_UNMARKED.get(func.overloadpacket)
@@ -176,8 +179,19 @@ class _Forward(TorchDispatchMode):
         out = self.written.get(_storage(t), frozenset()) if self.written else frozenset()
         if (i := self.sources.get(id(t))) is not None:
             out |= {i}
-        entry = self.made.get(id(t))
-        return out | entry[1] if entry is not None and entry[0]() is t else out
+        for known in (self.made, self.derived):
+            entry = known.get(id(t))
+            if entry is not None and entry[0]() is t:
+                out |= entry[1]
+        return out
+
+    def derive(self, tensors: Sequence[torch.Tensor], source: torch.Tensor) -> None:
+        """``tensors`` were computed from ``source`` where this mode did not see it (a unit's
+        all-gather, run outside the region's modes): its outputs reach the inputs ``source`` does."""
+        sources = self.inputs_of(_unwrapped(source))
+        for t in tensors:
+            t = _unwrapped(t)
+            self.derived[id(t)] = (weakref.ref(t), sources)
 
     def reached(self, outputs: Sequence[torch.Tensor]) -> frozenset[int]:
         """The inputs some output was computed from: those an autograd backward gives a gradient."""

@@ -170,7 +170,9 @@ def route_torch_checkpoint() -> Iterator[None]:
 
     Gradients equal those without checkpointing. The parameters and buffers of the modules
     the checkpointed function reaches (a module, a bound method's owner, a partial's
-    arguments, closure cells) become inputs of the region, so they get gradients.
+    arguments, closure cells) become inputs of the region, so they get gradients; inside
+    fsdp_fn's calls the units inside those modules do too (by their shards: the region's
+    forward gathers them, and so does its recomputation).
     ``context_fn`` and ``debug`` are refused with an error, and so is
     ``torch.distributed._composable.checkpoint`` (its hooks cannot hand the forward
     over). Restored on exit, also on an
