@@ -89,9 +89,10 @@ def _torch_system(kind: str, layers: int, group: Any) -> Any:
     return run
 
 
-def _fsdp_fn(plan: ff.Plan, remat: bool, layers: int, group: Any) -> Any:
+def _fsdp_fn(plan: ff.Plan, remat: bool, kept: bool, layers: int, group: Any) -> Any:
     fn = ff.functionalize(_model(layers))
-    step = ff.train_step(fn, lm_loss, ff.adamw(lr=1e-3), remat=remat or None)
+    schedule = ff.Schedule(reshard_after_forward=not kept)
+    step = ff.train_step(fn, lm_loss, ff.adamw(lr=1e-3), remat=remat or None, schedule=schedule)
     holder = {"state": step.init(ff.shard(fn.params, plan, group))}
 
     def run(batch: torch.Tensor) -> None:
@@ -121,15 +122,18 @@ def bench(group: Any, layers: int, steps: int, sizes: list[int]) -> dict[str, An
     planned_in = time.perf_counter() - start
     rows = []
     for per_unit in sizes:
-        for remat in (False, True):
+        for remat, kept in ((False, False), (True, False), (False, True)):
             plan = base.grouped(per_unit)
-            step_s = _slowest(_timed(_fsdp_fn(plan, remat, layers, group), rank, steps), group)
-            peak = int(_slowest(_metered(_fsdp_fn(plan, remat, layers, group), rank), group))
-            predicted = next((c for c in choice.candidates if c.per_unit == per_unit and c.remat == remat), None)
+            step_s = _slowest(_timed(_fsdp_fn(plan, remat, kept, layers, group), rank, steps), group)
+            peak = int(_slowest(_metered(_fsdp_fn(plan, remat, kept, layers, group), rank), group))
+            predicted = next(
+                (c for c in choice.candidates if (c.per_unit, c.remat, c.kept) == (per_unit, remat, kept)), None
+            )
             rows.append(
                 {
                     "per_unit": per_unit,
                     "remat": remat,
+                    "kept": kept,
                     "units": len(plan.units),
                     "step_ms": 1e3 * step_s,
                     "peak": peak,
@@ -171,15 +175,17 @@ def main() -> None:
         pm = f"{r['predicted_ms']:.1f}" if r["predicted_ms"] is not None else "-"
         pp = f"{r['predicted_peak'] / 2**20:.2f}" if r["predicted_peak"] is not None else "-"
         print(
-            f"{r['per_unit']:>11} {'on' if r['remat'] else 'off':>5} {r['units']:>5} {r['step_ms']:>8.1f} {pm:>9} "
+            f"{r['per_unit']:>11} {'on' if r['remat'] else 'off':>5} {'yes' if r['kept'] else 'no':>5} "
+            f"{r['units']:>5} {r['step_ms']:>8.1f} {pm:>9} "
             f"{r['peak'] / 2**20:>9.2f} {pp:>9}"
         )
-    mine = next(r for r in report["rows"] if r["per_unit"] == c.per_unit and r["remat"] == c.remat)
+    mine = next(r for r in report["rows"] if (r["per_unit"], r["remat"], r["kept"]) == (c.per_unit, c.remat, c.kept))
     fitting = [r for r in report["rows"] if r["peak"] <= report["budget"]]
     best = min(fitting, key=lambda r: r["step_ms"]) if fitting else None
     print(f"budget {report['budget'] / 2**20:.2f} MiB; DDP step {report['ddp_ms']:.1f} ms")
     print(
-        f"chosen: {c.per_unit} blocks a unit, remat {'on' if c.remat else 'off'}: measured {mine['step_ms']:.1f} ms "
+        f"chosen: {c.per_unit} blocks a unit, remat {'on' if c.remat else 'off'}, kept {'yes' if c.kept else 'no'}: "
+        f"measured {mine['step_ms']:.1f} ms "
         f"({mine['step_ms'] / report['ddp_ms']:.2f}x DDP), predicted {c.step_s * 1e3:.1f} ms "
         f"({abs(c.step_s * 1e3 / mine['step_ms'] - 1) * 100:.0f}% off); peak {mine['peak'] / 2**20:.2f} MiB, "
         f"predicted {c.peak_bytes / 2**20:.2f} MiB ({(c.peak_bytes / mine['peak'] - 1) * 100:+.0f}%), "
@@ -188,6 +194,7 @@ def main() -> None:
     if best is not None:
         print(
             f"fastest measured that fits: {best['per_unit']} blocks a unit, remat {'on' if best['remat'] else 'off'}, "
+            f"kept {'yes' if best['kept'] else 'no'}, "
             f"{best['step_ms']:.1f} ms: the choice is {(mine['step_ms'] / best['step_ms'] - 1) * 100:+.0f}% from it"
         )
     if args.json:

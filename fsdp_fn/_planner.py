@@ -12,6 +12,7 @@ candidate's step time from them and its peak from ``estimate_memory`` and
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -46,7 +47,10 @@ class StepCosts:
         step_s: the step with one unit per block, and with every block in one unit.
         units: how many units those two plans have.
         per_unit_s: what one unit more costs a step (round trips and host work): the slope.
-        remat_s: what rematerialising one block adds to a step (its forward again).
+        remat_s: what rematerialising one block adds to a step (its forward again), measured
+            at both ends (one unit a block, all in one).
+        kept_s: what keeping a unit gathered from its forward to its backward saves a step
+            (``reshard_after_forward=False``: one all-gather less), measured at one unit a block.
         all_gather_s, reduce_scatter_s: one collective of ``_SIZES`` float32 elements each:
             the latency, and with the larger size the bandwidth.
     """
@@ -56,14 +60,20 @@ class StepCosts:
     step_s: tuple[float, float]
     units: tuple[int, int]
     per_unit_s: float
-    remat_s: float
+    remat_s: tuple[float, float]
+    kept_s: float
     all_gather_s: tuple[float, float]
     reduce_scatter_s: tuple[float, float]
 
-    def step(self, units: int, rematerialised: int = 0) -> float:
-        """The predicted step: the all-in-one step's, plus ``per_unit_s`` for each unit more, plus
-        ``remat_s`` for each rematerialised block."""
-        return self.step_s[1] + self.per_unit_s * (units - self.units[1]) + self.remat_s * rematerialised
+    def step(self, units: int, remat: bool = False, kept: bool = False) -> float:
+        """The predicted step of a plan of ``units`` units: the all-in-one step's plus
+        ``per_unit_s`` for each unit more; with ``remat`` every block's recomputation (its cost
+        per block interpolated between the ends by the number of units); with ``kept``,
+        ``kept_s`` less for each unit."""
+        more = units - self.units[1]
+        at = more / (self.units[0] - self.units[1])  # 0: all in one, 1: one unit a block
+        recompute = self.blocks * (self.remat_s[1] + at * (self.remat_s[0] - self.remat_s[1])) if remat else 0.0
+        return self.step_s[1] + self.per_unit_s * more + recompute - (self.kept_s * units if kept else 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         """The costs as JSON-able data (``StepCosts(**d)`` reads it back, tuples from lists)."""
@@ -118,8 +128,9 @@ def measure_costs(
     optimizer = optimizer or adamw()
     ends = (plan, plan.grouped(blocks))
 
-    def timed(p: Plan, remat: bool) -> float:
-        step = train_step(fn, loss_fn, optimizer, remat=remat or None, check_schedule="never")
+    def timed(p: Plan, remat: bool, kept: bool = False) -> float:
+        schedule = Schedule(reshard_after_forward=not kept)
+        step = train_step(fn, loss_fn, optimizer, schedule=schedule, remat=remat or None, check_schedule="never")
         state = step.init(shard(fn.params, p, group))
         state, _ = step(state, batch)
         times = []
@@ -129,12 +140,14 @@ def measure_costs(
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    local = [timed(ends[0], False), timed(ends[1], False), timed(ends[0], True)]
+    local = [timed(p, remat) for remat in (False, True) for p in ends] + [timed(ends[0], False, kept=True)]
     local += [_collective(op, n, shard_group) for op in ("all_gather", "reduce_scatter") for n in _SIZES]
     mine = torch.tensor(local, dtype=torch.float64)
     everyone = mine.new_empty(mine.numel() * shard_group.size())
     all_gather_into(everyone, mine, shard_group, None)
-    one, all_in_one, rematted, *collectives = everyone.view(shard_group.size(), -1).amax(0).tolist()
+    one, all_in_one, one_remat, all_remat, one_kept, *collectives = (
+        everyone.view(shard_group.size(), -1).amax(0).tolist()
+    )
     units = (len(ends[0].units), len(ends[1].units))
     return StepCosts(
         world=shard_group.size(),
@@ -142,7 +155,8 @@ def measure_costs(
         step_s=(one, all_in_one),
         units=units,
         per_unit_s=max(0.0, (one - all_in_one) / (units[0] - units[1])),
-        remat_s=max(0.0, (rematted - one) / blocks),
+        remat_s=(max(0.0, (one_remat - one) / blocks), max(0.0, (all_remat - all_in_one) / blocks)),
+        kept_s=max(0.0, (one - one_kept) / units[0]),
         all_gather_s=(collectives[0], collectives[1]),
         reduce_scatter_s=(collectives[2], collectives[3]),
     )
@@ -172,10 +186,12 @@ def _collective(op: str, n: int, group: dist.ProcessGroup, reps: int = 5) -> flo
 
 @dataclass(frozen=True)
 class Candidate:
-    """One plan the planner weighed: ``per_unit`` blocks a unit, remat or not, and its predictions."""
+    """One plan the planner weighed: ``per_unit`` blocks a unit, remat or not, units kept gathered
+    from forward to backward or not (``reshard_after_forward=False``), and its predictions."""
 
     per_unit: int
     remat: bool
+    kept: bool
     units: int
     step_s: float
     peak_bytes: int
@@ -185,11 +201,13 @@ class Candidate:
 
 @dataclass(frozen=True)
 class PlanChoice:
-    """The planner's answer: an ordinary ``Plan`` and a remat choice, with what it predicted.
+    """The planner's answer: an ordinary ``Plan``, a remat choice and a schedule, with what it predicted.
 
     Attributes:
         plan: the chosen plan (``per_unit`` blocks merged into each unit).
         remat: whether every non-root unit is rematerialised (``train_step(..., remat=True)``).
+        kept: whether the units stay gathered from forward to backward (step with
+            ``schedule_for(...)``: ``reshard_after_forward=False``).
         budget: the per-rank bytes it had to fit.
         costs: the measured costs the predictions came from.
         candidates: every plan weighed, fastest first.
@@ -197,9 +215,14 @@ class PlanChoice:
 
     plan: Plan
     remat: bool
+    kept: bool
     budget: int | None
     costs: StepCosts
     candidates: tuple[Candidate, ...] = field(default=())
+
+    def schedule_for(self, schedule: Schedule | None = None) -> Schedule:
+        """``schedule`` (the default one when ``None``) with the choice's resharding after forward."""
+        return dataclasses.replace(schedule or Schedule(), reshard_after_forward=not self.kept)
 
     @property
     def chosen(self) -> Candidate:
@@ -211,18 +234,20 @@ class PlanChoice:
         c = self.chosen
         budget = "none" if self.budget is None else f"{self.budget / 2**20:.1f} MiB"
         rows = [
-            f"plan: {c.per_unit} blocks a unit ({c.units} units), remat {'on' if c.remat else 'off'}: "
-            f"predicted step {c.step_s * 1e3:.1f} ms, peak {c.peak_bytes / 2**20:.1f} MiB (budget {budget})",
+            f"plan: {c.per_unit} blocks a unit ({c.units} units), remat {'on' if c.remat else 'off'}, "
+            f"{'kept gathered' if c.kept else 'resharded'} after forward: predicted step {c.step_s * 1e3:.1f} ms, "
+            f"peak {c.peak_bytes / 2**20:.1f} MiB (budget {budget})",
             f"costs (slowest rank, W={self.costs.world}): each unit {self.costs.per_unit_s * 1e3:.2f} ms a step, "
-            f"remat {self.costs.remat_s * 1e3:.2f} ms a block; all-gather {self.costs.all_gather_s[0] * 1e6:.0f} us "
+            f"kept gathered {self.costs.kept_s * 1e3:.2f} ms less; remat {self.costs.remat_s[0] * 1e3:.2f} ms a block "
+            f"({self.costs.remat_s[1] * 1e3:.2f} all in one); all-gather {self.costs.all_gather_s[0] * 1e6:.0f} us "
             f"(4 KiB) / {self.costs.all_gather_s[1] * 1e6:.0f} us (256 KiB)",
-            f"{'blocks/unit':>11} {'units':>5} {'remat':>5} {'step ms':>8} {'peak MiB':>9}  largest unit",
+            f"{'blocks/unit':>11} {'units':>5} {'remat':>5} {'kept':>5} {'step ms':>8} {'peak MiB':>9}  largest unit",
         ]
         for k in self.candidates:
             mark = " <- chosen" if k == c else ("" if k.fits else "  (over the budget)")
             rows.append(
-                f"{k.per_unit:>11} {k.units:>5} {'on' if k.remat else 'off':>5} {k.step_s * 1e3:>8.1f} "
-                f"{k.peak_bytes / 2**20:>9.1f}  {unit_label(k.largest_unit)}{mark}"
+                f"{k.per_unit:>11} {k.units:>5} {'on' if k.remat else 'off':>5} {'yes' if k.kept else 'no':>5} "
+                f"{k.step_s * 1e3:>8.1f} {k.peak_bytes / 2**20:>9.1f}  {unit_label(k.largest_unit)}{mark}"
             )
         rows.append(
             "why: the fastest predicted step whose predicted peak fits; fewer units pay fewer round trips, "
@@ -235,6 +260,7 @@ class PlanChoice:
         return {
             "plan": self.plan.to_dict(),
             "remat": self.remat,
+            "kept": self.kept,
             "budget": self.budget,
             "costs": self.costs.to_dict(),
             "candidates": [asdict(c) for c in self.candidates],
@@ -246,6 +272,7 @@ class PlanChoice:
         return cls(
             Plan.from_dict(data["plan"]),
             data["remat"],
+            data["kept"],
             data["budget"],
             StepCosts.from_dict(data["costs"]),
             tuple(Candidate(**c) for c in data["candidates"]),
@@ -263,12 +290,14 @@ def plan_for_budget(
     schedule: Schedule | None = None,
     optimizer_slots: int = 2,
 ) -> PlanChoice:
-    """The fastest plan predicted to fit ``budget`` bytes per rank: blocks per unit and remat.
+    """The fastest plan predicted to fit ``budget`` bytes per rank: blocks per unit, remat, and
+    whether units stay gathered from forward to backward.
 
     Weighs ``1, 2, 4, ...`` blocks a unit (and all of them in one), each with and without
-    remat: its step from ``costs`` (``StepCosts.step``), its peak from ``estimate_memory``
-    with ``estimate_activations`` on ``batch`` (fake tensors: nothing allocated, nothing
-    communicated). The same inputs give the same choice on every rank.
+    remat, each resharded after forward or kept gathered: its step from ``costs``
+    (``StepCosts.step``), its peak from ``estimate_memory`` with ``estimate_activations`` on
+    ``batch`` (fake tensors: nothing allocated, nothing communicated). The same inputs give
+    the same choice on every rank.
 
     Args:
         fn: the model, from ``functionalize(module)``.
@@ -297,33 +326,39 @@ def plan_for_budget(
     candidates = []
     for per_unit in sizes:
         grouped = plan.grouped(per_unit)
+        largest = max((u for u in grouped.units if u.name), key=lambda u: u.gather_bytes())
         for remat in (False, True):
             acts = estimate_activations(fn, loss_fn, batch, grouped, remat=remat or None)
-            peak = estimate_memory(
-                grouped, costs.world, activations=acts, schedule=schedule, optimizer_slots=optimizer_slots
-            ).total
-            largest = max(
-                (u for u in grouped.units if u.name), key=lambda u: u.numel + sum(p.numel for p in u.frozen_parts)
-            )
-            candidates.append(
-                Candidate(
-                    per_unit,
-                    remat,
-                    len(grouped.units),
-                    costs.step(len(grouped.units), costs.blocks if remat else 0),
-                    peak,
-                    largest.name,
-                    budget is None or peak <= budget,
+            for kept in (False, True):
+                peak = estimate_memory(
+                    grouped,
+                    costs.world,
+                    activations=acts,
+                    schedule=dataclasses.replace(schedule, reshard_after_forward=not kept),
+                    optimizer_slots=optimizer_slots,
+                ).total
+                units = len(grouped.units)
+                candidates.append(
+                    Candidate(
+                        per_unit,
+                        remat,
+                        kept,
+                        units,
+                        costs.step(units, remat, kept),
+                        peak,
+                        largest.name,
+                        budget is None or peak <= budget,
+                    )
                 )
-            )
     candidates.sort(key=lambda c: (c.step_s, c.peak_bytes))
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         least = min(candidates, key=lambda c: c.peak_bytes)
         raise ValueError(
             f"no plan fits the budget of {budget} bytes per rank: the smallest predicted peak is "
-            f"{least.peak_bytes} bytes ({least.per_unit} blocks a unit, remat {'on' if least.remat else 'off'}), "
+            f"{least.peak_bytes} bytes ({least.per_unit} blocks a unit, remat {'on' if least.remat else 'off'}, "
+            f"{'kept gathered' if least.kept else 'resharded'} after forward), "
             f"its largest unit {unit_label(least.largest_unit)}; give at least that budget, or more ranks"
         )
     best = fitting[0]
-    return PlanChoice(plan.grouped(best.per_unit), best.remat, budget, costs, tuple(candidates))
+    return PlanChoice(plan.grouped(best.per_unit), best.remat, best.kept, budget, costs, tuple(candidates))

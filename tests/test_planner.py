@@ -33,7 +33,7 @@ def _plan_everywhere(group):
     except ValueError as e:
         refused = str(e)
     # the chosen plan, metered: no more than it predicted
-    step = ff.train_step(fn, lm_loss, ff.adamw(), remat=tight.remat or None)
+    step = ff.train_step(fn, lm_loss, ff.adamw(), remat=tight.remat or None, schedule=tight.schedule_for())
     state, _ = step(step.init(ff.shard(fn.params, tight.plan, group)), batch)
     with ff.MemoryMeter() as meter:
         meter.tag(state, "state")  # (made before the meter: counted by tagging)
@@ -61,9 +61,13 @@ def test_the_plan_is_the_same_on_every_rank_and_the_fastest_that_fits(pool):
     assert costs.world == 2 and costs.blocks == 4 and costs.units == (5, 2)
     assert costs.step(costs.units[1]) == pytest.approx(costs.step_s[1])
     assert costs.step(costs.units[0]) == pytest.approx(costs.step_s[0])  # the slope runs through both ends
+    assert costs.step(costs.units[0], remat=True) == pytest.approx(costs.step_s[0] + 4 * costs.remat_s[0])
+    assert costs.step(costs.units[1], remat=True) == pytest.approx(costs.step_s[1] + 4 * costs.remat_s[1])
     fastest, tight = (ff.PlanChoice.from_dict(json.loads(json.dumps(first[k]))) for k in ("fastest", "tight"))
     assert fastest.chosen == min(fastest.candidates, key=lambda c: c.step_s)
-    assert {(c.per_unit, c.remat) for c in fastest.candidates} == {(k, r) for k in (1, 2, 4) for r in (False, True)}
+    assert {(c.per_unit, c.remat, c.kept) for c in fastest.candidates} == {
+        (k, r, kept) for k in (1, 2, 4) for r in (False, True) for kept in (False, True)
+    }
     assert tight.chosen.peak_bytes <= first["budget"]
     fitting = [c for c in tight.candidates if c.peak_bytes <= first["budget"]]
     assert tight.chosen == min(fitting, key=lambda c: c.step_s)
