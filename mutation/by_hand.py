@@ -955,6 +955,8 @@ MUTANTS = [
         "        for _ in u.hooks or (u.name,):",
         "        for _ in u.modules:",
         "tests/test_features.py::test_units_of_several_consecutive_blocks_train_like_one_process",
+    ),
+    (
         "integer_part_cast_by_mixed_precision",
         "fsdp_fn/_policy.py",
         "        return self.param_dtype if self.param_dtype is not None and dtype.is_floating_point else dtype",
@@ -984,6 +986,8 @@ MUTANTS = [
         "        params=params + frozen,",
         "        params=params,",
         "tests/test_memory.py::test_estimate_counts_integer_parameters_in_their_own_dtype",
+    ),
+    (
         "region_gathers_from_the_calls_shards",
         "fsdp_fn/_runtime.py",
         "            shard = run.shards.get(unit.name)\n"
