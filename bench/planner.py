@@ -10,6 +10,11 @@ budget, and how far the chosen plan is from the fastest measured one that fits.
 
     python bench/planner.py                     # W=2, 16 blocks, CPU, gloo
     python bench/planner.py --layers 8 --steps 10 --json out/planner.json
+    python bench/planner.py --model bench --steps 2 --json out/planner_bench.json
+
+``--model bench`` is ``bench/compare.py``'s GPT (d 512, 8 blocks, vocab 8192) at the realistic
+batch (8 x 256 tokens per rank), and the budget FSDP2's peak with activation checkpointing
+on every block (``torch.distributed._composable.checkpoint``), whose step is timed beside.
 """
 
 from __future__ import annotations
@@ -31,14 +36,22 @@ from bench.compare import fsdp2_rule
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
 from fsdp_fn.testing import RankPool
 
+MODELS = {  # (GPTConfig fields, sequences per rank)
+    "tiny": ({"vocab": 512, "seq": 32, "d_model": 64, "n_heads": 2}, 2),
+    "bench": ({"vocab": 8192, "seq": 256, "d_model": 512, "n_heads": 8}, 8),
+}
+_KIND = ["tiny"]  # (set per rank by bench())
+
 
 def _model(layers: int) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab=512, seq=32, d_model=64, n_layers=layers, n_heads=2))
+    return GPT(GPTConfig(**MODELS[_KIND[0]][0], n_layers=layers))
 
 
 def _batch(rank: int, k: int) -> torch.Tensor:
-    return torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(1000 * k + rank))
+    cfg, sequences = MODELS[_KIND[0]]
+    g = torch.Generator().manual_seed(1000 * k + rank)
+    return torch.randint(0, cfg["vocab"], (sequences, cfg["seq"] + 1), generator=g)
 
 
 def _timed(run: Any, rank: int, steps: int) -> float:
@@ -60,7 +73,8 @@ def _metered(run: Any, rank: int, rule: Any = None) -> int:
     return meter.peak()["total"]
 
 
-def _torch_system(kind: str, layers: int, group: Any) -> Any:
+def _torch_system(kind: str, layers: int, group: Any, checkpoint: bool = False) -> Any:
+    from torch.distributed._composable import checkpoint as composable_checkpoint
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -68,6 +82,8 @@ def _torch_system(kind: str, layers: int, group: Any) -> Any:
     if kind == "fsdp2":
         mesh = DeviceMesh.from_group(group, "cpu")
         for block in model.blocks:
+            if checkpoint:
+                composable_checkpoint(block)
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         wrapped: torch.nn.Module = model
@@ -108,10 +124,13 @@ def _slowest(value: float, group: Any) -> float:
     return float(t)
 
 
-def bench(group: Any, layers: int, steps: int, sizes: list[int]) -> dict[str, Any]:
+def bench(group: Any, layers: int, steps: int, sizes: list[int], kind: str = "tiny") -> dict[str, Any]:
     torch.set_num_threads(1)
+    _KIND[0] = kind
     rank = group.rank()
-    budget = int(_slowest(_metered(_torch_system("fsdp2", layers, group), rank, fsdp2_rule), group))
+    ac = kind == "bench"  # the budget: FSDP2 per block, with activation checkpointing at the realistic batch
+    budget = int(_slowest(_metered(_torch_system("fsdp2", layers, group, ac), rank, fsdp2_rule), group))
+    fsdp2_ms = 1e3 * _slowest(_timed(_torch_system("fsdp2", layers, group, ac), rank, steps), group)
     fn = ff.functionalize(_model(layers))
     base = ff.make_plan(fn.module, ff.layer_policy([Block]), split_root=False)
     start = time.perf_counter()
@@ -148,6 +167,8 @@ def bench(group: Any, layers: int, steps: int, sizes: list[int]) -> dict[str, An
         "explain": choice.explain(),
         "rows": rows,
         "ddp_ms": ddp_ms,
+        "fsdp2_ms": fsdp2_ms,
+        "fsdp2": "FSDP2 + activation checkpointing" if ac else "FSDP2",
         "measure_s": measured_in,
         "plan_s": planned_in,
     }
@@ -159,13 +180,22 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--json", type=pathlib.Path)
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny")
     args = p.parse_args()
-    sizes = sorted({k for k in (1, 2, 3, 4, 6, 8, 12, 16) if k <= args.layers} | {args.layers})
+    if args.model == "bench" and args.layers == 16:
+        args.layers = 8
+    every = (
+        (1, 2, 4, 8, 16) if args.model == "bench" else (1, 2, 3, 4, 6, 8, 12, 16)
+    )  # (the bench GPT's steps are slow)
+    sizes = sorted({k for k in every if k <= args.layers} | {args.layers})
     with RankPool(args.world, threads=1, timeout=3600) as pool:
-        report = pool.run(bench, args.layers, args.steps, sizes)[0]
+        report = pool.run(bench, args.layers, args.steps, sizes, args.model)[0]
     choice = ff.PlanChoice.from_dict(report["choice"])
     c = choice.chosen
-    print(f"# planner, CPU, gloo, W={args.world}, tiny GPT ({args.layers} blocks), budget = FSDP2 per block's peak")
+    print(
+        f"# planner, CPU, gloo, W={args.world}, {args.model} GPT ({args.layers} blocks), "
+        f"budget = {report['fsdp2']} per block's peak"
+    )
     print(report["explain"])
     print(f"measure_costs {report['measure_s']:.1f} s, plan_for_budget {report['plan_s']:.1f} s")
     print(
@@ -182,11 +212,15 @@ def main() -> None:
     mine = next(r for r in report["rows"] if (r["per_unit"], r["remat"], r["kept"]) == (c.per_unit, c.remat, c.kept))
     fitting = [r for r in report["rows"] if r["peak"] <= report["budget"]]
     best = min(fitting, key=lambda r: r["step_ms"]) if fitting else None
-    print(f"budget {report['budget'] / 2**20:.2f} MiB; DDP step {report['ddp_ms']:.1f} ms")
+    print(
+        f"budget {report['budget'] / 2**20:.2f} MiB; DDP step {report['ddp_ms']:.1f} ms; "
+        f"{report['fsdp2']} step {report['fsdp2_ms']:.1f} ms"
+    )
     print(
         f"chosen: {c.per_unit} blocks a unit, remat {'on' if c.remat else 'off'}, kept {'yes' if c.kept else 'no'}: "
         f"measured {mine['step_ms']:.1f} ms "
-        f"({mine['step_ms'] / report['ddp_ms']:.2f}x DDP), predicted {c.step_s * 1e3:.1f} ms "
+        f"({mine['step_ms'] / report['ddp_ms']:.2f}x DDP, {mine['step_ms'] / report['fsdp2_ms']:.2f}x "
+        f"{report['fsdp2']}), predicted {c.step_s * 1e3:.1f} ms "
         f"({abs(c.step_s * 1e3 / mine['step_ms'] - 1) * 100:.0f}% off); peak {mine['peak'] / 2**20:.2f} MiB, "
         f"predicted {c.peak_bytes / 2**20:.2f} MiB ({(c.peak_bytes / mine['peak'] - 1) * 100:+.0f}%), "
         f"{'within' if mine['peak'] <= report['budget'] else 'OVER'} the budget"
