@@ -137,7 +137,12 @@ def bench(group: Any, layers: int, steps: int, sizes: list[int], kind: str = "ti
     costs = ff.measure_costs(fn, lm_loss, _batch(rank, 0), base, group)
     measured_in = time.perf_counter() - start
     start = time.perf_counter()
-    choice = ff.plan_for_budget(fn, lm_loss, _batch(rank, 0), base, costs, budget)
+    refused = None
+    try:
+        choice = ff.plan_for_budget(fn, lm_loss, _batch(rank, 0), base, costs, budget)
+    except ValueError as e:  # reported; the predictions without a budget go beside the measurements
+        refused = str(e)
+        choice = ff.plan_for_budget(fn, lm_loss, _batch(rank, 0), base, costs, None)
     planned_in = time.perf_counter() - start
     rows = []
     for per_unit in sizes:
@@ -163,6 +168,7 @@ def bench(group: Any, layers: int, steps: int, sizes: list[int], kind: str = "ti
     ddp_ms = 1e3 * _slowest(_timed(_torch_system("ddp", layers, group), rank, steps), group)
     return {
         "budget": budget,
+        "refused": refused,
         "choice": choice.to_dict(),
         "explain": choice.explain(),
         "rows": rows,
@@ -196,6 +202,8 @@ def main() -> None:
         f"# planner, CPU, gloo, W={args.world}, {args.model} GPT ({args.layers} blocks), "
         f"budget = {report['fsdp2']} per block's peak"
     )
+    if report["refused"]:
+        print(f"REFUSED: {report['refused']}\n(the candidates' predictions, without the budget:)")
     print(report["explain"])
     print(f"measure_costs {report['measure_s']:.1f} s, plan_for_budget {report['plan_s']:.1f} s")
     print(
