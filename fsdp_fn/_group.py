@@ -63,6 +63,7 @@ class Role(enum.Enum):
 
     SHARD = "shard"  # every unit is split over the axis's ranks
     REPLICATE = "replicate"  # the axis's ranks hold the same shards; their gradients are averaged
+    TENSOR = "tensor"  # the plan's split modules are split over the axis's ranks; they see the same batch
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,7 +72,7 @@ class Axis:
 
     Attributes:
         name: the mesh's name for the axis (``mesh_dim_names``), or its role's.
-        role: ``Role.SHARD`` or ``Role.REPLICATE``.
+        role: ``Role.SHARD``, ``Role.REPLICATE`` or ``Role.TENSOR``.
         group: the process group of the ranks along the axis that this rank belongs to.
     """
 
@@ -93,11 +94,14 @@ ROLE_OF_NAME = {
     "shard": Role.SHARD,
     "fsdp": Role.SHARD,
     "dp_shard": Role.SHARD,
+    "dp": Role.SHARD,  # beside "tp": the data-parallel axis FSDP shards over (torchtitan's, FSDP2 + TP's)
     "replicate": Role.REPLICATE,
     "dp_replicate": Role.REPLICATE,
     "ddp": Role.REPLICATE,
+    "tp": Role.TENSOR,
+    "tensor": Role.TENSOR,
 }
-NOT_YET = {"tp": "tensor", "tensor": "tensor", "cp": "context", "pp": "pipeline", "ep": "expert"}
+NOT_YET = {"cp": "context", "pp": "pipeline", "ep": "expert"}
 
 
 def resolve_axes(group: Group) -> tuple[Axis, ...]:
@@ -105,14 +109,15 @@ def resolve_axes(group: Group) -> tuple[Axis, ...]:
 
     A ``ProcessGroup`` (or ``None``: the default group) or a 1-D mesh is one shard axis. A
     mesh of more dimensions takes each axis's role from its name (``ROLE_OF_NAME``:
-    ``"shard"``/``"fsdp"``/``"dp_shard"`` shard, ``"replicate"``/``"dp_replicate"``/``"ddp"``
-    replicate); without such names its last axis shards and the ones before it replicate
+    ``"shard"``/``"fsdp"``/``"dp_shard"``/``"dp"`` shard, ``"replicate"``/``"dp_replicate"``/``"ddp"``
+    replicate, ``"tp"``/``"tensor"`` split the plan's tensor-parallel modules); without such
+    names its last axis shards and the ones before it replicate
     (a 2-D mesh is (replicate, shard), as FSDP2's HSDP reads it). Communication: none (the
     mesh's groups exist already).
 
     Raises:
-        ValueError: if the mesh has no shard axis or several, or an axis is named for a kind
-            of parallelism fsdp_fn does not run yet (``"tp"``, ``"pp"``, ...).
+        ValueError: if the mesh has no shard axis or several, several tensor-parallel axes,
+            or an axis is named for a kind of parallelism fsdp_fn does not run yet (``"pp"``, ...).
     """
     if not isinstance(group, DeviceMesh) or group.ndim == 1:
         pg = resolve_group(group)
@@ -144,4 +149,6 @@ def resolve_axes(group: Group) -> tuple[Axis, ...]:
             "shards over exactly one axis (flatten several into one: mesh[(a, b)]._flatten()) and replicates over "
             "the others"
         )
+    if roles.count(Role.TENSOR) > 1:
+        raise ValueError(f"the mesh {names} has several tensor-parallel axes; fsdp_fn splits over one")
     return tuple(Axis(n, r, group.get_group(i)) for i, (n, r) in enumerate(zip(names, roles, strict=True)))

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from fsdp_fn._functional import index_of
+from fsdp_fn._group import Role, resolve_axes
+from fsdp_fn._tp_plan import TensorPlan
 
 Policy = Callable[..., bool]
 
@@ -48,12 +50,14 @@ class ParamSpec:
 
     Attributes:
         name: the canonical fully-qualified name (first in ``named_parameters()``).
-        shape: the full (unsharded) shape.
+        shape: the full (unsharded) shape: this tensor-parallel rank's piece of it when ``split`` is set.
         dtype: the parameter's dtype (every parameter of a unit's part has the same):
             floating, or, for a frozen parameter, also an integer or bool one.
         requires_grad: trainable (in the unit's flat buffer) or frozen (in one of its
             frozen parts).
         aliases: other names of the same tensor (tied weights).
+        split: under tensor parallelism, the dimension split over its axis (``shape`` is then
+            this rank's piece); ``None``: the whole parameter on every rank of the axis.
     """
 
     name: str  # canonical fully-qualified name (first in ``named_parameters()``)
@@ -61,6 +65,7 @@ class ParamSpec:
     dtype: torch.dtype
     requires_grad: bool = True
     aliases: tuple[str, ...] = ()  # other names of the same tensor (tied weights)
+    split: int | None = None  # the dimension split over the tensor-parallel axis (``shape`` is this rank's piece)
 
     @functools.cached_property
     def numel(self) -> int:
@@ -258,6 +263,9 @@ class Plan:
         non_persistent: the module's buffers that its ``state_dict`` leaves out
             (``register_buffer(..., persistent=False)``), by name: a checkpoint may lack
             them (not part of the layout: not serialised, not compared).
+        tensor: under tensor parallelism, which modules are split over its axis and this
+            rank's place on it (``make_plan(tp=...)``); the parameters' shapes are then this
+            rank's pieces. ``None``: no tensor parallelism.
 
     Raises:
         ValueError: if a parameter (or an alias of one) is in two units.
@@ -266,6 +274,7 @@ class Plan:
     units: tuple[Unit, ...]
     order: tuple[str, ...] = field(default=(), compare=False)
     non_persistent: frozenset[str] = field(default=frozenset(), compare=False)
+    tensor: TensorPlan | None = None
 
     def __post_init__(self) -> None:
         seen: dict[str, str] = {}
@@ -527,11 +536,13 @@ class Plan:
                     "dtype": _dtype_name(p.dtype),
                     "requires_grad": p.requires_grad,
                     "aliases": list(p.aliases),
+                    **({"split": p.split} if p.split is not None else {}),
                 }
                 for p in ps
             ]
 
         return {
+            **({"tensor": self.tensor.to_dict()} if self.tensor is not None else {}),
             "units": [
                 {
                     "name": u.name,
@@ -562,7 +573,12 @@ class Plan:
         def specs(ps: list[dict[str, Any]]) -> tuple[ParamSpec, ...]:
             return tuple(
                 ParamSpec(
-                    p["name"], tuple(p["shape"]), _dtype_from_name(p["dtype"]), p["requires_grad"], tuple(p["aliases"])
+                    p["name"],
+                    tuple(p["shape"]),
+                    _dtype_from_name(p["dtype"]),
+                    p["requires_grad"],
+                    tuple(p["aliases"]),
+                    p.get("split"),
                 )
                 for p in ps
             )
@@ -577,7 +593,8 @@ class Plan:
                     members=tuple(u.get("members", [])),
                 )
                 for u in data["units"]
-            )
+            ),
+            tensor=TensorPlan.from_dict(data["tensor"]) if "tensor" in data else None,
         )
 
     def to_json(self) -> str:
@@ -722,7 +739,14 @@ def _ask(policy: Policy, module: nn.Module, path: str, recurse: bool, numel: int
     return answer
 
 
-def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bool | Literal["auto"] = "auto") -> Plan:
+def make_plan(
+    module: nn.Module,
+    policy: Policy | None = None,
+    *,
+    split_root: bool | Literal["auto"] = "auto",
+    tp: TensorPlan | Mapping[str, str] | None = None,
+    mesh: Any = None,
+) -> Plan:
     """Split ``module``'s parameters into units chosen by ``policy``.
 
     Walks the module tree like torch's auto-wrap: ``policy(m, True, n)`` says whether to
@@ -745,9 +769,16 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
             their own, gathered only while they run, instead of one root unit gathered for
             the whole step). ``"auto"`` splits the root when it is larger than every other
             unit: held for the whole step, it would set the peak. ``False``: one root unit.
+        tp: tensor parallelism: ``{module pattern: style}`` (Hugging Face's
+            ``model._tp_plan`` as it is; ``*`` stands for one name of the path) or a
+            ``TensorPlan``. Each split parameter's spec then has this rank's piece's shape
+            (``ParamSpec.split``: the dimension split).
+        mesh: with a ``tp`` mapping, the ``DeviceMesh`` whose tensor-parallel axis
+            (``"tp"``/``"tensor"``) gives the axis's size and this rank's place on it.
 
     Returns:
-        The ``Plan``: the same on every rank for the same model and policy.
+        The ``Plan``: the same on every rank for the same model and policy (under tensor
+        parallelism, on every rank of one place of the tensor-parallel axis).
 
     Raises:
         TypeError: if ``module`` is not an ``nn.Module``, ``policy`` is not callable or
@@ -756,7 +787,9 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
             dtypes.
         ValueError: if an ``nn.Embedding`` has ``max_norm``
             (its forward changes the table in place), the policy chooses a module whose
-            forward never runs, or a ``layer_policy``'s classes are not in the model.
+            forward never runs, a ``layer_policy``'s classes are not in the model, a
+            tensor-parallel style does not fit its module (or a tied parameter's users split
+            it differently), or ``tp`` is a mapping without a mesh of a tensor-parallel axis.
 
     Examples:
         >>> from torch import nn
@@ -771,9 +804,12 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
             f"policy must be callable as policy(module, recurse, unwrapped_params), "
             f"got {type(policy).__name__} {policy!r}"
         )
+    tensor = _tensor_plan(tp, mesh)
     tensors, names_of = _parameters(module)
     chosen = _chosen_units(module, policy, tensors) if policy is not None else set()
     members, shared = _homes(tensors, names_of, chosen)
+    if tensor is not None:
+        members = {home: [_split(module, tensor, spec) for spec in specs] for home, specs in members.items()}
     if split_root == "auto":
         # A language model's embedding and head outweigh a block: kept gathered all step they
         # set the peak (bench GPT, W=2: 355.7 MiB; split, 315.4 MiB; docs/memory.md).
@@ -783,6 +819,8 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
     if split_root:
         _split_root(module, members, shared)
     units = _units_in_order(module, members, shared)
+    if tensor is not None:  # a split table's rows are fetched under its own masking, not by the lookup path
+        units = [dataclasses.replace(u, lookup=False) if any(p.split is not None for p in u.params) else u for u in units]
     return Plan(
         tuple(units),
         order=tuple(name for name, _ in module.named_parameters(remove_duplicate=False)),
@@ -791,7 +829,42 @@ def make_plan(module: nn.Module, policy: Policy | None = None, *, split_root: bo
             for prefix, m in module.named_modules(remove_duplicate=False)
             for b in m._non_persistent_buffers_set
         ),
+        tensor=tensor,
     )
+
+
+def _tensor_plan(tp: TensorPlan | Mapping[str, str] | None, mesh: Any) -> TensorPlan | None:
+    """``make_plan``'s ``tp`` as a ``TensorPlan`` at this rank's place on the mesh's tensor axis."""
+    if tp is None or isinstance(tp, TensorPlan):
+        return tp
+    if not isinstance(tp, Mapping):
+        raise TypeError(f"tp must be a {{pattern: style}} mapping or a TensorPlan, got {type(tp).__name__}")
+    axes = [a for a in resolve_axes(mesh) if a.role is Role.TENSOR] if mesh is not None else []
+    if len(axes) != 1:
+        raise ValueError(
+            "make_plan(tp=...) needs mesh=, a DeviceMesh with one tensor-parallel axis "
+            '(init_device_mesh(..., mesh_dim_names=("dp", "tp"))): the axis\'s size and this rank\'s place on '
+            "it decide each parameter's piece"
+        )
+    return TensorPlan.of(tp, axes[0].name, axes[0].size, axes[0].group.rank())
+
+
+def _split(module: nn.Module, tensor: TensorPlan, spec: ParamSpec) -> ParamSpec:
+    """``spec`` as this tensor-parallel rank holds it: its piece's shape and the dimension split."""
+    dims = set()
+    for name in (spec.name, *spec.aliases):
+        path, _, attr = name.rpartition(".")
+        dims.add(tensor.split_dim(path, attr, module.get_submodule(path)))
+    if len(dims) > 1:
+        raise ValueError(
+            f"tied parameter {spec.name!r} (also {', '.join(map(repr, spec.aliases))}) is split on different "
+            f"dimensions by its modules' tensor-parallel styles ({sorted(map(str, dims))}); give its users "
+            "styles that split it alike (embedding_rowwise and colwise split the vocabulary both)"
+        )
+    dim = dims.pop()
+    if dim is None:
+        return spec
+    return dataclasses.replace(spec, shape=tensor.local_shape(spec.shape, dim), split=dim)
 
 
 def _parameters(module: nn.Module) -> tuple[dict[int, nn.Parameter], dict[int, list[str]]]:

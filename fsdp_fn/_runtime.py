@@ -41,6 +41,7 @@ from fsdp_fn._remat._function import _describe, _remat_with_state, outside_regio
 from fsdp_fn._remat._routing import handling_regions
 from fsdp_fn._remat._state import _installed, _state_slots
 from fsdp_fn._shard import Sharded, check_shard, ensure_live
+from fsdp_fn._tp import split_modules
 from fsdp_fn._unit import GatheredUnit, plain
 from fsdp_fn._wiring import Wiring, check_rematerialisable
 
@@ -310,6 +311,7 @@ class Runtime:
         self._starting()
         try:
             with (
+                self._split_modules(),
                 self._hooks(u for u in self.plan.units if u.name != ROOT),
                 parameters_restored(module),
                 route_torch_checkpoint(),
@@ -339,6 +341,13 @@ class Runtime:
             self.open.clear()
         self._finished()
         return precision.cast_output(out)
+
+    def _split_modules(self) -> contextlib.AbstractContextManager[None]:
+        """Under tensor parallelism, the split modules' collectives around their forwards (``_tp.py``)."""
+        axis = self.params.layout.tensor_axis
+        if self.plan.tensor is None or axis is None:
+            return contextlib.nullcontext()
+        return split_modules(self.fn.module, self.plan.tensor, axis.group)
 
     @contextlib.contextmanager
     def _hooks(self, units: Iterable[Unit]) -> Iterator[None]:

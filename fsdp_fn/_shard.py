@@ -38,7 +38,17 @@ class Layout:
             (one per dtype), in that order.
     """
 
-    __slots__ = ("axes", "frozen", "group", "guard_group", "plan", "replica_axes", "replica_groups", "replicas")
+    __slots__ = (
+        "axes",
+        "frozen",
+        "group",
+        "guard_group",
+        "plan",
+        "replica_axes",
+        "replica_groups",
+        "replicas",
+        "tensor_axis",
+    )
 
     def __init__(
         self,
@@ -57,9 +67,12 @@ class Layout:
         self.replica_axes = tuple(a for a in axes if a.role is Role.REPLICATE and a.size > 1)
         self.replica_groups = tuple(a.group for a in self.replica_axes)
         self.replicas = math.prod(a.size for a in self.replica_axes)  # 1: no replicas
-        # A step's guard watches every rank its collectives reach: with replicas a rank waits on
-        # peers of other shard groups, and a failure must be seen (and named) by all of them.
-        spans_world = self.replicas > 1 and self.world * self.replicas == dist.get_world_size()
+        # (an axis of size 1 splits nothing: the plan's pieces are whole)
+        self.tensor_axis: Axis | None = next((a for a in axes if a.role is Role.TENSOR and a.size > 1), None)
+        # A step's guard watches every rank its collectives reach: with replicas (or a tensor axis) a
+        # rank waits on peers of other shard groups, and a failure must be seen (and named) by all of them.
+        others = self.replicas * (self.tensor_axis.size if self.tensor_axis is not None else 1)
+        spans_world = others > 1 and self.world * others == dist.get_world_size()
         self.guard_group: dist.ProcessGroup = dist.group.WORLD if spans_world else self.group  # type: ignore[assignment]
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -417,10 +430,16 @@ def shard(params: Mapping[str, torch.Tensor], plan: Plan, group: Group = None, *
     axes = resolve_axes(group)
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a Plan (from make_plan), got {type(plan).__name__}")
+    tensor_axis = _tensor_axis(plan, axes)
+    if tensor_axis is not None:
+        with guarded(tensor_axis.group, "shard", timeout):
+            _agree_on_tensor_plan(plan, params, tensor_axis.group)
+        assert plan.tensor is not None
+        params = {n: plan.tensor.local(params[n], spec.split) if (spec := plan._planned.get(n)) else t for n, t in params.items()}
     check_params(params, plan)
     shard_axis = next(a for a in axes if a.role is Role.SHARD)
     world, rank = shard_axis.size, shard_axis.group.rank()
-    for g in (a.group for a in axes):
+    for g in (a.group for a in axes if a is not tensor_axis):
         with guarded(g, "shard", timeout):
             agree(
                 g,
@@ -440,6 +459,40 @@ def shard(params: Mapping[str, torch.Tensor], plan: Plan, group: Group = None, *
     frozen = {u.name: frozen_slices(u, params, world, rank) for u in plan.units if u.frozen}
     layout = Layout(plan, axes, frozen)
     return Sharded({u.name: local_slice(u, params, world, rank) for u in plan.units}, layout)
+
+
+def _tensor_axis(plan: Plan, axes: tuple[Axis, ...]) -> Axis | None:
+    """The mesh's tensor-parallel axis, checked against the plan's (``None``: no tensor parallelism)."""
+    axis = next((a for a in axes if a.role is Role.TENSOR), None)
+    tensor = plan.tensor
+    if tensor is None:
+        if axis is not None and axis.size > 1:
+            raise ValueError(
+                f"the mesh's axis {axis.name!r} is tensor-parallel ({axis.size} ranks) but the plan splits no module "
+                "over it: make the plan with make_plan(model, policy, tp=model._tp_plan (or styles of your own), "
+                "mesh=mesh)"
+            )
+        return None
+    if axis is None or axis.size != tensor.size or axis.group.rank() != tensor.rank:
+        where = "no tensor-parallel axis" if axis is None else f"axis {axis.name!r}: {axis.size} ranks, this rank at {axis.group.rank()}"
+        raise ValueError(
+            f"the plan splits its modules over a tensor-parallel axis of {tensor.size} ranks, this rank at "
+            f"{tensor.rank}; the mesh has {where}: make the plan with the mesh it is sharded over "
+            "(make_plan(..., tp=..., mesh=mesh))"
+        )
+    return axis
+
+
+def _agree_on_tensor_plan(plan: Plan, params: Mapping[str, torch.Tensor], group: dist.ProcessGroup) -> None:
+    """The ranks of a tensor-parallel axis hold the same styles and the same whole parameters (each
+    then keeps its piece): one small all-gather of hashes and checksums."""
+    assert plan.tensor is not None
+    agree(group, "tensor-parallel plans", {"styles": plan.tensor.fingerprint()}, hint="pass every rank the same tp styles")
+    missing = [spec.name for spec in plan.params if spec.name not in params]
+    if missing:
+        raise KeyError(f"params do not match the plan: missing {missing[:5]}")
+    sums = {f"unit {unit_label(u.name)}": _checksum(u, params) for u in plan.units}  # of the whole parameters
+    agree(group, "initial parameters", sums, hint="initialise the model with the same seed on every rank")
 
 
 def _checksum(unit: Unit, params: Mapping[str, torch.Tensor]) -> tuple[float, float]:

@@ -251,10 +251,14 @@ def _sparse_grad_params(module: nn.Module, plan: Plan) -> frozenset[str]:
 
 def _check_plan_fits(plan: Plan, fn: Functional) -> None:
     """The shards' plan must describe this module: same parameter names and shapes."""
+    tensor = plan.tensor
     for spec in plan.params:
         have = fn.params.get(spec.name)
-        if have is None or tuple(have.shape) != spec.shape:
-            found = "no such parameter" if have is None else f"shape {tuple(have.shape)}"
+        shape = None if have is None else tuple(have.shape)
+        if shape is not None and tensor is not None:  # (its piece on this rank of the tensor-parallel axis)
+            shape = tensor.local_shape(shape, spec.split)
+        if shape != spec.shape:
+            found = "no such parameter" if shape is None else f"shape {shape}"
             raise ValueError(
                 f"these shards were made for another plan: their parameter {spec.name!r} is {spec.shape} "
                 f"(unit {unit_label(plan.unit_of(spec.name).name)}) but {type(fn.module).__name__} has {found}"

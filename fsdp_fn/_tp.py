@@ -1,0 +1,350 @@
+"""Tensor parallelism on plain local tensors: the axis's differentiable collectives, and the hooks
+that run them around the plan's split modules for the duration of one call.
+
+Each rank of the tensor-parallel axis runs the same forward on the same batch with its piece of
+every split parameter (``_tp_plan.py``), so everything outside the split modules is the same on
+every rank of the axis, the loss included. Two pairs carry values across the split, each the
+other's transpose (Megatron's ``f`` and ``g``; torchtitan's local-tensor path):
+
+* ``copy_in`` (identity forward, sum backward): a replicated value entering a column-split
+  module; each rank's gradient of it is one part of the whole.
+* ``sum_out`` (sum forward, identity backward): a row-split module's partial outputs summed,
+  the same on every rank after.
+* ``gather_last`` / ``split_last``: a column-split output gathered whole (its backward keeps
+  this rank's piece of the gradient), and the reverse.
+
+Every rule calls the other's differentiable ``apply``, so grad of grad, jvp, vmap and HVP see the
+collectives they need; the tangent of each is the same collective of the tangent. The
+collectives go through the axis group's ``Comm`` and the collective log like FSDP's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import FunctionCtx
+
+from fsdp_fn._collectives import _same_batch_size, all_gather_into, all_reduce_
+from fsdp_fn._tp_plan import (
+    COLWISE,
+    COLWISE_GATHER_OUTPUT,
+    EMBEDDING_ROWWISE,
+    ROWWISE,
+    VOCAB_PARALLEL,
+    TensorPlan,
+    chunk_bounds,
+)
+
+# --- the axis's differentiable collectives --------------------------------------------------------
+
+
+class _Copy(torch.autograd.Function):
+    """Identity forward on a value every rank of the axis holds alike; its backward sums the
+    ranks' gradients (``_Sum``): each rank's is the part its piece of the split module reads."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.group = inputs[1]  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _Sum.apply(grad, ctx.group), None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, _: None) -> torch.Tensor:
+        return cast(torch.Tensor, _Copy.apply(tangent, ctx.group))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, group: Any) -> tuple[torch.Tensor, Any]:
+        return _Copy.apply(x, group), in_dims[0]
+
+
+class _Sum(torch.autograd.Function):
+    """The sum over the axis's ranks (a new tensor, the same on each); its backward is the
+    identity (``_Copy``): every rank's loss reads the same sum."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.detach().clone(memory_format=torch.contiguous_format)
+        with torch.no_grad():
+            return all_reduce_(out, group, "tensor-parallel sum")
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.group = inputs[1]  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _Copy.apply(grad, ctx.group), None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, _: None) -> torch.Tensor:
+        return cast(torch.Tensor, _Sum.apply(tangent, ctx.group))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, group: Any) -> tuple[torch.Tensor, Any]:
+        if in_dims[0] is not None:
+            _same_batch_size(x.shape[in_dims[0]], group, None, "all_reduce")
+        return _Sum.apply(x, group), in_dims[0]  # elementwise: one sum of the whole batch
+
+
+class _GatherLast(torch.autograd.Function):
+    """Every rank's piece along the last dimension, concatenated in rank order (torch.chunk's
+    pieces of ``n``); its backward keeps this rank's piece of the gradient (``_SplitLast``)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, group: dist.ProcessGroup, n: int) -> torch.Tensor:
+        world, rank = group.size(), group.rank()
+        step = -(-n // world)
+        lo, hi = chunk_bounds(n, world, rank)
+        if x.shape[-1] != hi - lo:
+            raise ValueError(
+                f"a tensor-parallel gather of {n} features over {world} ranks wants {hi - lo} here (rank {rank}), "
+                f"got {x.shape[-1]}"
+            )
+        mine = F.pad(x.detach(), (0, step - (hi - lo))).contiguous()
+        every = mine.new_empty(world * mine.numel())
+        all_gather_into(every, mine.reshape(-1), group, "tensor-parallel gather")
+        pieces = every.view(world, *mine.shape).unbind(0)
+        return torch.cat([p[..., : b - a] for p, (a, b) in zip(pieces, _bounds(n, world), strict=True)], dim=-1)
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.group, ctx.n = inputs  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _SplitLast.apply(grad, ctx.group, ctx.n), None, None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
+        return cast(torch.Tensor, _GatherLast.apply(tangent, ctx.group, ctx.n))
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, group: Any, n: int
+    ) -> tuple[torch.Tensor, Any]:
+        dim = in_dims[0]
+        if dim is None:
+            return _GatherLast.apply(x, group, n), None
+        batch = x.movedim(dim, 0)  # (the last dimension stays last)
+        _same_batch_size(batch.shape[0], group, None, "all_gather")
+        return _GatherLast.apply(batch, group, n), 0
+
+
+class _SplitLast(torch.autograd.Function):
+    """This rank's piece along the last dimension of a value every rank holds alike; its backward
+    gathers the pieces' gradients (``_GatherLast``)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, group: dist.ProcessGroup, n: int) -> torch.Tensor:
+        lo, hi = chunk_bounds(n, group.size(), group.rank())
+        return x[..., lo:hi].contiguous()
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.group, ctx.n = inputs  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _GatherLast.apply(grad, ctx.group, ctx.n), None, None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
+        return cast(torch.Tensor, _SplitLast.apply(tangent, ctx.group, ctx.n))
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, group: Any, n: int
+    ) -> tuple[torch.Tensor, Any]:
+        dim = in_dims[0]
+        if dim is None:
+            return _SplitLast.apply(x, group, n), None
+        return _SplitLast.apply(x.movedim(dim, 0), group, n), 0
+
+
+def _bounds(n: int, world: int) -> list[tuple[int, int]]:
+    return [chunk_bounds(n, world, r) for r in range(world)]
+
+
+def copy_in(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``x`` itself, entering a split module: the backward sums the gradient over ``group``.
+    Memory: none; communication: one all-reduce of ``x``'s size in backward."""
+    return cast(torch.Tensor, _Copy.apply(x, group))
+
+
+def sum_out(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum of ``x`` over ``group``, the same on every rank; the backward passes the gradient
+    through. Memory: one copy of ``x``; communication: one all-reduce forward."""
+    return cast(torch.Tensor, _Sum.apply(x, group))
+
+
+def gather_last(x: torch.Tensor, group: dist.ProcessGroup, n: int) -> torch.Tensor:
+    """Every rank's piece of the last dimension (``n`` features in all, split as ``torch.chunk``),
+    whole on each rank; the backward keeps this rank's piece. Memory: the whole output;
+    communication: one all-gather forward."""
+    return cast(torch.Tensor, _GatherLast.apply(x, group, n))
+
+
+def split_last(x: torch.Tensor, group: dist.ProcessGroup, n: int) -> torch.Tensor:
+    """This rank's piece of the last dimension (``n`` features, split as ``torch.chunk``) of a
+    value every rank holds alike; the backward gathers the gradient. Communication: one
+    all-gather backward."""
+    return cast(torch.Tensor, _SplitLast.apply(x, group, n))
+
+
+# --- the vocabulary-parallel cross-entropy --------------------------------------------------------
+
+
+def parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup, vocab: int, *, ignore_index: int = -100
+) -> torch.Tensor:
+    """The mean cross-entropy of logits whose vocabulary is split over ``group`` (a
+    ``vocab_parallel`` head's output), without gathering them: the maximum, the sum of
+    exponentials and the target's logit are each summed over the ranks (Megatron's
+    vocabulary-parallel loss). Differentiable through every ``torch.func`` transform.
+
+    Memory: a few (N,) tensors beside the local logits; communication: three all-reduces of N
+    numbers (the maximum's carries no gradient).
+
+    Args:
+        logits: (..., V_r) this rank's piece of the vocabulary (``torch.chunk``'s of ``vocab``).
+        targets: (...) target ids over the whole vocabulary; ``ignore_index`` is left out.
+        group: the tensor-parallel axis's group.
+        vocab: the whole vocabulary's size.
+        ignore_index: a target that counts for nothing.
+
+    Returns:
+        The mean over the targets that count, a 0-d tensor, the same on every rank.
+    """
+    lo, hi = chunk_bounds(vocab, group.size(), group.rank())
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    t = targets.reshape(-1)
+    with torch.no_grad():
+        top = flat.detach().amax(dim=-1)
+        top = all_reduce_max(top, group)
+    shifted = flat - top.unsqueeze(-1)
+    total = sum_out(shifted.exp().sum(dim=-1), group)
+    mine = (t >= lo) & (t < hi)
+    local = torch.where(mine, t - lo, torch.zeros_like(t))
+    picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
+    target_logit = sum_out(picked, group)
+    losses = total.log() - target_logit
+    keep = t != ignore_index
+    return (losses * keep).sum() / keep.sum().clamp(min=1)
+
+
+def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The elementwise maximum over ``group`` (no gradient): every rank's ``x`` gathered, then the max."""
+    every = x.new_empty(group.size() * x.numel())
+    all_gather_into(every, x.detach().contiguous().reshape(-1), group, "tensor-parallel max")
+    return every.view(group.size(), *x.shape).amax(dim=0)
+
+
+# --- the hooks around the split modules -----------------------------------------------------------
+
+
+FIXED_HEADS = (
+    "a module inside a tensor-parallel unit reshaped a split output by the whole model's head count; "
+    "each rank holds {share} of the heads: reshape by -1 heads (x.view(b, t, -1, head_dim)), as "
+    "Hugging Face's models do"
+)
+
+
+@contextlib.contextmanager
+def split_modules(module: nn.Module, tensor: TensorPlan, group: dist.ProcessGroup) -> Iterator[None]:
+    """For the block, each module the plan splits runs its style's collectives around its forward
+    (hooks installed now, removed after): a column-split module's input enters through ``copy_in``;
+    a row-split module's output leaves through ``sum_out`` (its bias added once, after); a
+    vocabulary-split embedding reads only its rows and sums; ``colwise_gather_output`` gathers its
+    output. The module's parameters hold this rank's pieces meanwhile (the plan's shapes)."""
+    handles = []
+    try:
+        for path, m in module.named_modules():
+            style = tensor.style_of(path)
+            if style in (COLWISE, COLWISE_GATHER_OUTPUT, VOCAB_PARALLEL):
+                handles.append(m.register_forward_pre_hook(_copy_input(group), with_kwargs=True))
+                if style == COLWISE_GATHER_OUTPUT:
+                    assert isinstance(m, nn.Linear)
+                    handles.append(m.register_forward_hook(_gather_output(group, m.out_features), prepend=True))
+            elif style == ROWWISE:
+                stack: list[Any] = []
+                handles.append(m.register_forward_pre_hook(_bias_aside(stack), with_kwargs=True))
+                handles.append(m.register_forward_hook(_sum_output(group, stack), prepend=True))
+            elif style == EMBEDDING_ROWWISE:
+                assert isinstance(m, nn.Embedding)
+                masks: list[torch.Tensor] = []
+                lo, hi = chunk_bounds(m.num_embeddings, tensor.size, tensor.rank)
+                handles.append(m.register_forward_pre_hook(_own_rows(lo, hi, masks), with_kwargs=True))
+                handles.append(m.register_forward_hook(_sum_rows(group, masks), prepend=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _copy_input(group: dist.ProcessGroup) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not args or not isinstance(args[0], torch.Tensor):
+            return None
+        return (copy_in(args[0], group), *args[1:]), kwargs
+
+    return hook
+
+
+def _gather_output(group: dist.ProcessGroup, n: int) -> Any:
+    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return gather_last(output, group, n)
+
+    return hook
+
+
+def _bias_aside(stack: list[Any]) -> Any:
+    def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+        bias = module._parameters.get("bias")
+        stack.append(bias)
+        if bias is not None:  # added once, after the sum (every rank would add it)
+            module._parameters["bias"] = None
+        return None
+
+    return hook
+
+
+def _sum_output(group: dist.ProcessGroup, stack: list[Any]) -> Any:
+    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        bias = stack.pop()
+        out = sum_out(output, group)
+        if bias is not None:
+            module._parameters["bias"] = bias
+            out = out + bias
+        return out
+
+    return hook
+
+
+def _own_rows(lo: int, hi: int, masks: list[torch.Tensor]) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        ids = args[0]
+        outside = (ids < lo) | (ids >= hi)
+        masks.append(outside)
+        return (torch.where(outside, torch.zeros_like(ids), ids - lo), *args[1:]), kwargs
+
+    return hook
+
+
+def _sum_rows(group: dist.ProcessGroup, masks: list[torch.Tensor]) -> Any:
+    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        outside = masks.pop()
+        return sum_out(output.masked_fill(outside.unsqueeze(-1), 0), group)
+
+    return hook
