@@ -56,8 +56,9 @@ class ParamSpec:
         requires_grad: trainable (in the unit's flat buffer) or frozen (in one of its
             frozen parts).
         aliases: other names of the same tensor (tied weights).
-        split: under tensor parallelism, the dimension split over its axis (``shape`` is then
-            this rank's piece); ``None``: the whole parameter on every rank of the axis.
+        split: under tensor parallelism, ``(dim, length)``: the dimension split over its axis
+            and its whole length (``shape`` is then this rank's piece); ``None``: the whole
+            parameter on every rank of the axis.
     """
 
     name: str  # canonical fully-qualified name (first in ``named_parameters()``)
@@ -65,7 +66,7 @@ class ParamSpec:
     dtype: torch.dtype
     requires_grad: bool = True
     aliases: tuple[str, ...] = ()  # other names of the same tensor (tied weights)
-    split: int | None = None  # the dimension split over the tensor-parallel axis (``shape`` is this rank's piece)
+    split: tuple[int, int] | None = None  # (dimension, its whole length) split over the tensor-parallel axis
 
     @functools.cached_property
     def numel(self) -> int:
@@ -536,7 +537,7 @@ class Plan:
                     "dtype": _dtype_name(p.dtype),
                     "requires_grad": p.requires_grad,
                     "aliases": list(p.aliases),
-                    **({"split": p.split} if p.split is not None else {}),
+                    **({"split": list(p.split)} if p.split is not None else {}),
                 }
                 for p in ps
             ]
@@ -552,7 +553,7 @@ class Plan:
                     **({"members": list(u.members)} if u.members else {}),
                 }
                 for u in self.units
-            ]
+            ],
         }
 
     @classmethod
@@ -578,7 +579,7 @@ class Plan:
                     _dtype_from_name(p["dtype"]),
                     p["requires_grad"],
                     tuple(p["aliases"]),
-                    p.get("split"),
+                    tuple(p["split"]) if "split" in p else None,
                 )
                 for p in ps
             )
@@ -772,7 +773,7 @@ def make_plan(
         tp: tensor parallelism: ``{module pattern: style}`` (Hugging Face's
             ``model._tp_plan`` as it is; ``*`` stands for one name of the path) or a
             ``TensorPlan``. Each split parameter's spec then has this rank's piece's shape
-            (``ParamSpec.split``: the dimension split).
+            (``ParamSpec.split``: the dimension split and its whole length).
         mesh: with a ``tp`` mapping, the ``DeviceMesh`` whose tensor-parallel axis
             (``"tp"``/``"tensor"``) gives the axis's size and this rank's place on it.
 
@@ -820,7 +821,9 @@ def make_plan(
         _split_root(module, members, shared)
     units = _units_in_order(module, members, shared)
     if tensor is not None:  # a split table's rows are fetched under its own masking, not by the lookup path
-        units = [dataclasses.replace(u, lookup=False) if any(p.split is not None for p in u.params) else u for u in units]
+        units = [
+            dataclasses.replace(u, lookup=False) if any(p.split is not None for p in u.params) else u for u in units
+        ]
     return Plan(
         tuple(units),
         order=tuple(name for name, _ in module.named_parameters(remove_duplicate=False)),
@@ -864,7 +867,7 @@ def _split(module: nn.Module, tensor: TensorPlan, spec: ParamSpec) -> ParamSpec:
     dim = dims.pop()
     if dim is None:
         return spec
-    return dataclasses.replace(spec, shape=tensor.local_shape(spec.shape, dim), split=dim)
+    return dataclasses.replace(spec, shape=tensor.local_shape(spec.shape, dim), split=(dim, spec.shape[dim]))
 
 
 def _parameters(module: nn.Module) -> tuple[dict[int, nn.Parameter], dict[int, list[str]]]:

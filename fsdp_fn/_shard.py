@@ -17,6 +17,7 @@ from fsdp_fn._collectives import _ReduceScatter, all_gather, all_reduce_sum
 from fsdp_fn._group import Axis, Group, Role, resolve_axes
 from fsdp_fn._guard import guarded
 from fsdp_fn._plan import Plan, Unit, unit_label
+from fsdp_fn._tp import gather_dim
 from fsdp_fn._tree import NAMESPACE
 
 __all__ = ["NAMESPACE", "Layout", "Sharded", "reduce_grads", "shard", "unshard"]
@@ -112,6 +113,28 @@ class Layout:
     def first_replica(self) -> bool:
         """Whether this rank is the first along every replicate axis (the one that writes what replicas share)."""
         return all(g.rank() == 0 for g in self.replica_groups)
+
+    def counted(self, unit: Unit) -> tuple[bool, ...] | None:
+        """Which of ``unit``'s trainable parameters this rank counts in a norm over the whole model:
+        under tensor parallelism a parameter the axis does not split (a norm's weight, a row-split
+        bias) is the same on every rank of it, so only its first rank counts it. ``None``: all."""
+        axis = self.tensor_axis
+        if axis is None or axis.group.rank() == 0:
+            return None
+        return tuple(p.split is not None for p in unit.params)
+
+    def counted_parts(
+        self, unit: Unit, shard: torch.Tensor, mask: tuple[bool, ...] | None = None
+    ) -> list[torch.Tensor]:
+        """This rank's elements of ``unit``'s ``shard`` that a norm over the whole model counts: the
+        parameters ``mask`` marks (``None``: all) that ``counted`` keeps; the whole shard (its
+        padding is zero) when that is all of them, else one view per parameter."""
+        counted = self.counted(unit)
+        if counted is not None:
+            mask = counted if mask is None else tuple(a and b for a, b in zip(mask, counted, strict=True))
+        if mask is None or all(mask):
+            return [shard]
+        return [shard[lo:hi] for i, lo, hi in unit.local_ranges(self.world, self.rank) if mask[i] and lo < hi]
 
     def with_frozen(self, frozen: Mapping[str, tuple[torch.Tensor, ...]]) -> Layout:
         """The same plan and axes with other frozen shards (moved, loaded)."""
@@ -435,7 +458,10 @@ def shard(params: Mapping[str, torch.Tensor], plan: Plan, group: Group = None, *
         with guarded(tensor_axis.group, "shard", timeout):
             _agree_on_tensor_plan(plan, params, tensor_axis.group)
         assert plan.tensor is not None
-        params = {n: plan.tensor.local(params[n], spec.split) if (spec := plan._planned.get(n)) else t for n, t in params.items()}
+        params = {
+            n: plan.tensor.local(params[n], spec.split) if (spec := plan._planned.get(n)) else t
+            for n, t in params.items()
+        }
     check_params(params, plan)
     shard_axis = next(a for a in axes if a.role is Role.SHARD)
     world, rank = shard_axis.size, shard_axis.group.rank()
@@ -474,7 +500,11 @@ def _tensor_axis(plan: Plan, axes: tuple[Axis, ...]) -> Axis | None:
             )
         return None
     if axis is None or axis.size != tensor.size or axis.group.rank() != tensor.rank:
-        where = "no tensor-parallel axis" if axis is None else f"axis {axis.name!r}: {axis.size} ranks, this rank at {axis.group.rank()}"
+        where = (
+            "no tensor-parallel axis"
+            if axis is None
+            else f"axis {axis.name!r}: {axis.size} ranks, this rank at {axis.group.rank()}"
+        )
         raise ValueError(
             f"the plan splits its modules over a tensor-parallel axis of {tensor.size} ranks, this rank at "
             f"{tensor.rank}; the mesh has {where}: make the plan with the mesh it is sharded over "
@@ -487,7 +517,9 @@ def _agree_on_tensor_plan(plan: Plan, params: Mapping[str, torch.Tensor], group:
     """The ranks of a tensor-parallel axis hold the same styles and the same whole parameters (each
     then keeps its piece): one small all-gather of hashes and checksums."""
     assert plan.tensor is not None
-    agree(group, "tensor-parallel plans", {"styles": plan.tensor.fingerprint()}, hint="pass every rank the same tp styles")
+    agree(
+        group, "tensor-parallel plans", {"styles": plan.tensor.fingerprint()}, hint="pass every rank the same tp styles"
+    )
     missing = [spec.name for spec in plan.params if spec.name not in params]
     if missing:
         raise KeyError(f"params do not match the plan: missing {missing[:5]}")
@@ -508,10 +540,12 @@ def _checksum(unit: Unit, params: Mapping[str, torch.Tensor]) -> tuple[float, fl
 def unshard(sharded: Sharded, *, frozen: bool = True, timeout: float = 300.0) -> dict[str, torch.Tensor]:
     """Gather all parameters at full size, keyed by name: one all-gather per unit part.
 
-    Memory: the whole model on every rank. For checkpoints, evaluation and tests. Every
-    rank of the group must call it (guarded: a rank that calls alone gets an error naming
-    the ranks that did not join, within ``timeout`` seconds). Differentiable: its
-    backward is the reduce-scatter, averaged over ranks.
+    Memory: the whole model on every rank. For checkpoints, evaluation and tests. Under tensor
+    parallelism each split parameter is gathered over that axis too (one all-gather more per
+    split parameter), so every rank gets the whole model. Every rank of the group must call
+    it (guarded: a rank that calls alone gets an error naming the ranks that did not join,
+    within ``timeout`` seconds). Differentiable: its backward is the reduce-scatter, averaged
+    over ranks.
 
     Args:
         sharded: sharded parameters (or a gradient, an optimizer moment: any ``Sharded``).
@@ -538,6 +572,12 @@ def unshard(sharded: Sharded, *, frozen: bool = True, timeout: float = 300.0) ->
             for part, shard in parts if frozen else parts[:1]:
                 flat = all_gather(shard, sharded.group, unit=unit.name, grad_scale=1.0 / world)
                 out.update(unit_views(part, flat))
+        axis = sharded.layout.tensor_axis
+        if axis is not None:
+            with guarded(axis.group, "unshard", timeout):
+                for spec in sharded.plan.params:
+                    if spec.split is not None and spec.name in out:
+                        out[spec.name] = gather_dim(out[spec.name], axis.group, spec.split)
     return out
 
 

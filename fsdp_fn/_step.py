@@ -29,7 +29,7 @@ from fsdp_fn._guard import Guard, guarded
 from fsdp_fn._labels import label
 from fsdp_fn._norms import square_norm
 from fsdp_fn._phases import phase, phased
-from fsdp_fn._plan import Policy, unit_label
+from fsdp_fn._plan import Policy, Unit, unit_label
 from fsdp_fn._policy import Schedule
 from fsdp_fn._predict import metrics_words
 from fsdp_fn._remat import Remat
@@ -375,7 +375,7 @@ class TrainStep:
 
         def step_unit(unit: str, grad: torch.Tensor, received: tuple[bool, ...]) -> None:
             nonlocal opt_state
-            square_norms[unit] = square_norm(grad)
+            square_norms[unit] = _square_norm(layout, plan.unit(unit), grad)
             only = params.replace({u: grad if u == unit else params[u] for u in plan.unit_names})
             with phase("optimizer"):
                 opt_state = update_in_place(self.optimizer, only.with_received({unit: received}), before, params)
@@ -403,7 +403,7 @@ class TrainStep:
             if schedule.update_in_backward:  # (each unit was stepped with what any rank reached)
                 stats, merged, _ = self._global(loss, square_norms.values(), result.masks, layout, guard, "")
             else:
-                norms = (square_norm(g) for g in result.grads.values())
+                norms = (_square_norm(layout, plan.unit(u), g) for u, g in result.grads.items())
                 stats, merged, _ = self._global(loss, norms, result.masks, layout, guard, "the step was not applied")
                 grads = params.replace(result.grads).with_received(merged)
                 with phase("optimizer"):
@@ -492,9 +492,20 @@ class TrainStep:
         # (replicas hold the same gradient shards: their norms are counted once)
         merged, stats = reached.over_replicas(merged, layout, everyone[:, :2].sum(0))
         assert stats is not None
+        if layout.tensor_axis is not None:  # its ranks count the parameters each splits (the loss is theirs alike)
+            stats[1] = all_reduce_(stats[1:2].clone(), layout.tensor_axis.group)[0]
         stats[1] /= layout.replicas
         stats[0] /= layout.world * layout.replicas
         return stats, merged, same
+
+
+def _square_norm(layout: Layout, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
+    """The squared norm of this rank's part of ``unit``'s gradient that the whole model's norm counts
+    (``Layout.counted_parts``: all of it, but under tensor parallelism)."""
+    if layout.tensor_axis is None:
+        return square_norm(grad)
+    parts = layout.counted_parts(unit, grad.reshape(-1))
+    return torch.stack([square_norm(x) for x in parts]).sum() if parts else grad.new_zeros((), dtype=torch.float64)
 
 
 def _clone(x: Any) -> Any:

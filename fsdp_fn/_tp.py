@@ -173,6 +173,13 @@ class _SplitLast(torch.autograd.Function):
         return _SplitLast.apply(x.movedim(dim, 0), group, n), 0
 
 
+def gather_dim(x: torch.Tensor, group: dist.ProcessGroup, split: tuple[int, int]) -> torch.Tensor:
+    """A parameter's whole value from every rank's piece (``ParamSpec.split``: its dimension and
+    whole length); differentiable (``gather_last`` along that dimension)."""
+    dim, n = split
+    return gather_last(x.movedim(dim, -1), group, n).movedim(-1, dim)
+
+
 def _bounds(n: int, world: int) -> list[tuple[int, int]]:
     return [chunk_bounds(n, world, r) for r in range(world)]
 
@@ -315,7 +322,7 @@ def _bias_aside(stack: list[Any]) -> Any:
         stack.append(bias)
         if bias is not None:  # added once, after the sum (every rank would add it)
             module._parameters["bias"] = None
-        return None
+        return
 
     return hook
 

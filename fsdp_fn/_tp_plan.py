@@ -111,17 +111,21 @@ class TensorPlan:
             return 1 if attr == "weight" else None  # its bias is added once, after the sum
         return 0
 
-    def local_shape(self, shape: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
-        """This rank's shape of a parameter of ``shape`` split on ``dim``."""
-        if dim is None:
+    def local_shape(self, shape: tuple[int, ...], split: int | tuple[int, int] | None) -> tuple[int, ...]:
+        """This rank's shape of a parameter of ``shape`` split on ``split`` (a dimension, or a
+        ``ParamSpec.split``)."""
+        if split is None:
             return shape
+        dim = split if isinstance(split, int) else split[0]
         lo, hi = chunk_bounds(shape[dim], self.size, self.rank)
         return (*shape[:dim], hi - lo, *shape[dim + 1 :])
 
-    def local(self, full: torch.Tensor, dim: int | None) -> torch.Tensor:
-        """This rank's piece of ``full`` (a view; ``full`` itself when it is replicated)."""
-        if dim is None:
+    def local(self, full: torch.Tensor, split: int | tuple[int, int] | None) -> torch.Tensor:
+        """This rank's piece of ``full`` (a view; ``full`` itself when it is replicated), split on
+        ``split`` (a dimension, or a ``ParamSpec.split``)."""
+        if split is None:
             return full
+        dim = split if isinstance(split, int) else split[0]
         lo, hi = chunk_bounds(full.shape[dim], self.size, self.rank)
         return full.narrow(dim, lo, hi - lo)
 

@@ -32,6 +32,7 @@ from fsdp_fn._collectives import all_reduce_, all_reduce_over_
 from fsdp_fn._norms import max_abs, power_sum
 from fsdp_fn._plan import Unit
 from fsdp_fn._shard import Layout, Sharded
+from fsdp_fn._tp import all_reduce_max
 
 __all__ = [
     "ScaleByAdamState",
@@ -188,11 +189,7 @@ def _received_parts(grads: Sharded, unit: Unit) -> list[torch.Tensor]:
     the whole shard (padding is zero), or one slice (a view) per received parameter of a unit
     only some of whose parameters are (``masked``, one label of ``multi_transform``): the
     others' elements are absent, so no norm counts them, NaN or not."""
-    shard, mask = grads[unit.name].reshape(-1), grads.mask(unit)
-    if all(mask):
-        return [shard]
-    layout = grads.layout
-    return [shard[lo:hi] for i, lo, hi in unit.local_ranges(layout.world, layout.rank) if mask[i] and lo < hi]
+    return grads.layout.counted_parts(unit, grads[unit.name].reshape(-1), grads.mask(unit))
 
 
 def global_norm(grads: Sharded, norm_type: float = 2.0) -> torch.Tensor:
@@ -203,7 +200,8 @@ def global_norm(grads: Sharded, norm_type: float = 2.0) -> torch.Tensor:
     ``multi_transform`` give their inner transformation). A p-norm: the sums of ``|x|**p``
     of this rank's pieces (``square_norm`` for ``p == 2``: exact at any size; padding is
     zero), all-reduced over the group, averaged over the replicas (which hold the same
-    shards: counted once), then ``**(1/p)``. ``math.inf``: the largest ``|x|``; the ranks'
+    shards: counted once), summed over a tensor-parallel axis (each of its ranks counts the
+    parameters it splits, its first one the rest), then ``**(1/p)``. ``math.inf``: the largest ``|x|``; the ranks'
     maxima are all-reduced as a vector of ``W`` numbers, each rank's at its index (the
     replicas hold the same maxima: no replica all-reduce); a NaN anywhere gives NaN.
     Communication: one all-reduce of one number (two with replicas); of ``W`` numbers for
@@ -233,11 +231,14 @@ def global_norm(grads: Sharded, norm_type: float = 2.0) -> torch.Tensor:
         each = torch.zeros(layout.world, dtype=torch.float64)
         if parts:
             each[layout.rank] = torch.stack([max_abs(x).cpu() for x in parts]).amax()
-        return all_reduce_(each, layout.group).amax()
+        top = all_reduce_(each, layout.group).amax()
+        return all_reduce_max(top, layout.tensor_axis.group) if layout.tensor_axis is not None else top
     total = torch.zeros((), dtype=torch.float64)
     for x in parts:
         total += power_sum(x, p).cpu()
     all_reduce_(total, layout.group)
+    if layout.tensor_axis is not None:  # (each rank of it counts the parameters it splits, its first the rest)
+        all_reduce_(total, layout.tensor_axis.group)
     if layout.replicas > 1:
         all_reduce_over_(total, layout.replica_groups).div_(layout.replicas)
     return total.sqrt() if p == 2 else total.pow(1 / p)

@@ -24,7 +24,7 @@ from fsdp_fn._base import (
     no_update,
     update_in_place,
 )
-from fsdp_fn._collectives import all_reduce_, all_reduce_over_
+from fsdp_fn._collectives import all_reduce_over_
 from fsdp_fn._plan import Unit
 from fsdp_fn._shard import Sharded
 from fsdp_fn._transforms import ParamMask, check_float_dtype, global_norm, zeros_like
@@ -245,7 +245,9 @@ def accumulate(
             return False, state.skip_state
         skip, skip_state = should_skip_update_fn(grads, state.gradient_step, params)
         flag = torch.tensor(float(bool(skip)), dtype=torch.float64)
-        all_reduce_(flag, grads.layout.group)
+        all_reduce_over_(
+            flag, [grads.layout.group] + ([grads.layout.tensor_axis.group] if grads.layout.tensor_axis else [])
+        )
         if grads.layout.replicas > 1:
             all_reduce_over_(flag, grads.layout.replica_groups)
         return bool(flag > 0), skip_state
