@@ -24,10 +24,23 @@ class GPTConfig:
     tie: bool = False  # share the token embedding with the output head
 
 
+# Tensor parallelism (``ff.make_plan(model, policy, tp=model._tp_plan, mesh=mesh)``), in Hugging
+# Face's words: each block's attention and MLP split Megatron's way, the vocabulary split over the
+# embedding's rows and the head's outputs.
+TP_PLAN = {
+    "wte": "embedding_rowwise",
+    "blocks.*.qkv": "colwise",
+    "blocks.*.proj": "rowwise",
+    "blocks.*.fc": "colwise",
+    "blocks.*.out": "rowwise",
+    "head": "colwise_gather_output",
+}
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
@@ -36,15 +49,18 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        b, t, _ = x.shape
+        # qkv's outputs are (head, q/k/v, head_dim): a split of its rows holds whole heads, and
+        # the head count is -1 (what this rank holds under tensor parallelism).
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, -1, 3, self.head_dim).unbind(3)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 class GPT(nn.Module):
+    _tp_plan = TP_PLAN
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg

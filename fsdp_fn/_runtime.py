@@ -41,7 +41,7 @@ from fsdp_fn._remat._function import _describe, _remat_with_state, outside_regio
 from fsdp_fn._remat._routing import handling_regions
 from fsdp_fn._remat._state import _installed, _state_slots
 from fsdp_fn._shard import Sharded, check_shard, ensure_live
-from fsdp_fn._tp import split_modules
+from fsdp_fn._tp import FIXED_HEADS, split_modules
 from fsdp_fn._unit import GatheredUnit, plain
 from fsdp_fn._wiring import Wiring, check_rematerialisable
 
@@ -328,6 +328,10 @@ class Runtime:
         except Exception as e:
             where = f"unit {unit_label(self.running[-1])}" if self.running else "the root unit"
             e.add_note(f"fsdp_fn: raised in the forward of {where}")
+            if self.plan.tensor is not None and "is invalid for input of size" in str(e):
+                e.add_note(
+                    f"fsdp_fn: in the forward of {where}, " + FIXED_HEADS.format(share=f"1/{self.plan.tensor.size}")
+                )
             if "_ParamView is a view and its base" in str(e):  # autograd's words for it, under no_grad
                 e.add_note(f"fsdp_fn: the forward of {where} changed one of its parameters in place; {_LOST}")
             self._failed()

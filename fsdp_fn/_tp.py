@@ -235,7 +235,7 @@ def parallel_cross_entropy(
         The mean over the targets that count, a 0-d tensor, the same on every rank.
     """
     lo, hi = chunk_bounds(vocab, group.size(), group.rank())
-    flat = logits.reshape(-1, logits.shape[-1]).float()
+    flat = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
     t = targets.reshape(-1)
     with torch.no_grad():
         top = flat.detach().amax(dim=-1)

@@ -258,7 +258,8 @@ def _meshes_fsdp_fn_cannot_read(group):
     fn = ff.functionalize(model)
     plan = ff.make_plan(model, policy)
     meshes = {
-        "tp": (("dp_replicate", "tp", "fsdp"), (1, 2, 2)),
+        "cp": (("dp_replicate", "cp", "fsdp"), (1, 2, 2)),
+        "tp without styles": (("dp_replicate", "tp", "fsdp"), (1, 2, 2)),
         "two shard axes": (("fsdp", "dp_shard"), (2, 2)),
         "no shard axis": (("replicate", "ddp"), (2, 2)),
     }
@@ -270,8 +271,10 @@ def _meshes_fsdp_fn_cannot_read(group):
 
 def test_meshes_without_exactly_one_shard_axis(pool):
     msg = pool.run(_meshes_fsdp_fn_cannot_read, world=4)[0]
-    assert "ValueError: the mesh's axis 'tp' names tensor parallelism, which fsdp_fn does not run yet" in msg["tp"]
-    assert "mesh[('dp_replicate', 'fsdp')]" in msg["tp"]
+    assert "ValueError: the mesh's axis 'cp' names context parallelism, which fsdp_fn does not run yet" in msg["cp"]
+    assert "mesh[('dp_replicate', 'fsdp')]" in msg["cp"]
+    assert "the mesh's axis 'tp' is tensor-parallel (2 ranks) but the plan splits no module" in msg["tp without styles"]
+    assert "make_plan(model, policy, tp=model._tp_plan" in msg["tp without styles"]
     assert "has 2 shard axes ('fsdp', 'dp_shard')" in msg["two shard axes"]
     assert "has 0 shard axes (none)" in msg["no shard axis"]
 

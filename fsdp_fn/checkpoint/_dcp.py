@@ -7,11 +7,18 @@ partial row; more for higher ranks). Each rectangle is itself a contiguous range
 is a plain view of the shard: saving writes from the shard, loading writes into it.
 DCP then computes the overlap of saved and requested rectangles, which is what loads
 a checkpoint at another world size, another plan, or from torch FSDP2's DTensors.
+
+Under tensor parallelism a rank's flat range runs over its piece of a parameter (the plan's
+``ParamSpec.shape``), which sits at an offset along the split dimension of the whole one
+(``Placement``): the rectangles are the piece's, moved by that offset and sized against the
+whole, so the checkpoint holds global names and shapes, as FSDP2 + TP's DTensors write them.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +26,9 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from fsdp_fn._plan import ParamSpec
+from fsdp_fn._tp_plan import TensorPlan, chunk_bounds
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,78 @@ def boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[Box]:
     return out
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the tensor a rank's flat range runs over (``ParamSpec.shape``) sits in the whole one.
+
+    Without tensor parallelism, or for a parameter the tensor-parallel axis does not split,
+    it is the whole tensor (``origin`` all zeros); else this rank's piece along the split
+    dimension, which starts at ``origin`` (``torch.chunk``'s pieces, as DTensor's ``Shard``).
+
+    >>> p = Placement.of(ParamSpec("w", (3, 4), torch.float32, split=(1, 7)), TensorPlan((), size=2, rank=1))
+    >>> p.whole, p.origin, p.moved((1, 2))
+    ((3, 7), (0, 4), (1, 6))
+    """
+
+    whole: tuple[int, ...]
+    origin: tuple[int, ...]
+
+    @classmethod
+    def of(cls, spec: ParamSpec, tensor: TensorPlan | None) -> Placement:
+        """``spec``'s piece as this rank of ``tensor`` (the plan's ``Plan.tensor``) holds it."""
+        if spec.split is None or tensor is None:
+            return cls(spec.shape, (0,) * len(spec.shape))
+        dim, length = spec.split
+        lo, _ = chunk_bounds(length, tensor.size, tensor.rank)
+        return cls(whole_shape(spec), tuple(lo if d == dim else 0 for d in range(len(spec.shape))))
+
+    def moved(self, offsets: tuple[int, ...]) -> tuple[int, ...]:
+        """Offsets in the piece as offsets in the whole tensor."""
+        return tuple(o + a for o, a in zip(offsets, self.origin, strict=True))
+
+
+def whole_shape(spec: ParamSpec) -> tuple[int, ...]:
+    """The whole parameter's shape (``spec.shape`` is a tensor-parallel rank's piece when ``split`` is set)."""
+    if spec.split is None:
+        return spec.shape
+    dim, length = spec.split
+    return (*spec.shape[:dim], length, *spec.shape[dim + 1 :])
+
+
+def runs(whole: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
+    """The rectangle ``offsets``/``sizes`` of a row-major tensor of shape ``whole`` as contiguous runs:
+    ``(start in the whole tensor's flat order, start in the rectangle's own flat order, length)``,
+    in order, adjacent runs merged.
+
+    >>> list(runs((3, 7), (1, 4), (2, 3)))
+    [(11, 0, 3), (18, 3, 3)]
+    >>> list(runs((3, 7), (1, 0), (2, 7)))
+    [(7, 0, 14)]
+    """
+    if not whole:
+        yield (0, 0, 1)
+        return
+    if math.prod(sizes) == 0:
+        return
+    k = len(whole) - 1  # the dimensions after ``k`` are whole in the rectangle: a run spans ``k`` and them
+    while k > 0 and sizes[k] == whole[k]:
+        k -= 1
+    strides = [math.prod(whole[d + 1 :]) for d in range(len(whole))]
+    length = math.prod(sizes[k:])
+    base = sum(o * s for o, s in zip(offsets, strides, strict=True))
+    pending: tuple[int, int, int] | None = None
+    for n, index in enumerate(itertools.product(*(range(s) for s in sizes[:k]))):
+        at = base + sum(i * s for i, s in zip(index, strides, strict=False))
+        if pending is not None and pending[0] + pending[2] == at:
+            pending = (pending[0], pending[1], pending[2] + length)
+            continue
+        if pending is not None:
+            yield pending
+        pending = (at, n * length, length)
+    if pending is not None:
+        yield pending
+
+
 class Pieces:
     """This rank's part of one tensor, as DCP chunks that are views of a flat buffer.
 
@@ -75,12 +157,18 @@ class Pieces:
     below look chunks up here instead of treating the value as one whole tensor.
     """
 
-    def __init__(self, shape: tuple[int, ...], flat: torch.Tensor, lo: int, hi: int) -> None:
-        """``flat[i]`` holds element ``lo + i`` of the flattened tensor, for ``i < hi - lo``."""
-        self.shape = torch.Size(shape)
+    def __init__(
+        self, shape: tuple[int, ...], flat: torch.Tensor, lo: int, hi: int, place: Placement | None = None
+    ) -> None:
+        """``flat[i]`` holds element ``lo + i`` of the flattened tensor of ``shape``, for ``i < hi - lo``;
+        that tensor is the whole one, or a tensor-parallel piece of it placed by ``place``."""
+        self.shape = torch.Size(shape if place is None else place.whole)
         self.dtype = flat.dtype
         self.chunks = {
-            b.offsets: flat[b.start - lo : b.start - lo + b.numel].view(b.sizes) for b in boxes(shape, lo, hi)
+            (b.offsets if place is None else place.moved(b.offsets)): flat[b.start - lo : b.start - lo + b.numel].view(
+                b.sizes
+            )
+            for b in boxes(shape, lo, hi)
         }
 
     def size(self) -> torch.Size:

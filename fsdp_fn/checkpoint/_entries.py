@@ -4,6 +4,11 @@ Parameters are ``model.<fqn>`` (every alias of a tied one), buffers ``model.<nam
 state ``optim.state.<fqn>.<field>``: each a ``Pieces`` of this rank's elements (no copy), the step
 counters one per parameter. Loading targets the same keys, on the tensors of ``like`` (or new ones
 where it is on the meta device), its padding zeroed.
+
+Under tensor parallelism the keys and shapes are the whole parameters' (``Placement``): each rank
+writes the chunks of its piece of every split parameter, and a parameter the axis does not split
+(the same on every rank of it) is written by the axis's first rank only, as DCP would keep one of
+identical chunks; every rank reads the chunks its piece overlaps.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 from fsdp_fn._plan import ParamSpec, Unit, unit_label
 from fsdp_fn._shard import Layout, Sharded
 from fsdp_fn._step import TrainState
-from fsdp_fn.checkpoint._dcp import Pieces
+from fsdp_fn.checkpoint._dcp import Pieces, Placement, whole_shape
 from fsdp_fn.checkpoint._opt_state import _opt_fields, _rebuild
 
 
@@ -26,12 +31,20 @@ def _parts(unit: Unit, layout: Layout, shards: Sharded) -> list[tuple[Unit, torc
     return out
 
 
-def _pieces(part: Unit, flat: torch.Tensor, layout: Layout) -> list[tuple[ParamSpec, Pieces]]:
-    """Each parameter of ``part`` with its elements in this rank's shard ``flat``, as DCP chunks."""
-    return [
-        (part.params[i], Pieces(part.params[i].shape, flat[at : at + end - first], first, end))
-        for i, first, end, at in part.held(layout.world, layout.rank)
-    ]
+def _pieces(part: Unit, flat: torch.Tensor, layout: Layout, *, writing: bool = False) -> list[tuple[ParamSpec, Pieces]]:
+    """Each parameter of ``part`` with its elements in this rank's shard ``flat``, as DCP chunks of
+    the whole parameter. ``writing``: only those this rank writes (not, on a tensor-parallel
+    rank but the first, the parameters the axis does not split: its first rank writes them)."""
+    tensor = layout.plan.tensor
+    skip_whole = writing and layout.tensor_axis is not None and layout.tensor_axis.group.rank() != 0
+    out = []
+    for i, first, end, at in part.held(layout.world, layout.rank):
+        spec = part.params[i]
+        if skip_whole and spec.split is None:
+            continue
+        place = Placement.of(spec, tensor)
+        out.append((spec, Pieces(spec.shape, flat[at : at + end - first], first, end, place)))
+    return out
 
 
 def _is_step(name: str) -> bool:
@@ -54,12 +67,12 @@ def _entries(state: TrainState, *, write_shards: bool, coordinator: bool) -> dic
     for unit in layout.plan.units:
         if write_shards:
             for part, flat in _parts(unit, layout, params):
-                for spec, pieces in _pieces(part, flat, layout):
+                for spec, pieces in _pieces(part, flat, layout, writing=True):
                     for name in (spec.name, *spec.aliases):
                         out[f"model.{name}"] = pieces
             for tname, tree in fields:
                 if not _is_step(tname):
-                    for spec, pieces in _pieces(unit, tree[unit.name], layout):
+                    for spec, pieces in _pieces(unit, tree[unit.name], layout, writing=True):
                         out[f"optim.state.{spec.name}.{tname}"] = pieces
         if coordinator:
             for tname, tree in fields:
@@ -107,7 +120,8 @@ def _target(like: TrainState) -> _Target:
     for unit in layout.plan.units:
         for part, flat in _parts(unit, layout, params):
             for spec in part.params:
-                expected[f"model.{spec.name}"] = (spec.shape, spec.dtype, f"parameter {spec.name!r} ({_where(unit)})")
+                what = f"parameter {spec.name!r} ({_where(unit)})"
+                expected[f"model.{spec.name}"] = (whole_shape(spec), spec.dtype, what)
             _zero_padding(part, flat, layout)
             for spec, pieces in _pieces(part, flat, layout):
                 entries[f"model.{spec.name}"] = pieces
@@ -115,7 +129,8 @@ def _target(like: TrainState) -> _Target:
             t = tree[unit.name]
             for spec in unit.params:
                 what = f"optimizer state {tname!r} of {spec.name!r} ({_where(unit)})"
-                expected[f"optim.state.{spec.name}.{tname}"] = (() if _is_step(tname) else spec.shape, t.dtype, what)
+                shape = () if _is_step(tname) else whole_shape(spec)
+                expected[f"optim.state.{spec.name}.{tname}"] = (shape, t.dtype, what)
             if _is_step(tname):
                 for spec, view in _step_views(unit, t, every=False):
                     entries[f"optim.state.{spec.name}.{tname}"] = view

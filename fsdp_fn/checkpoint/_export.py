@@ -4,11 +4,17 @@ Export: the file layout (header, every tensor's byte range) follows from the pla
 so rank 0 writes the headers and every rank writes the bytes of its own shard pieces at
 their offsets (``os.pwrite``); no rank gathers anything. Import: each rank reads only the
 rectangles of each tensor that overlap its shard (``safe_open(...).get_slice``).
+
+Under tensor parallelism the files hold the whole tensors under their names: a rank's shard runs
+over its piece of each split parameter, whose bytes lie in the whole tensor as runs (rows of a
+piece split on its last dimension), each written at its offset; the first rank of the axis alone
+writes the parameters it does not split. Import reads each rank's piece's rectangles.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -24,7 +30,8 @@ from fsdp_fn._errors import RankFailure
 from fsdp_fn._guard import run_guarded
 from fsdp_fn._plan import ParamSpec, Unit, unit_label
 from fsdp_fn._shard import Layout, Sharded
-from fsdp_fn.checkpoint._dcp import boxes
+from fsdp_fn._tp_plan import chunk_bounds
+from fsdp_fn.checkpoint._dcp import Placement, boxes, runs, whole_shape
 from fsdp_fn.checkpoint._integrity import CheckpointError, confined
 
 SINGLE = "model.safetensors"
@@ -54,9 +61,46 @@ def _parts(params: Sharded) -> Iterator[tuple[Unit, Unit, torch.Tensor]]:
 
 
 def _local(part: Unit, flat: torch.Tensor, layout: Layout) -> Iterator[tuple[ParamSpec, int, int, torch.Tensor]]:
-    """(parameter, first, end, its elements [first, end) in ``flat``) for each parameter this rank holds part of."""
+    """(parameter, first, end, its elements [first, end) in ``flat``) for each parameter this rank holds part of
+    (under tensor parallelism, elements of this rank's piece of it: ``Placement``)."""
     for i, first, end, at in part.held(layout.world, layout.rank):
         yield part.params[i], first, end, flat[at : at + end - first]
+
+
+def _bounds(length: int, size: int) -> list[tuple[int, int]]:
+    return [chunk_bounds(length, size, r) for r in range(size)]
+
+
+def _tensor_rank(layout: Layout) -> int:
+    """This rank's place on the tensor-parallel axis (0 without one)."""
+    return layout.tensor_axis.group.rank() if layout.tensor_axis is not None else 0
+
+
+def _spans(spec: ParamSpec, a: int, b: int, layout: Layout) -> Iterator[tuple[int, int, int]]:
+    """The elements ``[a, b)`` of this rank's piece of ``spec`` as contiguous runs of the whole tensor:
+    (start in the whole tensor's flat order, start among the elements, length). One run unless the
+    piece is split on a dimension after the first (a row-split weight: a run per row at most)."""
+    if spec.split is None:
+        yield a, 0, b - a
+        return
+    dim = spec.split[0]
+    if math.prod(spec.shape[:dim]) == 1:  # the piece is one block of the whole tensor
+        yield Placement.of(spec, layout.plan.tensor).origin[dim] * math.prod(spec.shape[dim + 1 :]) + a, 0, b - a
+        return
+    for index, at, sizes, place in _placed(spec, a, b, layout):
+        for whole_at, box_at, n in runs(place.whole, tuple(i.start for i in index), sizes):
+            yield whole_at, at + box_at, n
+
+
+def _placed(
+    spec: ParamSpec, a: int, b: int, layout: Layout
+) -> Iterator[tuple[tuple[slice, ...], int, tuple[int, ...], Placement]]:
+    """The elements ``[a, b)`` of this rank's piece of ``spec`` as rectangles of the whole tensor:
+    (its index in the whole tensor, where it starts among the elements, its sizes, the placement)."""
+    place = Placement.of(spec, layout.plan.tensor)
+    for box in boxes(spec.shape, a, b):
+        at = place.moved(box.offsets)
+        yield tuple(slice(o, o + s) for o, s in zip(at, box.sizes, strict=True)), box.start - a, box.sizes, place
 
 
 # --- export ------------------------------------------------------------------------------
@@ -75,20 +119,21 @@ def _file_names(sizes: list[int], max_shard_size: int | None) -> list[int]:
 
 def _layout(specs: list[ParamSpec], dtype: torch.dtype | None, max_shard_size: int | None) -> dict[str, Any]:
     """Files, their headers and every tensor's (file, byte offset) — the same on every rank."""
-    sizes = [p.numel * (dtype or p.dtype).itemsize for p in specs]
+    shapes = [whole_shape(p) for p in specs]
+    sizes = [math.prod(shape) * (dtype or p.dtype).itemsize for p, shape in zip(specs, shapes, strict=True)]
     index = _file_names(sizes, max_shard_size)
     count = index[-1] + 1 if index else 1
     names = [SINGLE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
     headers: list[dict[str, Any]] = [{"__metadata__": {"format": "pt"}} for _ in names]
     used = [0] * count
     where: dict[str, tuple[int, int]] = {}
-    for spec, size, f in zip(specs, sizes, index, strict=True):
+    for spec, shape, size, f in zip(specs, shapes, sizes, index, strict=True):
         d = dtype or spec.dtype
         if d not in _DTYPES:
             raise TypeError(f"parameter {spec.name!r} is {d}, which safetensors cannot hold")
         headers[f][spec.name] = {
             "dtype": _DTYPES[d],
-            "shape": list(spec.shape),
+            "shape": list(shape),
             "data_offsets": [used[f], used[f] + size],
         }
         where[spec.name] = (f, used[f])
@@ -142,7 +187,8 @@ def export_safetensors(
     root = Path(directory)
     paths = [root / n for n in files["names"]]
     group = layout.group
-    first = group.rank() == 0 and layout.first_replica
+    tensor_rank = _tensor_rank(layout)
+    first = group.rank() == 0 and layout.first_replica and tensor_rank == 0
     with _settled(layout, "export_safetensors: the files' headers"):
         if first:
             root.mkdir(parents=True, exist_ok=True)
@@ -158,11 +204,16 @@ def export_safetensors(
                 for fd in fds:
                     stack.callback(os.close, fd)
                 for _, part, flat in _parts(params):
-                    for spec, a, _b, piece in _local(part, flat, layout):
+                    for spec, a, b, piece in _local(part, flat, layout):
+                        if spec.split is None and tensor_rank != 0:  # the same on every rank of the axis
+                            continue
                         f, start = files["where"][spec.name]
                         data = piece.detach().to(dtype or spec.dtype).contiguous().view(torch.uint8).numpy()
                         itemsize = (dtype or spec.dtype).itemsize
-                        os.pwrite(fds[f], data.data, 8 + len(files["headers"][f]) + start + a * itemsize)
+                        base = 8 + len(files["headers"][f]) + start
+                        for whole_at, at, n in _spans(spec, a, b, layout):
+                            lo = at * itemsize
+                            os.pwrite(fds[f], data[lo : lo + n * itemsize].data, base + whole_at * itemsize)
                 for fd in fds:
                     os.fsync(fd)
             if first and len(paths) > 1:
@@ -197,7 +248,10 @@ def export_state_dict(params: Sharded, *, dst: int = 0, timeout: float = 300.0) 
     parameter under each of its names (one tensor), so ``module.load_state_dict(export,
     strict=False)`` loads every parameter. Memory: rank ``dst`` ends with the whole model;
     the others hold nothing beyond their shards. Communication: one gather to ``dst`` per
-    unit part. Every rank of the group calls it.
+    unit part. Every rank of the group calls it. Under tensor parallelism the rank ``dst``
+    of the shard group that is first on the tensor-parallel axis gets the whole parameters:
+    the axis's other ranks at ``dst`` send it their pieces (one gather per split parameter),
+    and every rank of the mesh calls it.
 
     Args:
         params: the sharded parameters; frozen ones are exported too.
@@ -207,11 +261,12 @@ def export_state_dict(params: Sharded, *, dst: int = 0, timeout: float = 300.0) 
             their own, watched by the guard).
 
     Returns:
-        On rank ``dst``, the full parameters by name, in the module's order (new tensors);
-        ``None`` on the other ranks.
+        On rank ``dst`` (under tensor parallelism, the one first on that axis), the full
+        parameters by name, in the module's order (new tensors); ``None`` on the other ranks.
     """
     layout = params.layout
     group, rank = layout.group, layout.rank
+    axis = layout.tensor_axis
     out: dict[str, torch.Tensor] = {}
 
     def gather_all() -> None:
@@ -221,16 +276,38 @@ def export_state_dict(params: Sharded, *, dst: int = 0, timeout: float = 300.0) 
             if pieces is not None:
                 full = torch.cat(pieces)
                 for spec, at in zip(part.params, part.offsets, strict=True):
-                    out[spec.name] = full[at : at + spec.numel].view(spec.shape).clone()
+                    value = full[at : at + spec.numel].view(spec.shape)
+                    if axis is not None and spec.split is not None:
+                        whole = _gather_pieces(value, spec.split, axis.group)
+                        if whole is None:  # sent to the axis's first rank
+                            continue
+                        value = whole
+                    out[spec.name] = value.clone()
                     for alias in spec.aliases:  # tied: the same tensor, as the module's state dict has it
                         out[alias] = out[spec.name]
                 del full, pieces
 
-    run_guarded(group, "export_state_dict", timeout, gather_all)
-    if rank != dst:
+    run_guarded(group if axis is None else layout.guard_group, "export_state_dict", timeout, gather_all)
+    if rank != dst or _tensor_rank(layout) != 0:
         return None
     order = [name for name in params.plan.order if name in out]
     return {name: out[name] for name in [*order, *(n for n in out if n not in set(order))]}
+
+
+def _gather_pieces(piece: torch.Tensor, split: tuple[int, int], group: dist.ProcessGroup) -> torch.Tensor | None:
+    """The whole tensor from every tensor-parallel rank's ``piece`` (``torch.chunk``'s pieces of
+    ``split``'s dimension), on the group's first rank; ``None`` on the others."""
+    dim, length = split
+    size = group.size()
+    step = -(-length // size)
+    padded = piece.new_zeros((*piece.shape[:dim], step, *piece.shape[dim + 1 :]))
+    padded.narrow(dim, 0, piece.shape[dim]).copy_(piece)
+    first = group.rank() == 0
+    every = [torch.empty_like(padded) for _ in range(size)] if first else None
+    dist.gather(padded, every, group=group, group_dst=0)
+    if every is None:
+        return None
+    return torch.cat([p.narrow(dim, 0, hi - lo) for p, (lo, hi) in zip(every, _bounds(length, size), strict=True)], dim)
 
 
 # --- import ------------------------------------------------------------------------------
@@ -289,22 +366,20 @@ def _fill(like: Sharded, names: set[str], read: Reader, source: str, strict: boo
                 piece.copy_(saved[spec.name, a])
                 continue
             name = spec.name if spec.name in names else next(n for n in spec.aliases if n in names)
-            for box in boxes(spec.shape, a, b):
-                index = tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes, strict=True))
+            for index, at, sizes, _ in _placed(spec, a, b, layout):
                 value = read(name, index)
-                if tuple(value.shape) != box.sizes:
-                    raise ValueError(f"{source}: {name!r} is not of shape {spec.shape}")
-                piece[box.start - a : box.start - a + box.numel].copy_(value.reshape(-1))
+                if tuple(value.shape) != sizes:
+                    raise ValueError(f"{source}: {name!r} is not of shape {whole_shape(spec)}")
+                piece[at : at + value.numel()].copy_(value.reshape(-1))
     return out
 
 
 def _check_shapes(source: str, shapes: Mapping[str, tuple[int, ...]], like: Sharded) -> None:
     for spec in like.plan.params:
+        whole = whole_shape(spec)
         for n in (spec.name, *spec.aliases):
-            if n in shapes and tuple(shapes[n]) != spec.shape:
-                raise ValueError(
-                    f"{source}: {n!r} has shape {tuple(shapes[n])}, the model's parameter has {spec.shape}"
-                )
+            if n in shapes and tuple(shapes[n]) != whole:
+                raise ValueError(f"{source}: {n!r} has shape {tuple(shapes[n])}, the model's parameter has {whole}")
 
 
 def import_state_dict(state_dict: Mapping[str, torch.Tensor], like: Sharded, *, strict: bool = True) -> Sharded:

@@ -26,7 +26,7 @@ from fsdp_fn.checkpoint._entries import _Target, _target
 from fsdp_fn.checkpoint._integrity import CheckpointError, Opened, Reader
 from fsdp_fn.checkpoint._opt_state import _opt_fields, _opt_values, _rebuild
 from fsdp_fn.checkpoint._per_rank import _set_rng_state
-from fsdp_fn.checkpoint._ranks import _converted, _group
+from fsdp_fn.checkpoint._ranks import _converted, _group, _mesh
 
 
 def load(
@@ -37,8 +37,9 @@ def load(
     ``like`` is a ``TrainState`` for the target run (``step.init(shard(...))``, or from
     ``init_shards`` with ``device="meta"``): any world size, plan, or mesh. Its tensors
     are filled in place and returned (donated; meta tensors are replaced by new ones).
-    Each rank reads only the saved chunks that overlap its shards. The RNG state of each
-    rank is restored when the world size is the one that saved.
+    Each rank reads only the saved chunks that overlap its shards (under tensor parallelism,
+    of its piece of each parameter: a checkpoint of another mesh, or of FSDP2 + TP, loads). The
+    RNG state of each rank is restored when the mesh (each axis's role and size) is the one that saved.
 
     The directory is untrusted: its commit marker is read first, then the digests and
     DCP's metadata against it (no code from the directory runs, no file outside it is
@@ -74,7 +75,8 @@ def load(
             RNG state or buffers are damaged, or the optimizer state was saved by another
             chain of links. Also the failure of the previous background save, which it
             waits for first.
-        ValueError: if a hybrid-sharded state's ranks are not the whole default group.
+        ValueError: if a state sharded over several axes of more than one rank (replicas, a
+            tensor-parallel axis) is not over the whole default group.
         RankFailure: if a rank of the group does not call ``load`` within ``timeout``
             seconds (naming it).
         DivergenceError: if a rank of the group is in another call.
@@ -125,7 +127,7 @@ def load(
     if opened.marker is None:  # written by torch (FSDP2): its optimizer's step, no extra
         return loaded._replace(step=_torch_step(target)), None
     meta = _meta(path, own)
-    if meta["world"] == group.size():  # the same ranks: each its own RNG state and buffers
+    if _same_ranks(meta, like, group):  # each its own RNG state and buffers
         try:
             if rng_key in own:
                 _set_rng_state(_read_document(path, own, rng_key))
@@ -143,6 +145,15 @@ def load(
         same = {id(v): v for _, v in _opt_fields(loaded.opt_state)}
         loaded = loaded._replace(opt_state=_rebuild(loaded.opt_state, same, values))
     return loaded._replace(step=meta["step"]), meta["extra"]
+
+
+def _same_ranks(meta: Mapping[str, Any], like: TrainState, group: dist.ProcessGroup) -> bool:
+    """Whether the ranks that saved are the ranks that load, each at the same place of the same mesh
+    (a checkpoint from before meshes were recorded: of the same world size, and no tensor axis)."""
+    mesh = _mesh(like.params.layout)
+    if "mesh" not in meta:
+        return meta["world"] == group.size() and like.params.layout.tensor_axis is None
+    return bool(meta["world"] == group.size() and meta["mesh"] == mesh)
 
 
 def _check(path: Path, opened: Opened, target: _Target, like: TrainState) -> None:

@@ -15,17 +15,29 @@ from fsdp_fn.checkpoint._integrity import CheckpointError
 
 
 def _group(layout: Layout) -> dist.ProcessGroup:
-    """Every rank that holds the state: the shard group, or the whole world with replicas."""
-    if not layout.replica_axes:
-        return layout.group
+    """Every rank that holds the state: the shard group; the one axis of more than one rank (a
+    ``(1, tp)`` mesh: its tensor-parallel axis); else, with replicas or a tensor-parallel axis
+    beside the shard axis, the whole world."""
+    spread = [a for a in layout.axes if a.size > 1]
+    if len(spread) <= 1:
+        return spread[0].group if spread else layout.group
     world = dist.group.WORLD
     assert world is not None
-    if world.size() != layout.world * layout.replicas:
+    tensor = layout.tensor_axis.size if layout.tensor_axis is not None else 1
+    if world.size() != layout.world * layout.replicas * tensor:
+        what = ", ".join(f"{a.size} along {a.name!r} ({a.role.value})" for a in spread)
         raise ValueError(
-            f"a hybrid-sharded state ({layout.replicas} replicas of {layout.world} shards) checkpoints "
-            f"over the default group, which has {world.size()} ranks, not {layout.world * layout.replicas}"
+            f"a state sharded over a mesh of several axes ({what}) checkpoints over the default group, "
+            f"which has {world.size()} ranks, not {layout.world * layout.replicas * tensor}"
         )
     return world
+
+
+def _mesh(layout: Layout) -> list[list[object]]:
+    """The state's mesh as a checkpoint records it: each axis of more than one rank, its role and size,
+    in mesh order (JSON). A load restores each rank's RNG state only onto the same mesh: a
+    tensor-parallel axis's ranks draw alike, which another mesh's ranks at the same places need not."""
+    return [[a.role.value, a.size] for a in layout.axes if a.size > 1]
 
 
 def _agree_on_error(group: dist.ProcessGroup, error: str | None) -> None:

@@ -25,7 +25,7 @@ from fsdp_fn.checkpoint._entries import _entries
 from fsdp_fn.checkpoint._integrity import CheckpointError, Writer, commit
 from fsdp_fn.checkpoint._opt_state import _opt_values
 from fsdp_fn.checkpoint._per_rank import _own_buffers, _rng_state
-from fsdp_fn.checkpoint._ranks import _agree_on_error, _converted, _group
+from fsdp_fn.checkpoint._ranks import _agree_on_error, _converted, _group, _mesh
 
 
 def save(
@@ -42,7 +42,9 @@ def save(
     Every rank of the state's group calls it (a rank that calls alone gets an error naming
     the ranks that did not join, within ``timeout`` seconds). Each rank writes only its own chunks
     (replicas of a hybrid mesh: only the first) and hashes them (SHA-256, read back from the
-    page cache); rank 0 also writes the replicated values: buffers, step counters, and
+    page cache); under tensor parallelism, keyed by the whole parameters' names and shapes,
+    each rank its piece's chunks (a parameter the axis does not split: its first rank), as
+    FSDP2 + TP's DTensors are written. Rank 0 also writes the replicated values: buffers, step counters, and
     ``extra`` (JSON values, tuples, sets and tensors, e.g. the data loader's position; anything
     else is refused here, naming it, so that loading runs no code), then the digests and
     the commit marker. ``hyperparams`` (torch.optim's names: ``lr``, ``betas``, ...) are
@@ -84,8 +86,9 @@ def save(
             communication); on every rank, if ``directory`` exists already, or creating,
             writing or committing it fails on any rank; also the failure of the previous
             background save, which it waits for first.
-        ValueError: if a hybrid-sharded state's ranks are not the whole default group, or
-            ``blocking=False`` is asked of a group that is not every rank.
+        ValueError: if a state sharded over several axes of more than one rank (replicas, a
+            tensor-parallel axis) is not over the whole default group, or ``blocking=False`` is
+            asked of a group that is not every rank.
         RankFailure: if a rank of the group does not call ``save`` within ``timeout``
             seconds (naming it).
         DivergenceError: if a rank of the group is in another call.
@@ -98,7 +101,13 @@ def save(
     layout = state.params.layout
     group = _group(layout)
     coordinator = group.rank() == 0
-    meta = {"step": state.step, "world": group.size(), "extra": extra, "optimizer": _opt_values(state.opt_state)}
+    meta = {
+        "step": state.step,
+        "world": group.size(),
+        "mesh": _mesh(layout),
+        "extra": extra,
+        "optimizer": _opt_values(state.opt_state),
+    }
     encode(extra, "extra")  # checked on every rank, before any message, naming what is not JSON
     encode(meta["optimizer"], "the optimizer state")
     own_entries = _document(_META, meta, "the checkpoint", copy=not blocking)

@@ -1,0 +1,379 @@
+"""Tensor parallelism on a named mesh axis: FSDP x TP (x replicate) trains like one process.
+
+The convention: the ranks of the tensor-parallel axis see the same batch and compute the same
+loss; the data-parallel ranks (shard and replicate axes) see different parts of the global batch.
+Each rank holds its piece (``torch.chunk``'s, as DTensor's ``Shard``) of every split parameter,
+flat-sharded over the shard axis; a parameter the plan does not split is whole on the axis.
+So every figure a rank reports is the one process's on the global batch: losses, the global
+gradient norm, and (after ``unshard``, which gathers over both axes) the parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fsdp_fn as ff
+from examples.gpt import GPT, Block, GPTConfig
+from fsdp_fn._shard import local_slice, unit_views
+from fsdp_fn._tp import copy_in, gather_last, parallel_cross_entropy, split_last, sum_out
+from fsdp_fn._tp_plan import TensorPlan, chunk_bounds
+from fsdp_fn.testing import RankPool
+from tests.helpers import reference_run, tiny_llama
+
+# GQA (4 query, 2 key/value heads), a vocabulary and an MLP width that no tp size divides.
+LLAMA = {
+    "vocab_size": 61,
+    "hidden_size": 32,
+    "intermediate_size": 87,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+GPT_CFG = {"vocab": 37, "seq": 9, "d_model": 12, "n_layers": 2, "n_heads": 2}
+STEPS = 3
+BATCH = 4  # sequences in the global batch
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    """Two ranks of their own: a mesh is made by every rank of the job (torch's new_group), so the
+    session's four-rank pool makes only four-rank meshes."""
+    with RankPool(2, timeout=300) as p:
+        yield p
+
+
+def _llama_loss(model, batch):
+    logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+
+
+def _gpt_loss(model, batch):
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+def _model(kind, **kw):
+    if kind == "llama":
+        import transformers
+
+        model = tiny_llama(**(LLAMA | kw))
+        layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+        return model, ff.layer_policy([layer]), _llama_loss, model.config.vocab_size, 10
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**(GPT_CFG | kw)))
+    return model, ff.layer_policy([Block]), _gpt_loss, model.cfg.vocab, model.cfg.seq + 1
+
+
+def _batches(vocab, length, steps=STEPS):
+    return [torch.randint(0, vocab, (BATCH, length), generator=torch.Generator().manual_seed(k)) for k in range(steps)]
+
+
+def _data_index(mesh):
+    """Which part of the global batch this rank sees: its place over the data axes (all but tp)."""
+    names, coord = mesh.mesh_dim_names, mesh.get_coordinate()
+    index, parts = 0, 1
+    for name, c, n in zip(names, coord, mesh.mesh.shape, strict=True):
+        if name != "tp":
+            index, parts = index * n + c, parts * n
+    return index, parts
+
+
+def _train_tp(group, kind, shape, names, *, clip=None, micro=1, schedule=None, model_kw=None, plan_kw=None):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    model, policy, loss_fn, vocab, length = _model(kind, **(model_kw or {}))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, policy, tp=model._tp_plan, mesh=mesh, **(plan_kw or {}))
+    params = ff.shard(fn.params, plan, mesh)
+    optimizer = ff.adamw(1e-2) if clip is None else ff.chain(ff.clip_by_global_norm(clip), ff.adamw(1e-2))
+    schedule = {**(schedule or {}), **({"micro_batches": micro} if micro > 1 else {})}
+    step = ff.train_step(fn, loss_fn, optimizer, schedule=ff.Schedule(**schedule))
+    state = step.init(params)
+    index, parts = _data_index(mesh)
+    batches = _batches(vocab, length)
+    losses, norms = [], []
+    for b in batches:
+        local = b.chunk(parts)[index]
+        state, metrics = step(state, [local.chunk(micro)[i] for i in range(micro)] if micro > 1 else local)
+        losses.append(metrics["loss"].item())
+        norms.append(metrics["grad_norm"].item())
+    full = ff.unshard(state.params)
+    ref = reference_run(model, loss_fn, batches, partial(torch.optim.AdamW, lr=1e-2), clip=clip)
+    split = [s for s in plan.params if s.split is not None]
+    return {
+        "loss": max(abs(a - b) for a, b in zip(losses, ref["losses"], strict=True)),
+        "norm": max(abs(a - b) / b for a, b in zip(norms, ref["norms"], strict=True)),
+        "param": max((full[k] - v).abs().max().item() for k, v in ref["params"].items()),
+        "names": sorted(full) == sorted(ref["params"]),
+        "split_local": sum(s.numel for s in split),
+        "split_whole": sum(s.numel // s.shape[s.split[0]] * s.split[1] for s in split),
+        "whole": sum(p.numel() for p in model.parameters()),
+        "shard": sum(t.numel() for t in state.params.values()),
+        "padding": sum(u.padded_numel(plan_dp(mesh)) - u.numel for u in plan.units),
+        "dp": plan_dp(mesh),
+    }
+
+
+def plan_dp(mesh):
+    return mesh["dp"].size() if "dp" in mesh.mesh_dim_names else 1
+
+
+def _close(r, loss=2e-5, norm=2e-5, param=1e-4):  # (FSDP2 + TP: 2.9e-5 after 5 AdamW steps)
+    assert r["names"]
+    assert r["loss"] < loss, r
+    assert r["norm"] < norm, r
+    assert r["param"] < param, r
+
+
+MESHES = {
+    "dp2-tp2": ((2, 2), ("dp", "tp")),
+    "tp2-dp2": ((2, 2), ("tp", "dp")),  # the names decide, not the order
+    "rep2-dp1-tp2": ((2, 1, 2), ("dp_replicate", "dp", "tp")),
+}
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+@pytest.mark.parametrize("mesh", list(MESHES), ids=list(MESHES))
+def test_fsdp_by_tp_trains_like_one_process(pool, kind, mesh):
+    # Catches: a collective missing in forward or backward (losses or gradients off by a factor or
+    # a part), a replicated parameter's gradient summed over tp (2x), the norm counted twice, a
+    # split on the wrong dimension (unshard would not rebuild the whole parameter), uneven pieces.
+    shape, names = MESHES[mesh]
+    for r in pool.run(_train_tp, kind, shape, names, world=math.prod(shape)):
+        _close(r)
+        tp = shape[names.index("tp")]
+        # memory: each rank holds 1/(dp x tp) of every split parameter (torch.chunk's pieces: at most
+        # one row more), 1/dp of the rest, plus padding to a multiple of dp per unit
+        assert r["split_local"] * tp <= r["split_whole"] + tp * r["split_local"] // min(8, r["split_local"])
+        assert r["shard"] * r["dp"] <= r["split_local"] + (r["whole"] - r["split_whole"]) + r["padding"]
+        assert r["split_whole"] >= r["whole"] // 2  # most of the model is split
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_tp_alone_trains_like_one_process(pool2, kind):
+    _close(pool2.run(_train_tp, kind, (1, 2), ("dp", "tp"), world=2)[0])
+
+
+def test_gradient_transformations_across_axes(pool):
+    # Catches: clip_by_global_norm with a norm that misses the tp sum (clips differently per tp rank
+    # and the replicated parameters diverge); micro-batches; update_in_backward under tp.
+    # (clipped to 0.05 the gradients are ~30x smaller and AdamW's steps as large: measured 1.4e-4)
+    _close(pool.run(_train_tp, "llama", (2, 2), ("dp", "tp"), clip=0.05, world=4)[0], param=4e-4)
+    _close(pool.run(_train_tp, "gpt", (2, 2), ("dp", "tp"), micro=2, world=4)[0])
+    _close(pool.run(_train_tp, "gpt", (2, 2), ("dp", "tp"), schedule={"update_in_backward": True}, world=4)[0])
+
+
+def test_three_axes_at_eight_ranks():
+    # (replicate 2, dp 2, tp 2): eight ranks on this machine's two cores, one tiny model.
+    with RankPool(8, timeout=300) as pool8:
+        for r in pool8.run(_train_tp, "gpt", (2, 2, 2), ("dp_replicate", "dp", "tp"), world=8):
+            _close(r)
+
+
+# --- the collectives, through every transform ------------------------------------------------------
+
+
+def _tp_linear_chain(group):
+    """A column-split then row-split MLP (Megatron's), with a gathered and a split output, through
+    grad, jvp, HVP, vmap and grad of grad, against the same math on whole tensors (float64)."""
+    world, rank = group.size(), group.rank()
+    g = torch.Generator().manual_seed(0)  # the same whole tensors on every rank
+    d, h, n = 5, 7, 4  # h = 7 splits unevenly
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    w1, w2 = torch.randn(h, d, generator=g, dtype=torch.float64), torch.randn(d, h, generator=g, dtype=torch.float64)
+    v1, v2 = torch.randn(h, d, generator=g, dtype=torch.float64), torch.randn(d, h, generator=g, dtype=torch.float64)
+    lo, hi = chunk_bounds(h, world, rank)
+
+    def whole(a, b):
+        y = torch.tanh(x @ a.T) @ b.T
+        return (y.sin() * torch.arange(d, dtype=torch.float64)).sum()
+
+    def split(a, b):  # a: rows [lo, hi) of w1, b: columns [lo, hi) of w2
+        y = sum_out(torch.tanh(copy_in(x, group) @ a.T) @ b.T, group)
+        return (y.sin() * torch.arange(d, dtype=torch.float64)).sum()
+
+    mine = (w1[lo:hi], w2[:, lo:hi])
+    out = {}
+    ga, gb = torch.func.grad(split, argnums=(0, 1))(*mine)
+    wa, wb = torch.func.grad(whole, argnums=(0, 1))(w1, w2)
+    out["grad"] = max((ga - wa[lo:hi]).abs().max().item(), (gb - wb[:, lo:hi]).abs().max().item())
+    _, tangent = torch.func.jvp(split, mine, (v1[lo:hi], v2[:, lo:hi]))
+    _, want = torch.func.jvp(whole, (w1, w2), (v1, v2))
+    out["jvp"] = abs(tangent - want).item()
+    # Hessian-vector product, forward over reverse: (H v)'s rows of this rank's piece
+    hv = torch.func.jvp(lambda a, b: torch.func.grad(split, argnums=(0, 1))(a, b), mine, (v1[lo:hi], v2[:, lo:hi]))[1]
+    hw = torch.func.jvp(lambda a, b: torch.func.grad(whole, argnums=(0, 1))(a, b), (w1, w2), (v1, v2))[1]
+    out["hvp"] = max((hv[0] - hw[0][lo:hi]).abs().max().item(), (hv[1] - hw[1][:, lo:hi]).abs().max().item())
+    # reverse over reverse: grad of <grad, v> (every rank's dot is one part of the whole one)
+    rr = torch.func.grad(lambda a: (torch.func.grad(split)(a, mine[1]) * v1[lo:hi]).sum())(mine[0])
+    rw = torch.func.grad(lambda a: (torch.func.grad(whole)(a, w2) * v1).sum())(w1)
+    out["grad_of_grad"] = (rr - rw[lo:hi]).abs().max().item()
+    # per-example gradients under vmap (every rank vmaps over the same examples)
+    per = torch.vmap(
+        torch.func.grad(lambda a, xi: sum_out(torch.tanh(copy_in(xi, group) @ a.T) @ mine[1].T, group).sum()),
+        in_dims=(None, 0),
+    )(mine[0], x)
+    want_per = torch.vmap(torch.func.grad(lambda a, xi: (torch.tanh(xi @ a.T) @ w2.T).sum()), in_dims=(None, 0))(w1, x)
+    out["vmap"] = (per - want_per[:, lo:hi]).abs().max().item()
+    # gathered output and its transpose
+    z = torch.randn(n, h, generator=g, dtype=torch.float64)
+    c = torch.randn(n, h, generator=g, dtype=torch.float64)
+    gathered = gather_last(z[:, lo:hi].contiguous(), group, h)
+    out["gather"] = (gathered - z).abs().max().item()
+    gz = torch.func.grad(lambda p: (gather_last(p, group, h) * c).sum())(z[:, lo:hi].contiguous())
+    out["gather_grad"] = (gz - c[:, lo:hi]).abs().max().item()
+    gs = torch.func.grad(lambda q: (split_last(q, group, h) * c[:, lo:hi]).sum())(z)
+    out["split_grad"] = (gs - c).abs().max().item()
+    vg = torch.vmap(lambda p: gather_last(p, group, h))(z[:, lo:hi].contiguous())
+    out["gather_vmap"] = (vg - z).abs().max().item()
+    # the vocabulary-parallel cross-entropy against the whole one
+    logits = torch.randn(6, h, generator=g, dtype=torch.float64)
+    targets = torch.tensor([0, 6, 3, -100, 4, 1])
+    ce = partial(parallel_cross_entropy, targets=targets, group=group, vocab=h)
+    piece = logits[:, lo:hi].contiguous()
+    out["ce"] = abs(ce(piece) - F.cross_entropy(logits, targets)).item()
+    gce = torch.func.grad(ce)(piece)
+    out["ce_grad"] = (gce - torch.func.grad(lambda t: F.cross_entropy(t, targets))(logits)[:, lo:hi]).abs().max().item()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tensor_parallel_collectives_through_every_transform(pool, world):
+    # Catches: a transpose that is not the other's (gradients off by the axis size), a jvp or vmap
+    # rule missing, an uneven split gathered in the wrong order, a cross-entropy that counts the
+    # ignored target or a target on another rank's piece.
+    for r in pool.run(_tp_linear_chain, world=world):
+        for key, value in r.items():
+            assert value < 1e-10, (key, value)
+
+
+def _model_transforms(group):
+    """The example GPT at (dp 1, tp 2) in float64 through apply_sharded: grad, jvp, HVP and per-example
+    gradients of the whole model against one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    model, policy, loss_fn, vocab, length = _model("gpt")
+    model = model.double()
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, policy, tp=model._tp_plan, mesh=mesh)
+    params = ff.shard(fn.params, plan, mesh)
+    tensor = plan.tensor
+    batch = _batches(vocab, length, 1)[0]
+    whole = dict(model.named_parameters())
+
+    def local(tree):  # per-parameter whole tensors -> this rank's flat units (dp 1: one shard each)
+        pieces = {s.name: tensor.local(tree[s.name], s.split) for s in plan.params}
+        return params.replace({u.name: local_slice(u, pieces, 1, 0) for u in plan.units})
+
+    def pieces(sharded):
+        return {k: v for u in plan.units for k, v in unit_views(u, sharded[u.name]).items()}
+
+    # (forward mode through attention needs its math kernel: the CPU flash kernel has no jvp)
+    math_kernel = torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)
+    math_kernel.__enter__()
+
+    def ours(p, b=batch):
+        return loss_fn(lambda *a: ff.apply_sharded(fn, p, fn.buffers, *a), b)
+
+    def theirs(p, b=batch):
+        return loss_fn(lambda *a: torch.func.functional_call(model, p, a), b)
+
+    def worst(got, want):
+        got = pieces(got)
+        return max((got[s.name] - tensor.local(want[s.name], s.split)).abs().max().item() for s in plan.params)
+
+    g = torch.Generator().manual_seed(3)
+    v = {k: torch.randn(t.shape, generator=g, dtype=t.dtype) for k, t in whole.items()}
+    w = {k: t.detach() for k, t in whole.items()}
+    out = {}
+    out["grad"] = worst(torch.func.grad(ours)(params), torch.func.grad(theirs)(w))
+    out["jvp"] = abs(torch.func.jvp(ours, (params,), (local(v),))[1] - torch.func.jvp(theirs, (w,), (v,))[1]).item()
+    hv = torch.func.jvp(torch.func.grad(ours), (params,), (local(v),))[1]
+    out["hvp"] = worst(hv, torch.func.jvp(torch.func.grad(theirs), (w,), (v,))[1])
+    per = torch.vmap(torch.func.grad(lambda p, x: ours(p, x.unsqueeze(0))), in_dims=(None, 0))(params, batch)
+    want = torch.vmap(torch.func.grad(lambda p, x: theirs(p, x.unsqueeze(0))), in_dims=(None, 0))(w, batch)
+    out["per_example"] = max(
+        worst(per.replace({u: t[i] for u, t in per.shards.items()}), {k: t[i] for k, t in want.items()})
+        for i in range(BATCH)
+    )
+    math_kernel.__exit__(None, None, None)
+    return out
+
+
+def test_whole_model_transforms_under_tp(pool2):
+    # Catches: the hooks' collectives missing under a transform's levels (grad of the split pieces
+    # off by the axis size, jvp of the gathered head missing its other half), vmap of a split model.
+    for r in pool2.run(_model_transforms, world=2):
+        for key, value in r.items():
+            assert value < 1e-9, (key, value)
+
+
+# --- the plan --------------------------------------------------------------------------------------
+
+
+def test_plan_splits_by_hugging_face_styles():
+    model = tiny_llama(**LLAMA)
+    plan = ff.make_plan(model, tp=TensorPlan.of(model._tp_plan, size=2, rank=1))
+    specs = {s.name: s for s in plan.params}
+    assert specs["model.layers.0.self_attn.q_proj.weight"].shape == (16, 32)  # rows: 2 of 4 heads
+    assert specs["model.layers.0.self_attn.q_proj.weight"].split == (0, 32)
+    assert specs["model.layers.0.self_attn.o_proj.weight"].split == (1, 32)  # columns
+    assert specs["model.layers.0.mlp.up_proj.weight"].shape == (43, 32)  # 87 = 44 + 43
+    assert specs["model.embed_tokens.weight"].shape == (30, 32)  # 61 = 31 + 30
+    assert specs["lm_head.weight"].split == (0, 61)
+    assert specs["model.norm.weight"].split is None  # replicated
+    again = ff.Plan.from_json(plan.to_json())
+    assert again == plan and again.tensor == plan.tensor
+    # a plan without tensor parallelism serialises as before (checkpoints compare fingerprints)
+    assert "tensor" not in ff.make_plan(model).to_dict()
+
+
+def test_plan_errors_name_the_module():
+    model = tiny_llama(**LLAMA)
+    with pytest.raises(ValueError, match="style 'colwise' is for an nn.Linear; module 'model.norm' is a LlamaRMSNorm"):
+        ff.make_plan(model, tp=TensorPlan.of({"model.norm": "colwise"}, size=2))
+    with pytest.raises(ValueError, match="style 'diagonal' .* is not one fsdp_fn runs"):
+        TensorPlan.of({"lm_head": "diagonal"}, size=2)
+    with pytest.raises(ValueError, match="needs mesh=, a DeviceMesh with one tensor-parallel axis"):
+        ff.make_plan(model, tp=model._tp_plan)
+
+
+class _FixedHeads(torch.nn.Module):
+    """An attention input projection reshaped by the whole model's head count."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(8, 8)
+        self.o = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.o(self.q(x).view(x.shape[0], 4, 2).reshape(x.shape[0], -1))
+
+
+def _fixed_heads(group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _FixedHeads()
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, tp={"q": "colwise", "o": "rowwise"}, mesh=mesh)
+    params = ff.shard(fn.params, plan, mesh)
+    try:
+        ff.apply_sharded(fn, params, fn.buffers, torch.ones(3, 8))
+    except RuntimeError as e:
+        return "\n".join([str(e), *getattr(e, "__notes__", [])])
+    return "no error"
+
+
+def test_a_fixed_head_count_is_named_with_its_fix(pool2):
+    msg = pool2.run(_fixed_heads, world=2)[0]
+    assert "is invalid for input of size" in msg
+    assert "reshape by -1 heads" in msg and "the root unit" in msg
