@@ -199,7 +199,11 @@ class Runtime:
         trainable shards are inputs too, and each run of the region gathers them (its forward, and
         the recomputation in backward, with their hooks installed again for it). Memory: the
         region's inputs, by reference; communication: one all-gather of each such unit use in the
-        forward and one in the recomputation (kept until its backward), one reduce-scatter."""
+        forward and one in the recomputation (kept until its backward), one reduce-scatter. Under
+        tensor parallelism the recomputation runs the split modules' collectives again, as the
+        forward did (their hooks are gone by then)."""
+        if self.plan.tensor is not None:
+            fn = _within(self._split_modules, fn)
         running = set(self.running)
         units = [u for u in self.wiring.units_within(modules) if u.name not in running]
         if not units:
@@ -567,6 +571,19 @@ class Runtime:
             and not torch._C._are_functorch_transforms_active()
             and not any(True for _ in target.buffers())
         )
+
+
+def _within(
+    context: Callable[[], contextlib.AbstractContextManager[None]], fn: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``fn``, run inside a fresh ``context()`` each call."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with context():
+            return fn(*args, **kwargs)
+
+    return call
 
 
 def _lift(buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -21,8 +21,8 @@ collectives go through the axis group's ``Comm`` and the collective log like FSD
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any, cast
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -75,7 +75,9 @@ class _Sum(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        out = x.detach().clone(memory_format=torch.contiguous_format)
+        # (no detach: inside a rematerialised region the forward is traced operator by operator,
+        # and a detach there would read as the output not coming from the input)
+        out = x.clone(memory_format=torch.contiguous_format)
         with torch.no_grad():
             return all_reduce_(out, group, "tensor-parallel sum")
 
@@ -112,7 +114,7 @@ class _GatherLast(torch.autograd.Function):
                 f"a tensor-parallel gather of {n} features over {world} ranks wants {hi - lo} here (rank {rank}), "
                 f"got {x.shape[-1]}"
             )
-        mine = F.pad(x.detach(), (0, step - (hi - lo))).contiguous()
+        mine = F.pad(x, (0, step - (hi - lo))).contiguous()
         every = mine.new_empty(world * mine.numel())
         all_gather_into(every, mine.reshape(-1), group, "tensor-parallel gather")
         pieces = every.view(world, *mine.shape).unbind(0)
@@ -233,6 +235,15 @@ def parallel_cross_entropy(
 
     Returns:
         The mean over the targets that count, a 0-d tensor, the same on every rank.
+
+    Examples:
+        >>> import torch, torch.distributed as dist
+        >>> if not dist.is_initialized():
+        ...     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29512", rank=0, world_size=1)
+        >>> logits, targets = torch.randn(4, 7), torch.tensor([0, 3, 6, -100])
+        >>> loss = parallel_cross_entropy(logits, targets, dist.group.WORLD, 7)  # one rank: the whole vocabulary
+        >>> bool(torch.isclose(loss, F.cross_entropy(logits, targets)))
+        True
     """
     lo, hi = chunk_bounds(vocab, group.size(), group.rank())
     flat = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
@@ -268,14 +279,30 @@ FIXED_HEADS = (
 )
 
 
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def _not_compiled(hook: _Hook) -> _Hook:
+    """``hook`` as a compiled unit runs it: between its graphs (Dynamo does not trace the collectives)."""
+    return cast(_Hook, torch.compiler.disable(hook))
+
+
+_SPLIT: set[int] = set()  # the modules whose split modules' hooks are installed now
+
+
 @contextlib.contextmanager
 def split_modules(module: nn.Module, tensor: TensorPlan, group: dist.ProcessGroup) -> Iterator[None]:
     """For the block, each module the plan splits runs its style's collectives around its forward
     (hooks installed now, removed after): a column-split module's input enters through ``copy_in``;
     a row-split module's output leaves through ``sum_out`` (its bias added once, after); a
     vocabulary-split embedding reads only its rows and sums; ``colwise_gather_output`` gathers its
-    output. The module's parameters hold this rank's pieces meanwhile (the plan's shapes)."""
+    output. The module's parameters hold this rank's pieces meanwhile (the plan's shapes). Inside
+    such a block already (a rematerialised region's forward), it installs nothing more."""
+    if id(module) in _SPLIT:
+        yield
+        return
     handles = []
+    _SPLIT.add(id(module))
     try:
         for path, m in module.named_modules():
             style = tensor.style_of(path)
@@ -296,11 +323,13 @@ def split_modules(module: nn.Module, tensor: TensorPlan, group: dist.ProcessGrou
                 handles.append(m.register_forward_hook(_sum_rows(group, masks), prepend=True))
         yield
     finally:
+        _SPLIT.discard(id(module))
         for h in handles:
             h.remove()
 
 
 def _copy_input(group: dist.ProcessGroup) -> Any:
+    @_not_compiled
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not args or not isinstance(args[0], torch.Tensor):
             return None
@@ -310,6 +339,7 @@ def _copy_input(group: dist.ProcessGroup) -> Any:
 
 
 def _gather_output(group: dist.ProcessGroup, n: int) -> Any:
+    @_not_compiled
     def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         return gather_last(output, group, n)
 
@@ -317,6 +347,7 @@ def _gather_output(group: dist.ProcessGroup, n: int) -> Any:
 
 
 def _bias_aside(stack: list[Any]) -> Any:
+    @_not_compiled
     def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
         bias = module._parameters.get("bias")
         stack.append(bias)
@@ -328,6 +359,7 @@ def _bias_aside(stack: list[Any]) -> Any:
 
 
 def _sum_output(group: dist.ProcessGroup, stack: list[Any]) -> Any:
+    @_not_compiled
     def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         bias = stack.pop()
         out = sum_out(output, group)
@@ -340,6 +372,7 @@ def _sum_output(group: dist.ProcessGroup, stack: list[Any]) -> Any:
 
 
 def _own_rows(lo: int, hi: int, masks: list[torch.Tensor]) -> Any:
+    @_not_compiled
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ids = args[0]
         outside = (ids < lo) | (ids >= hi)
@@ -350,6 +383,7 @@ def _own_rows(lo: int, hi: int, masks: list[torch.Tensor]) -> Any:
 
 
 def _sum_rows(group: dist.ProcessGroup, masks: list[torch.Tensor]) -> Any:
+    @_not_compiled
     def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         outside = masks.pop()
         return sum_out(output.masked_fill(outside.unsqueeze(-1), 0), group)

@@ -67,6 +67,12 @@ class _Empty:
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
 
 
+def _opaque(x: Any) -> Any:
+    """A non-tensor output as a layout keeps it: a number or ``None`` itself, any other object
+    (a collective's work handle) not at all."""
+    return x if x is None or isinstance(x, bool | int | float | str | torch.dtype) else None
+
+
 class _Trace(_Forward):
     """Forward of a fully rematerialised region: each operator, which earlier operators its
     tensor inputs came from, and its outputs' layout (no tensor is held)."""
@@ -87,7 +93,8 @@ class _Trace(_Forward):
             if isinstance(t, torch.Tensor)
         ]
         self.note(func, args, kwargs, out)
-        layout = torch_pytree.tree_map_only(torch.Tensor, _Empty.like, out)
+        # (a layout only: a collective's work handle, which holds its tensors, is not kept)
+        layout = torch_pytree.tree_map(lambda x: _Empty.like(x) if isinstance(x, torch.Tensor) else _opaque(x), out)
         index = len(self.ops)
         self.ops.append((func, inputs, layout))
         for t in torch_pytree.tree_leaves(out):
