@@ -12,6 +12,7 @@ from fsdp_fn._lookup import rows_fit
 from fsdp_fn._plan import ROOT, Plan
 from fsdp_fn._policy import Schedule
 from fsdp_fn._prefetch import gathered_bytes, kept_tail
+from fsdp_fn._tp_plan import COLWISE, COLWISE_GATHER_OUTPUT, EMBEDDING_ROWWISE, ROWWISE, VOCAB_PARALLEL
 
 
 def metrics_words(plan: Plan) -> int:
@@ -31,6 +32,7 @@ def predict_collectives(
     lookup_rows: bool | None = None,
     optimizer: GradientTransformation | None = None,
     comm: Comm | None = None,
+    tokens: int | None = None,
 ) -> list[Collective]:
     """Predict what one train step issues on each rank, from the plan alone (units run in plan order).
 
@@ -71,6 +73,11 @@ def predict_collectives(
         comm: the step's group's comm (``comm_of(layout.group)``), asked whether lookups
             fetch rows when ``lookup_rows`` is ``None`` (``False`` on NCCL, on
             ``FSDP_FN_COLLECTIVES=native``, or on a comm of the user's that is not pairwise).
+        tokens: under tensor parallelism (``plan.tensor``), the rows (batch x sequence) each
+            split module runs on in one forward: then also the axis's collectives of the
+            activations, named by module (``tensor_parallel_collectives``). The step's norm is
+            summed over the axis too (one all-reduce of a number, and one per global norm
+            the optimizer computes).
 
     Returns:
         The ``Collective``s, unit by unit in plan order (not interleaved as the step
@@ -110,11 +117,51 @@ def predict_collectives(
                     out.append(Collective("all_reduce", u.name, u.shard_numel(world), reduce, replicas))
         out += merged
     out.append(Collective("all_gather", None, metrics_words(plan) * world, torch.float64, world))
+    tp = plan.tensor.size if plan.tensor is not None else 1
+    out.append(Collective("all_reduce", None, 1, torch.float64, tp))  # the norm, over the tensor axis
+    if tokens is not None:
+        out += tensor_parallel_collectives(plan, tokens, schedule)
     if replicas > 1:
         reached = sum(len(u.params) for u in plan.units)  # which parameters any replica reached
         out.append(Collective("all_reduce", None, 2 + reached, torch.float64, replicas))
     for _ in range(count_global_norms(optimizer) if optimizer is not None else 0):
-        out += [Collective("all_reduce", None, 1, torch.float64, n) for n in (world, replicas)]
+        out += [Collective("all_reduce", None, 1, torch.float64, n) for n in (world, tp, replicas)]
     for _ in range(count_max_norms(optimizer) if optimizer is not None else 0):
         out.append(Collective("all_reduce", None, world, torch.float64, world))  # each rank's maximum at its index
     return [c for c in out if c.world > 1]
+
+
+def tensor_parallel_collectives(plan: Plan, tokens: int, schedule: Schedule | None = None) -> list[Collective]:
+    """What the split modules of a tensor-parallel plan issue over its axis in one forward and
+    backward, each module run once on ``tokens`` rows (without rematerialisation, whose
+    recomputation issues the forward's again): a column-split module's input gradient summed in
+    backward, a row-split module's (and a split embedding's) output summed in forward, a
+    gathered output gathered in forward (padded to ``torch.chunk``'s pieces). In the gathered
+    dtype. Nothing is allocated, nothing is communicated.
+
+    Args:
+        plan: a plan with ``tensor`` set (an empty list without).
+        tokens: the rows each split module runs on.
+        schedule: the step's ``Schedule`` (its mixed precision's gathered dtype).
+
+    Returns:
+        The ``Collective``s, named by module path, over the tensor-parallel axis.
+    """
+    tensor, schedule = plan.tensor, schedule or Schedule()
+    if tensor is None or tensor.size == 1:
+        return []
+    out: list[Collective] = []
+    for spec in plan.params:
+        path, _, attr = spec.name.rpartition(".")
+        if spec.split is None or attr != "weight":
+            continue
+        style, dtype, n = tensor.style_of(path), schedule.gather_dtype(spec.dtype), tensor.size
+        if style in (COLWISE, COLWISE_GATHER_OUTPUT, VOCAB_PARALLEL):
+            out.append(Collective("all_reduce", path, tokens * spec.shape[1], dtype, n))  # the input's gradient
+        if style == COLWISE_GATHER_OUTPUT:
+            out.append(Collective("all_gather", path, tokens * -(-spec.split[1] // n) * n, dtype, n))
+        if style == ROWWISE:
+            out.append(Collective("all_reduce", path, tokens * spec.shape[0], dtype, n))
+        if style == EMBEDDING_ROWWISE:
+            out.append(Collective("all_reduce", path, tokens * spec.shape[1], dtype, n))
+    return out

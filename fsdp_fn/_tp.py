@@ -49,24 +49,26 @@ class _Copy(torch.autograd.Function):
     ranks' gradients (``_Sum``): each rank's is the part its piece of the split module reads."""
 
     @staticmethod
-    def forward(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(x: torch.Tensor, group: dist.ProcessGroup, name: str | None) -> torch.Tensor:
         return x.view_as(x)
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        ctx.group = inputs[1]  # type: ignore[attr-defined]
+        _, ctx.group, ctx.name = inputs  # type: ignore[attr-defined]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _Sum.apply(grad, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _Sum.apply(grad, ctx.group, ctx.name), None, None
 
     @staticmethod
-    def jvp(ctx: Any, tangent: torch.Tensor, _: None) -> torch.Tensor:
-        return cast(torch.Tensor, _Copy.apply(tangent, ctx.group))
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
+        return cast(torch.Tensor, _Copy.apply(tangent, ctx.group, ctx.name))
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, group: Any) -> tuple[torch.Tensor, Any]:
-        return _Copy.apply(x, group), in_dims[0]
+    def vmap(
+        info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, group: Any, name: str | None
+    ) -> tuple[torch.Tensor, Any]:
+        return _Copy.apply(x, group, name), in_dims[0]
 
 
 class _Sum(torch.autograd.Function):
@@ -74,30 +76,32 @@ class _Sum(torch.autograd.Function):
     identity (``_Copy``): every rank's loss reads the same sum."""
 
     @staticmethod
-    def forward(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(x: torch.Tensor, group: dist.ProcessGroup, name: str | None) -> torch.Tensor:
         # (no detach: inside a rematerialised region the forward is traced operator by operator,
         # and a detach there would read as the output not coming from the input)
         out = x.clone(memory_format=torch.contiguous_format)
         with torch.no_grad():
-            return all_reduce_(out, group, "tensor-parallel sum")
+            return all_reduce_(out, group, name)
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        ctx.group = inputs[1]  # type: ignore[attr-defined]
+        _, ctx.group, ctx.name = inputs  # type: ignore[attr-defined]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _Copy.apply(grad, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _Copy.apply(grad, ctx.group, ctx.name), None, None
 
     @staticmethod
-    def jvp(ctx: Any, tangent: torch.Tensor, _: None) -> torch.Tensor:
-        return cast(torch.Tensor, _Sum.apply(tangent, ctx.group))
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
+        return cast(torch.Tensor, _Sum.apply(tangent, ctx.group, ctx.name))
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, group: Any) -> tuple[torch.Tensor, Any]:
+    def vmap(
+        info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, group: Any, name: str | None
+    ) -> tuple[torch.Tensor, Any]:
         if in_dims[0] is not None:
-            _same_batch_size(x.shape[in_dims[0]], group, None, "all_reduce")
-        return _Sum.apply(x, group), in_dims[0]  # elementwise: one sum of the whole batch
+            _same_batch_size(x.shape[in_dims[0]], group, name, "all_reduce")
+        return _Sum.apply(x, group, name), in_dims[0]  # elementwise: one sum of the whole batch
 
 
 class _GatherLast(torch.autograd.Function):
@@ -105,7 +109,7 @@ class _GatherLast(torch.autograd.Function):
     pieces of ``n``); its backward keeps this rank's piece of the gradient (``_SplitLast``)."""
 
     @staticmethod
-    def forward(x: torch.Tensor, group: dist.ProcessGroup, n: int) -> torch.Tensor:
+    def forward(x: torch.Tensor, group: dist.ProcessGroup, n: int, name: str | None) -> torch.Tensor:
         world, rank = group.size(), group.rank()
         step = -(-n // world)
         lo, hi = chunk_bounds(n, world, rank)
@@ -116,32 +120,32 @@ class _GatherLast(torch.autograd.Function):
             )
         mine = F.pad(x, (0, step - (hi - lo))).contiguous()
         every = mine.new_empty(world * mine.numel())
-        all_gather_into(every, mine.reshape(-1), group, "tensor-parallel gather")
+        all_gather_into(every, mine.reshape(-1), group, name)
         pieces = every.view(world, *mine.shape).unbind(0)
         return torch.cat([p[..., : b - a] for p, (a, b) in zip(pieces, _bounds(n, world), strict=True)], dim=-1)
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, ctx.group, ctx.n = inputs  # type: ignore[attr-defined]
+        _, ctx.group, ctx.n, ctx.name = inputs  # type: ignore[attr-defined]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _SplitLast.apply(grad, ctx.group, ctx.n), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _SplitLast.apply(grad, ctx.group, ctx.n, ctx.name), None, None, None
 
     @staticmethod
     def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
-        return cast(torch.Tensor, _GatherLast.apply(tangent, ctx.group, ctx.n))
+        return cast(torch.Tensor, _GatherLast.apply(tangent, ctx.group, ctx.n, ctx.name))
 
     @staticmethod
     def vmap(
-        info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, group: Any, n: int
+        info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, group: Any, n: int, name: str | None
     ) -> tuple[torch.Tensor, Any]:
         dim = in_dims[0]
         if dim is None:
-            return _GatherLast.apply(x, group, n), None
+            return _GatherLast.apply(x, group, n, name), None
         batch = x.movedim(dim, 0)  # (the last dimension stays last)
-        _same_batch_size(batch.shape[0], group, None, "all_gather")
-        return _GatherLast.apply(batch, group, n), 0
+        _same_batch_size(batch.shape[0], group, name, "all_gather")
+        return _GatherLast.apply(batch, group, n, name), 0
 
 
 class _SplitLast(torch.autograd.Function):
@@ -149,67 +153,69 @@ class _SplitLast(torch.autograd.Function):
     gathers the pieces' gradients (``_GatherLast``)."""
 
     @staticmethod
-    def forward(x: torch.Tensor, group: dist.ProcessGroup, n: int) -> torch.Tensor:
+    def forward(x: torch.Tensor, group: dist.ProcessGroup, n: int, name: str | None) -> torch.Tensor:
         lo, hi = chunk_bounds(n, group.size(), group.rank())
         return x[..., lo:hi].contiguous()
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, ctx.group, ctx.n = inputs  # type: ignore[attr-defined]
+        _, ctx.group, ctx.n, ctx.name = inputs  # type: ignore[attr-defined]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _GatherLast.apply(grad, ctx.group, ctx.n), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _GatherLast.apply(grad, ctx.group, ctx.n, ctx.name), None, None, None
 
     @staticmethod
     def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
-        return cast(torch.Tensor, _SplitLast.apply(tangent, ctx.group, ctx.n))
+        return cast(torch.Tensor, _SplitLast.apply(tangent, ctx.group, ctx.n, ctx.name))
 
     @staticmethod
     def vmap(
-        info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, group: Any, n: int
+        info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, group: Any, n: int, name: str | None
     ) -> tuple[torch.Tensor, Any]:
         dim = in_dims[0]
         if dim is None:
-            return _SplitLast.apply(x, group, n), None
-        return _SplitLast.apply(x.movedim(dim, 0), group, n), 0
+            return _SplitLast.apply(x, group, n, name), None
+        return _SplitLast.apply(x.movedim(dim, 0), group, n, name), 0
 
 
 def gather_dim(x: torch.Tensor, group: dist.ProcessGroup, split: tuple[int, int]) -> torch.Tensor:
     """A parameter's whole value from every rank's piece (``ParamSpec.split``: its dimension and
     whole length); differentiable (``gather_last`` along that dimension)."""
     dim, n = split
-    return gather_last(x.movedim(dim, -1), group, n).movedim(-1, dim)
+    return gather_last(x.movedim(dim, -1), group, n, "unshard").movedim(-1, dim)
 
 
 def _bounds(n: int, world: int) -> list[tuple[int, int]]:
     return [chunk_bounds(n, world, r) for r in range(world)]
 
 
-def copy_in(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def copy_in(x: torch.Tensor, group: dist.ProcessGroup, name: str | None = None) -> torch.Tensor:
     """``x`` itself, entering a split module: the backward sums the gradient over ``group``.
-    Memory: none; communication: one all-reduce of ``x``'s size in backward."""
-    return cast(torch.Tensor, _Copy.apply(x, group))
+    Memory: none; communication: one all-reduce of ``x``'s size in backward (``name``: the
+    module's, in the collective log)."""
+    return cast(torch.Tensor, _Copy.apply(x, group, name))
 
 
-def sum_out(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def sum_out(x: torch.Tensor, group: dist.ProcessGroup, name: str | None = None) -> torch.Tensor:
     """The sum of ``x`` over ``group``, the same on every rank; the backward passes the gradient
-    through. Memory: one copy of ``x``; communication: one all-reduce forward."""
-    return cast(torch.Tensor, _Sum.apply(x, group))
+    through. Memory: one copy of ``x``; communication: one all-reduce forward (``name``: the
+    module's, in the collective log)."""
+    return cast(torch.Tensor, _Sum.apply(x, group, name))
 
 
-def gather_last(x: torch.Tensor, group: dist.ProcessGroup, n: int) -> torch.Tensor:
+def gather_last(x: torch.Tensor, group: dist.ProcessGroup, n: int, name: str | None = None) -> torch.Tensor:
     """Every rank's piece of the last dimension (``n`` features in all, split as ``torch.chunk``),
     whole on each rank; the backward keeps this rank's piece. Memory: the whole output;
-    communication: one all-gather forward."""
-    return cast(torch.Tensor, _GatherLast.apply(x, group, n))
+    communication: one all-gather forward (``name``: the module's, in the collective log)."""
+    return cast(torch.Tensor, _GatherLast.apply(x, group, n, name))
 
 
-def split_last(x: torch.Tensor, group: dist.ProcessGroup, n: int) -> torch.Tensor:
+def split_last(x: torch.Tensor, group: dist.ProcessGroup, n: int, name: str | None = None) -> torch.Tensor:
     """This rank's piece of the last dimension (``n`` features, split as ``torch.chunk``) of a
     value every rank holds alike; the backward gathers the gradient. Communication: one
-    all-gather backward."""
-    return cast(torch.Tensor, _SplitLast.apply(x, group, n))
+    all-gather backward (``name``: the module's, in the collective log)."""
+    return cast(torch.Tensor, _SplitLast.apply(x, group, n, name))
 
 
 # --- the vocabulary-parallel cross-entropy --------------------------------------------------------
@@ -307,20 +313,20 @@ def split_modules(module: nn.Module, tensor: TensorPlan, group: dist.ProcessGrou
         for path, m in module.named_modules():
             style = tensor.style_of(path)
             if style in (COLWISE, COLWISE_GATHER_OUTPUT, VOCAB_PARALLEL):
-                handles.append(m.register_forward_pre_hook(_copy_input(group), with_kwargs=True))
+                handles.append(m.register_forward_pre_hook(_copy_input(group, path), with_kwargs=True))
                 if style == COLWISE_GATHER_OUTPUT:
                     assert isinstance(m, nn.Linear)
-                    handles.append(m.register_forward_hook(_gather_output(group, m.out_features), prepend=True))
+                    handles.append(m.register_forward_hook(_gather_output(group, m.out_features, path), prepend=True))
             elif style == ROWWISE:
                 stack: list[Any] = []
                 handles.append(m.register_forward_pre_hook(_bias_aside(stack), with_kwargs=True))
-                handles.append(m.register_forward_hook(_sum_output(group, stack), prepend=True))
+                handles.append(m.register_forward_hook(_sum_output(group, stack, path), prepend=True))
             elif style == EMBEDDING_ROWWISE:
                 assert isinstance(m, nn.Embedding)
                 masks: list[torch.Tensor] = []
                 lo, hi = chunk_bounds(m.num_embeddings, tensor.size, tensor.rank)
                 handles.append(m.register_forward_pre_hook(_own_rows(lo, hi, masks), with_kwargs=True))
-                handles.append(m.register_forward_hook(_sum_rows(group, masks), prepend=True))
+                handles.append(m.register_forward_hook(_sum_rows(group, masks, path), prepend=True))
         yield
     finally:
         _SPLIT.discard(id(module))
@@ -328,20 +334,20 @@ def split_modules(module: nn.Module, tensor: TensorPlan, group: dist.ProcessGrou
             h.remove()
 
 
-def _copy_input(group: dist.ProcessGroup) -> Any:
+def _copy_input(group: dist.ProcessGroup, path: str) -> Any:
     @_not_compiled
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not args or not isinstance(args[0], torch.Tensor):
             return None
-        return (copy_in(args[0], group), *args[1:]), kwargs
+        return (copy_in(args[0], group, path), *args[1:]), kwargs
 
     return hook
 
 
-def _gather_output(group: dist.ProcessGroup, n: int) -> Any:
+def _gather_output(group: dist.ProcessGroup, n: int, path: str) -> Any:
     @_not_compiled
     def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        return gather_last(output, group, n)
+        return gather_last(output, group, n, path)
 
     return hook
 
@@ -358,11 +364,11 @@ def _bias_aside(stack: list[Any]) -> Any:
     return hook
 
 
-def _sum_output(group: dist.ProcessGroup, stack: list[Any]) -> Any:
+def _sum_output(group: dist.ProcessGroup, stack: list[Any], path: str) -> Any:
     @_not_compiled
     def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         bias = stack.pop()
-        out = sum_out(output, group)
+        out = sum_out(output, group, path)
         if bias is not None:
             module._parameters["bias"] = bias
             out = out + bias
@@ -382,10 +388,10 @@ def _own_rows(lo: int, hi: int, masks: list[torch.Tensor]) -> Any:
     return hook
 
 
-def _sum_rows(group: dist.ProcessGroup, masks: list[torch.Tensor]) -> Any:
+def _sum_rows(group: dist.ProcessGroup, masks: list[torch.Tensor], path: str) -> Any:
     @_not_compiled
     def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         outside = masks.pop()
-        return sum_out(output.masked_fill(outside.unsqueeze(-1), 0), group)
+        return sum_out(output.masked_fill(outside.unsqueeze(-1), 0), group, path)
 
     return hook

@@ -139,6 +139,7 @@ def _train_tp(
         "shard": sum(t.numel() for t in state.params.values()),
         "padding": sum(u.padded_numel(plan_dp(mesh)) - u.numel for u in plan.units),
         "dp": plan_dp(mesh),
+        "estimate": ff.estimate_memory(plan, plan_dp(mesh)).params,  # bytes: the plan knows the pieces
     }
 
 
@@ -175,6 +176,7 @@ def test_fsdp_by_tp_trains_like_one_process(pool, kind, mesh):
         assert r["split_local"] * tp <= r["split_whole"] + tp * r["split_local"] // min(8, r["split_local"])
         assert r["shard"] * r["dp"] <= r["split_local"] + (r["whole"] - r["split_whole"]) + r["padding"]
         assert r["split_whole"] >= r["whole"] // 2  # most of the model is split
+        assert r["estimate"] == r["shard"] * 4
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt"])
@@ -419,3 +421,40 @@ def test_a_fixed_head_count_is_named_with_its_fix(pool2):
     msg = pool2.run(_fixed_heads, world=2)[0]
     assert "is invalid for input of size" in msg
     assert "reshape by -1 heads" in msg and "the root unit" in msg
+
+
+def _logged_step(group, kind):
+    from collections import Counter
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    model, policy, loss_fn, vocab, length = _model(kind)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, policy, tp=model._tp_plan, mesh=mesh)
+    params = ff.shard(fn.params, plan, mesh)
+    optimizer = ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(1e-2))
+    step = ff.train_step(fn, loss_fn, optimizer)
+    state = step.init(params)
+    index, parts = _data_index(mesh)
+    for b in _batches(vocab, length, 2):
+        with ff.comm_log() as log:
+            state, _ = step(state, b.chunk(parts)[index])
+    local = b.chunk(parts)[index]
+    predicted = ff.predict_collectives(
+        plan, 2, first_step=False, optimizer=optimizer, comm=ff.comm_of(params.group), tokens=local[:, :-1].numel()
+    )
+
+    def key(records):  # (a buffer's broadcast, Llama's rotary table's, is the module's, not the plan's)
+        return Counter((c.op, c.unit, c.numel, c.dtype, c.world) for c in records if c.op != "broadcast")
+
+    return key(log.records) == key(predicted), key(log.records) - key(predicted), key(predicted) - key(log.records)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_collectives_predicted_under_tp(pool, kind):
+    # Catches: a split module's collective missing or doubled (a hook installed twice, a bias summed),
+    # the wrong size (an uneven piece), the norm's sum over the tensor axis not counted.
+    for same, extra, missing in pool.run(_logged_step, kind, world=4):
+        assert same, (extra, missing)
