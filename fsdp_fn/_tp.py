@@ -308,6 +308,7 @@ def split_modules(module: nn.Module, tensor: TensorPlan, group: dist.ProcessGrou
         yield
         return
     handles = []
+    streams = Streams(tensor.rank)
     _SPLIT.add(id(module))
     try:
         for path, m in module.named_modules():
@@ -317,8 +318,11 @@ def split_modules(module: nn.Module, tensor: TensorPlan, group: dist.ProcessGrou
                 if style == COLWISE_GATHER_OUTPUT:
                     assert isinstance(m, nn.Linear)
                     handles.append(m.register_forward_hook(_gather_output(group, m.out_features, path), prepend=True))
+                else:  # its output is this rank's piece: what runs on it draws from this rank's stream
+                    handles.append(m.register_forward_hook(_entering(streams)))
             elif style == ROWWISE:
                 stack: list[Any] = []
+                handles.append(m.register_forward_pre_hook(_leaving(streams), prepend=True))
                 handles.append(m.register_forward_pre_hook(_bias_aside(stack), with_kwargs=True))
                 handles.append(m.register_forward_hook(_sum_output(group, stack, path), prepend=True))
             elif style == EMBEDDING_ROWWISE:
@@ -329,9 +333,60 @@ def split_modules(module: nn.Module, tensor: TensorPlan, group: dist.ProcessGrou
                 handles.append(m.register_forward_hook(_sum_rows(group, masks, path), prepend=True))
         yield
     finally:
+        streams.leave()
         _SPLIT.discard(id(module))
         for h in handles:
             h.remove()
+
+
+class Streams:
+    """Random streams across a split (Megatron's tracker, without touching the model): between a
+    column-split module's output and the next row-split module's input the values are this rank's
+    piece, and a dropout there draws from a stream of this rank's own, seeded at entry from one
+    draw of the shared stream (so a recomputation, which replays the shared stream, draws the same);
+    the shared stream is set aside meanwhile, so what runs on values every rank of the axis holds
+    alike draws alike there, whatever the pieces' sizes."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.shared: tuple[torch.Generator, torch.Tensor] | None = None  # (generator, its state set aside)
+
+    def enter(self, device: torch.device) -> None:
+        if self.shared is not None:
+            return
+        generator = _generator(device)
+        with torch._C._DisableFuncTorch():
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        self.shared = (generator, generator.get_state())
+        generator.manual_seed((seed + 0x9E3779B97F4A7C15 * (self.rank + 1)) % 2**63)
+
+    def leave(self) -> None:
+        if self.shared is not None:
+            generator, state = self.shared
+            generator.set_state(state)
+            self.shared = None
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+def _entering(streams: Streams) -> Any:
+    @_not_compiled
+    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        streams.enter(output.device)
+
+    return hook
+
+
+def _leaving(streams: Streams) -> Any:
+    @_not_compiled
+    def hook(module: nn.Module, args: Any) -> None:
+        streams.leave()
+
+    return hook
 
 
 def _copy_input(group: dist.ProcessGroup, path: str) -> Any:

@@ -458,3 +458,80 @@ def test_collectives_predicted_under_tp(pool, kind):
     # the wrong size (an uneven piece), the norm's sum over the tensor axis not counted.
     for same, extra, missing in pool.run(_logged_step, kind, world=4):
         assert same, (extra, missing)
+
+
+# --- random streams --------------------------------------------------------------------------------
+
+
+class _DropBlock(torch.nn.Module):
+    """Dropout where the values are whole on every rank (``drop_in``) and where they are pieces
+    (``drop_mid``, between the column- and the row-split layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+        self.drop_in, self.drop_mid = torch.nn.Dropout(0.3), torch.nn.Dropout(0.3)
+
+    def forward(self, x):
+        return x + self.down(self.drop_mid(torch.relu(self.up(self.drop_in(x)))))
+
+
+DROP_TP = {"*.up": "colwise", "*.down": "rowwise"}
+
+
+def _dropout_streams(group):
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_DropBlock(), _DropBlock())
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([_DropBlock]), tp=DROP_TP, mesh=mesh)
+    params = ff.shard(fn.params, plan, mesh)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    masks = []
+    handle = model[0].drop_mid.register_forward_hook(lambda m, a, out: masks.append(out == 0))
+    torch.manual_seed(5)
+    out = ff.apply_sharded(fn, params, fn.buffers, x)
+    handle.remove()
+
+    def loss_fn(m, batch):
+        return m(batch).square().mean()
+
+    def train(remat, steps=2):
+        torch.manual_seed(7)
+        step = ff.train_step(fn, loss_fn, ff.sgd(0.1), remat=remat)
+        state = step.init(copy.deepcopy(params))
+        for _ in range(steps):
+            state, _ = step(state, x)
+        return step, state
+
+    plain = ff.unshard(train(None)[1].params)
+    remat = ff.unshard(train(ff.Remat())[1].params)
+    # resume: the state and the generator after one step, and the second step again from them
+    step, state = train(None, steps=1)
+    saved, rng = copy.deepcopy(state), torch.get_rng_state()
+    once = ff.unshard(step(state, x)[0].params)
+    torch.set_rng_state(rng)
+    again = ff.unshard(step(saved, x)[0].params)
+    return {
+        "out": out.detach(),
+        "mask": masks[0],
+        "remat_exact": all(torch.equal(plain[k], remat[k]) for k in plain),
+        "resume_exact": all(torch.equal(once[k], again[k]) for k in once),
+    }
+
+
+def test_dropout_streams_under_tp(pool2):
+    # Catches: a replicated region whose dropout draws differently per tp rank (the ranks' whole
+    # activations diverge), a split region whose ranks draw the same mask (correlated pieces), a
+    # recomputation that draws other masks than the forward (wrong gradients under remat), a resume
+    # that does not replay the same streams.
+    a, b = pool2.run(_dropout_streams, world=2)
+    assert torch.equal(a["out"], b["out"])  # what every rank holds alike is alike
+    assert a["mask"].shape == b["mask"].shape and not torch.equal(a["mask"], b["mask"])
+    assert a["mask"].any() and not a["mask"].all()  # dropout ran
+    assert a["remat_exact"] and b["remat_exact"]
+    assert a["resume_exact"] and b["resume_exact"]

@@ -16,6 +16,7 @@ no tensor the forward kept in state).
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -205,8 +206,14 @@ class _Forward(TorchDispatchMode):
         # (state changed in place in an input, a buffer, is the recomputation's to repeat: as_before)
         keep = {_storage(_unwrapped(t)) for t in (*outputs, *self.policy_results())} | self.input_storages
         left = self._alive_apart_from(keep)
-        if left:
-            gc.collect()  # (a reference cycle may hold one a while)
+        for pause in (0.0, 0.001, 0.01):
+            if not left:
+                break
+            # A reference cycle may hold one a while; so may a backend's communication thread, which
+            # lets go of a collective's tensors just after it says the collective is done (gloo's
+            # all-reduce inside a region: the tensor-parallel sum).
+            time.sleep(pause)
+            gc.collect()
             left = self._alive_apart_from(keep)
         if left:
             raise RematError(

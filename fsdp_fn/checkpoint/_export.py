@@ -157,7 +157,10 @@ def export_safetensors(
     One file, ``model.safetensors``, or with ``max_shard_size`` (bytes) a numbered set
     and ``model.safetensors.index.json``. Every rank of the group calls it: the first
     rank writes the headers, every rank the bytes of its own shard pieces at their
-    offsets (replicas of a hybrid mesh: only the first). Tied parameters are written once,
+    offsets (replicas of a hybrid mesh: only the first). Under tensor parallelism every rank
+    of the mesh calls it and the files hold the whole tensors: each rank writes its piece's
+    bytes where they lie in the whole one (a parameter the axis does not split: its first
+    rank). Tied parameters are written once,
     under their first name (as ``save_pretrained`` does); ``dtype`` casts on the way out.
     Memory: one parameter's piece of this rank's shard at a time (to cast it); nothing is
     gathered. Communication: two barriers, each carrying failures (a rank that fails, e.g.
@@ -385,7 +388,8 @@ def _check_shapes(source: str, shapes: Mapping[str, tuple[int, ...]], like: Shar
 def import_state_dict(state_dict: Mapping[str, torch.Tensor], like: Sharded, *, strict: bool = True) -> Sharded:
     """Shards of a full ``state_dict`` (keyed by FQN) in ``like``'s layout, written into ``like``'s tensors.
 
-    Each rank copies only its own pieces (values are cast to the shard dtype).
+    Each rank copies only its own pieces (values are cast to the shard dtype; under tensor
+    parallelism the state dict holds whole tensors, of which each rank takes its piece's part).
     ``strict=False`` ignores entries the model does not have (e.g. buffers) and, as torch's
     ``load_state_dict``, allows parameters the state dict lacks: they keep ``like``'s values,
     and a warning names them. Memory: one piece at a time beyond the shards (and a copy of
@@ -455,9 +459,10 @@ def _first_of_each(weight_map: Mapping[str, Any]) -> list[tuple[str, Any]]:
 def import_safetensors(path: str | os.PathLike[str], like: Sharded, *, strict: bool = True) -> Sharded:
     """Shards read from safetensors (a file, or a ``save_pretrained`` directory) in ``like``'s layout.
 
-    Each rank reads only the rectangles of each tensor that overlap its shard
-    (``safe_open(...).get_slice``); values are cast to the shard dtype and written into
-    ``like``'s tensors. Memory: one rectangle at a time beyond the shards. No communication.
+    Each rank reads only the rectangles of each tensor that overlap its shard (under tensor
+    parallelism, its shard of its piece) (``safe_open(...).get_slice``); values are cast to
+    the shard dtype and written into ``like``'s tensors. Memory: one rectangle at a time
+    beyond the shards. No communication.
 
     Args:
         path: a safetensors file, or a directory: its ``model.safetensors``, the files its

@@ -44,8 +44,8 @@ def save(
     (replicas of a hybrid mesh: only the first) and hashes them (SHA-256, read back from the
     page cache); under tensor parallelism, keyed by the whole parameters' names and shapes,
     each rank its piece's chunks (a parameter the axis does not split: its first rank), as
-    FSDP2 + TP's DTensors are written. Rank 0 also writes the replicated values: buffers, step counters, and
-    ``extra`` (JSON values, tuples, sets and tensors, e.g. the data loader's position; anything
+    FSDP2 + TP's DTensors are written. Rank 0 also writes the replicated values: buffers,
+    step counters, and ``extra`` (JSON values, tuples, sets and tensors, e.g. the data loader's position; anything
     else is refused here, naming it, so that loading runs no code), then the digests and
     the commit marker. ``hyperparams`` (torch.optim's names: ``lr``, ``betas``, ...) are
     written as a torch param group, so a torch optimizer loads the checkpoint with a plain
