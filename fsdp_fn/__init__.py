@@ -37,6 +37,7 @@ from fsdp_fn._predict import predict_collectives
 from fsdp_fn._remat import Remat, RematError, SavePolicy, remat, route_torch_checkpoint, save_dots, save_nothing
 from fsdp_fn._shard import NAMESPACE, Sharded, reduce_grads, shard, unshard
 from fsdp_fn._step import TrainState, TrainStep, clip_grad_norm_, sync_buffers, train_step
+from fsdp_fn._tp_plan import TensorPlan
 from fsdp_fn._transforms import (
     ScaleByAdamState,
     ScaleByLionState,
@@ -134,6 +135,7 @@ __all__ = [
     "ActivationStage",
     "Schedule",
     "Sharded",
+    "TensorPlan",
     "TrainState",
     "TrainStep",
     "Unit",
@@ -176,3 +178,4 @@ __all__ = [
     "save_nothing",
 ]
 from fsdp_fn import checkpoint as checkpoint  # the public submodule: ff.checkpoint.save / load
+from fsdp_fn import tp as tp  # the public submodule: tensor parallelism's collectives, for hand-written models

@@ -48,6 +48,7 @@ NO_EXAMPLES = {
     "fsdp_fn.checkpoint._opt_state": "internal: optimizer-state names; needs a sharded state (test_checkpoint.py)",
     "fsdp_fn.checkpoint._per_rank": "internal: RNG states and buffers that differ; needs ranks (test_checkpoint.py)",
     "fsdp_fn._remat": "the package's names; remat's example is in fsdp_fn._remat._function",
+    "fsdp_fn.tp": "the package's names; examples in fsdp_fn._tp, fsdp_fn._tp_plan and docs/features.md (test below)",
     "fsdp_fn._remat._errors": "the exception class; raised and matched in test_remat.py",
     "fsdp_fn._remat._early_stop": "internal: the tail a recomputation leaves out; test_remat.py (stops early)",
 }

@@ -95,6 +95,7 @@ def _train_tp(
     plan_kw=None,
     step_kw=None,
     sgd=False,
+    vocab_parallel=False,
 ):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -102,12 +103,22 @@ def _train_tp(
     model, policy, loss_fn, vocab, length = _model(kind, **(model_kw or {}))
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     fn = ff.functionalize(model)
-    plan = ff.make_plan(model, policy, tp=model._tp_plan, mesh=mesh, **(plan_kw or {}))
+    styles = dict(model._tp_plan)
+    ours = loss_fn
+    if vocab_parallel:  # the head's logits stay split; the loss reads them where they are
+        styles["head"] = "vocab_parallel"
+        tp_group = mesh["tp"].get_group()
+
+        def ours(m, batch):
+            logits = m(batch[:, :-1])
+            return ff.tp.parallel_cross_entropy(logits, batch[:, 1:], tp_group, vocab)
+
+    plan = ff.make_plan(model, policy, tp=styles, mesh=mesh, **(plan_kw or {}))
     params = ff.shard(fn.params, plan, mesh)
     optimizer = ff.sgd(0.1) if sgd else ff.adamw(1e-2)
     optimizer = optimizer if clip is None else ff.chain(ff.clip_by_global_norm(clip), optimizer)
     schedule = {**(schedule or {}), **({"micro_batches": micro} if micro > 1 else {})}
-    step = ff.train_step(fn, loss_fn, optimizer, schedule=ff.Schedule(**schedule), **(step_kw or {}))
+    step = ff.train_step(fn, ours, optimizer, schedule=ff.Schedule(**schedule), **(step_kw or {}))
     state = step.init(params)
     index, parts = _data_index(mesh)
     batches = _batches(vocab, length)
@@ -182,6 +193,12 @@ def test_fsdp_by_tp_trains_like_one_process(pool, kind, mesh):
 @pytest.mark.parametrize("kind", ["llama", "gpt"])
 def test_tp_alone_trains_like_one_process(pool2, kind):
     _close(pool2.run(_train_tp, kind, (1, 2), ("dp", "tp"), world=2)[0])
+
+
+def test_vocabulary_parallel_head_and_loss(pool):
+    # Catches: a split head's logits read as whole (a loss over half the vocabulary), a target on
+    # another rank's piece counted twice or never, the maximum's shift taken per rank.
+    _close(pool.run(_train_tp, "gpt", (2, 2), ("dp", "tp"), vocab_parallel=True, world=4)[0])
 
 
 def test_gradient_transformations_across_axes(pool):
