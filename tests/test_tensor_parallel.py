@@ -405,6 +405,29 @@ def test_plan_errors_name_the_module():
         TensorPlan.of({"lm_head": "diagonal"}, size=2)
     with pytest.raises(ValueError, match="needs mesh=, a DeviceMesh with one tensor-parallel axis"):
         ff.make_plan(model, tp=model._tp_plan)
+    tied = GPT(GPTConfig(**(GPT_CFG | {"tie": True})))
+    with pytest.raises(ValueError, match=r"tied parameter 'wte.weight' \(also 'head.weight'\) is split on different"):
+        ff.make_plan(tied, tp=TensorPlan.of({"wte": "embedding_rowwise", "head": "rowwise"}, size=2))
+    # the example GPT's own styles split the tied table alike (the vocabulary, both)
+    assert ff.make_plan(tied, tp=TensorPlan.of(tied._tp_plan, size=2)).unit("").params[0].split == (0, 37)
+
+
+def _plan_for_another_place(group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = tiny_llama(**LLAMA)
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    plan = ff.make_plan(model, tp=TensorPlan.of(model._tp_plan, size=2, rank=1 - group.rank()))
+    try:
+        ff.shard(ff.functionalize(model).params, plan, mesh)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_shards_of_a_plan_for_another_place_on_the_axis(pool2):
+    for rank, msg in enumerate(pool2.run(_plan_for_another_place, world=2)):
+        assert f"a tensor-parallel axis of 2 ranks, this rank at {1 - rank}; the mesh has axis 'tp': 2 ranks" in msg
 
 
 class _FixedHeads(torch.nn.Module):
