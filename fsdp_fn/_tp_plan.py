@@ -36,8 +36,8 @@ def chunk_bounds(n: int, size: int, rank: int) -> tuple[int, int]:
     ``torch.chunk`` splits them (DTensor's ``Shard``): ``ceil(n / size)`` each, the last ones short
     or empty.
 
-    >>> [chunk_bounds(509, 2, r) for r in range(2)]
-    [(0, 255), (255, 509)]
+    >>> chunk_bounds(509, 2, 0), chunk_bounds(509, 2, 1)
+    ((0, 255), (255, 509))
     """
     step = -(-n // size)
     lo = min(rank * step, n)
