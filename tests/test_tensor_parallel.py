@@ -96,11 +96,16 @@ def _train_tp(
     step_kw=None,
     sgd=False,
     vocab_parallel=False,
+    freeze=(),
+    grouped=1,
 ):
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
     model, policy, loss_fn, vocab, length = _model(kind, **(model_kw or {}))
+    for name, p in model.named_parameters():
+        if any(f in name for f in freeze):
+            p.requires_grad_(False)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     fn = ff.functionalize(model)
     styles = dict(model._tp_plan)
@@ -113,7 +118,7 @@ def _train_tp(
             logits = m(batch[:, :-1])
             return ff.tp.parallel_cross_entropy(logits, batch[:, 1:], tp_group, vocab)
 
-    plan = ff.make_plan(model, policy, tp=styles, mesh=mesh, **(plan_kw or {}))
+    plan = ff.make_plan(model, policy, tp=styles, mesh=mesh, **(plan_kw or {})).grouped(grouped)
     params = ff.shard(fn.params, plan, mesh)
     optimizer = ff.sgd(0.1) if sgd else ff.adamw(1e-2)
     optimizer = optimizer if clip is None else ff.chain(ff.clip_by_global_norm(clip), optimizer)
@@ -199,6 +204,22 @@ def test_vocabulary_parallel_head_and_loss(pool):
     # Catches: a split head's logits read as whole (a loss over half the vocabulary), a target on
     # another rank's piece counted twice or never, the maximum's shift taken per rank.
     _close(pool.run(_train_tp, "gpt", (2, 2), ("dp", "tp"), vocab_parallel=True, world=4)[0])
+
+
+OPTIONS = {
+    "offload": {"schedule": {"cpu_offload": ff.CPUOffload(device="cpu")}},
+    "tied": {"model_kw": {"tie": True}},  # the table and the head split alike: the vocabulary
+    "split-root": {"plan_kw": {"split_root": True}},
+    "kept-gathered": {"schedule": {"reshard_after_forward": False}},
+    "micro-summed": {"micro": 2, "schedule": {"reduce_each_micro_batch": False}},
+    "frozen": {"freeze": ("blocks.0.qkv", "ln_f")},  # split and replicated parameters frozen
+    "merged": {"grouped": 2},
+}
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_options_compose_with_tp(pool, option):
+    _close(pool.run(_train_tp, "gpt", (2, 2), ("dp", "tp"), world=4, **OPTIONS[option])[0])
 
 
 def test_gradient_transformations_across_axes(pool):
