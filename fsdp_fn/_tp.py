@@ -242,6 +242,10 @@ def parallel_cross_entropy(
     Returns:
         The mean over the targets that count, a 0-d tensor, the same on every rank.
 
+    Raises:
+        IndexError: if a target other than ``ignore_index`` lies outside the vocabulary (as
+            ``F.cross_entropy`` raises; one read of the targets on the host).
+
     Examples:
         >>> import torch, torch.distributed as dist
         >>> if not dist.is_initialized():
@@ -251,9 +255,12 @@ def parallel_cross_entropy(
         >>> bool(torch.isclose(loss, F.cross_entropy(logits, targets)))
         True
     """
+    t = targets.reshape(-1)
+    outside = (t != ignore_index) & ((t < 0) | (t >= vocab))
+    if bool(outside.any()):  # (F.cross_entropy's IndexError: here a target outside would count as logit 0)
+        raise IndexError(f"target {int(t[outside][0])} is out of bounds of the vocabulary of {vocab}")
     lo, hi = chunk_bounds(vocab, group.size(), group.rank())
     flat = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
-    t = targets.reshape(-1)
     with torch.no_grad():
         top = flat.detach().amax(dim=-1)
         top = all_reduce_max(top, group)

@@ -122,3 +122,36 @@ def test_overhead_runs_and_its_phase_clock_agrees_with_torchs_profiler():
     } <= phases, out
     for name, _, _, clock_calls, profiler_calls in rows:
         assert float(clock_calls) == float(profiler_calls) > 0, (name, out)
+
+
+def test_tp_bench_fsdp_by_tp_trains_like_one_process_on_a_quarter_of_the_bytes(tmp_path):
+    # Catches: fsdp_fn's FSDP x TP, or FSDP2 + TP as the bench lays it out, drifting from one process
+    # (a collective missing, a replicated parameter's gradient summed over tp); a rank holding more than
+    # its 1/(dp x tp) share of parameters, gradients and optimizer state; the two memory instruments parting.
+    report = tmp_path / "tp.json"
+    sizes = ["--vocab", "61", "--hidden", "32", "--intermediate", "88", "--layers", "1", "--seq", "8", "--batch", "4"]
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "tp.py"),
+            *sizes,
+            *("--steps", "2", "--warmup", "1", "--reps", "1", "--json", str(report)),
+            *("--systems", "fsdp_fn+tp,fsdp2+tp,single"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert re.search(r"^\| fsdp_fn\+tp \| .* \|$", done.stdout, re.M), done.stdout
+    systems = json.loads(report.read_text())["systems"]
+    whole = systems["single"]["held_bytes_max_over_ranks"]
+    for name in ("fsdp_fn+tp", "fsdp2+tp"):  # (the vocabulary-parallel rows: test_tensor_parallel.py)
+        row = systems[name]
+        assert len(row["losses"]) == 3, row
+        assert row["loss_max_abs_diff_to_single"] < 1e-5, (name, row)
+        assert row["param_max_abs_diff_to_single"] < 1e-4, (name, row)
+        assert row["meter_vs_tracker_max_abs_bytes"] <= 0.1 * 2**20, (name, row)
+        for kind, held in row["held_bytes_max_over_ranks"].items():
+            assert 0 < held < 0.3 * whole[kind], (name, kind, held, whole[kind])

@@ -322,6 +322,11 @@ def _tp_linear_chain(group):
     out["ce"] = abs(ce(piece) - F.cross_entropy(logits, targets)).item()
     gce = torch.func.grad(ce)(piece)
     out["ce_grad"] = (gce - torch.func.grad(lambda t: F.cross_entropy(t, targets))(logits)[:, lo:hi]).abs().max().item()
+    try:  # a target outside the vocabulary: F.cross_entropy's IndexError, not a loss that counts it as 0
+        ce(piece, targets=torch.tensor([0, h]))
+        out["ce_out_of_range_raises"] = 1.0
+    except IndexError:
+        out["ce_out_of_range_raises"] = 0.0
     return out
 
 
