@@ -12,7 +12,15 @@ from fsdp_fn._lookup import rows_fit
 from fsdp_fn._plan import ROOT, Plan
 from fsdp_fn._policy import Schedule
 from fsdp_fn._prefetch import gathered_bytes, kept_tail
-from fsdp_fn._tp_plan import COLWISE, COLWISE_GATHER_OUTPUT, EMBEDDING_ROWWISE, ROWWISE, VOCAB_PARALLEL
+from fsdp_fn._tp_plan import (
+    COLWISE,
+    COLWISE_GATHER_OUTPUT,
+    EMBEDDING_ROWWISE,
+    REPLICATED_WITH_GRAD_ALLREDUCE,
+    ROWWISE,
+    ROWWISE_SPLIT_INPUT,
+    VOCAB_PARALLEL,
+)
 
 
 def metrics_words(plan: Plan) -> int:
@@ -153,14 +161,18 @@ def tensor_parallel_collectives(plan: Plan, tokens: int, schedule: Schedule | No
     out: list[Collective] = []
     for spec in plan.params:
         path, _, attr = spec.name.rpartition(".")
+        style, dtype, n = tensor.style_of(path), schedule.gather_dtype(spec.dtype), tensor.size
+        if style == REPLICATED_WITH_GRAD_ALLREDUCE and spec.requires_grad:  # each parameter's gradient summed
+            out.append(Collective("all_reduce", path, spec.numel, dtype, n))
         if spec.split is None or attr != "weight":
             continue
-        style, dtype, n = tensor.style_of(path), schedule.gather_dtype(spec.dtype), tensor.size
         if style in (COLWISE, COLWISE_GATHER_OUTPUT, VOCAB_PARALLEL):
             out.append(Collective("all_reduce", path, tokens * spec.shape[1], dtype, n))  # the input's gradient
         if style == COLWISE_GATHER_OUTPUT:
             out.append(Collective("all_gather", path, tokens * -(-spec.split[1] // n) * n, dtype, n))
-        if style == ROWWISE:
+        if style == ROWWISE_SPLIT_INPUT:  # the input's piece taken: its gradient gathered in backward
+            out.append(Collective("all_gather", path, tokens * -(-spec.split[1] // n) * n, dtype, n))
+        if style in (ROWWISE, ROWWISE_SPLIT_INPUT):
             out.append(Collective("all_reduce", path, tokens * spec.shape[0], dtype, n))
         if style == EMBEDDING_ROWWISE:
             out.append(Collective("all_reduce", path, tokens * spec.shape[1], dtype, n))

@@ -35,7 +35,9 @@ from fsdp_fn._tp_plan import (
     COLWISE,
     COLWISE_GATHER_OUTPUT,
     EMBEDDING_ROWWISE,
+    REPLICATED_WITH_GRAD_ALLREDUCE,
     ROWWISE,
+    ROWWISE_SPLIT_INPUT,
     VOCAB_PARALLEL,
     TensorPlan,
     chunk_bounds,
@@ -327,14 +329,23 @@ def split_modules(module: nn.Module, tensor: TensorPlan, group: dist.ProcessGrou
                     handles.append(m.register_forward_hook(_gather_output(group, m.out_features, path), prepend=True))
                 else:  # its output is this rank's piece: what runs on it draws from this rank's stream
                     handles.append(m.register_forward_hook(_entering(streams)))
-            elif style == ROWWISE:
+            elif style in (ROWWISE, ROWWISE_SPLIT_INPUT):
                 stack: list[Any] = []
                 handles.append(m.register_forward_pre_hook(_leaving(streams), prepend=True))
+                if style == ROWWISE_SPLIT_INPUT:  # its input is whole: this rank's piece of it
+                    assert isinstance(m, nn.Linear)
+                    handles.append(
+                        m.register_forward_pre_hook(_split_input(group, m.in_features, path), with_kwargs=True)
+                    )
                 handles.append(m.register_forward_pre_hook(_bias_aside(stack), with_kwargs=True))
                 handles.append(m.register_forward_hook(_sum_output(group, stack, path), prepend=True))
+            elif style == REPLICATED_WITH_GRAD_ALLREDUCE:  # whole, run on pieces: each rank's gradient a part
+                held: list[dict[str, Any]] = []
+                handles.append(m.register_forward_pre_hook(_parameters_in(group, held, path), with_kwargs=True))
+                handles.append(m.register_forward_hook(_parameters_back(held), prepend=True))
             elif style == EMBEDDING_ROWWISE:
                 assert isinstance(m, nn.Embedding)
-                masks: list[torch.Tensor] = []
+                masks: list[tuple[torch.Tensor, int | None]] = []
                 lo, hi = chunk_bounds(m.num_embeddings, tensor.size, tensor.rank)
                 handles.append(m.register_forward_pre_hook(_own_rows(lo, hi, masks), with_kwargs=True))
                 handles.append(m.register_forward_hook(_sum_rows(group, masks, path), prepend=True))
@@ -406,6 +417,35 @@ def _copy_input(group: dist.ProcessGroup, path: str) -> Any:
     return hook
 
 
+def _split_input(group: dist.ProcessGroup, n: int, path: str) -> Any:
+    @_not_compiled
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return (split_last(args[0], group, n, path), *args[1:]), kwargs
+
+    return hook
+
+
+def _parameters_in(group: dist.ProcessGroup, held: list[dict[str, Any]], path: str) -> Any:
+    @_not_compiled
+    def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+        own = {k: p for k, p in module._parameters.items() if p is not None}
+        held.append(own)
+        for k, p in own.items():
+            module._parameters[k] = copy_in(p, group, path)  # type: ignore[assignment]
+        return
+
+    return hook
+
+
+def _parameters_back(held: list[dict[str, Any]]) -> Any:
+    @_not_compiled
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        module._parameters.update(held.pop())
+        return output
+
+    return hook
+
+
 def _gather_output(group: dist.ProcessGroup, n: int, path: str) -> Any:
     @_not_compiled
     def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
@@ -439,21 +479,27 @@ def _sum_output(group: dist.ProcessGroup, stack: list[Any], path: str) -> Any:
     return hook
 
 
-def _own_rows(lo: int, hi: int, masks: list[torch.Tensor]) -> Any:
+def _own_rows(lo: int, hi: int, masks: list[tuple[torch.Tensor, int | None]]) -> Any:
     @_not_compiled
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ids = args[0]
         outside = (ids < lo) | (ids >= hi)
-        masks.append(outside)
+        # The padding row (no gradient) by its index in this rank's rows, for the call: another
+        # rank's (or none) is no row of this one's (torch.where's 0 stands for the rows it lacks,
+        # zeroed after, with their gradient).
+        table = cast(nn.Embedding, module)
+        pad = table.padding_idx
+        masks.append((outside, pad))
+        table.padding_idx = pad - lo if pad is not None and lo <= pad < hi else None
         return (torch.where(outside, torch.zeros_like(ids), ids - lo), *args[1:]), kwargs
 
     return hook
 
 
-def _sum_rows(group: dist.ProcessGroup, masks: list[torch.Tensor], path: str) -> Any:
+def _sum_rows(group: dist.ProcessGroup, masks: list[tuple[torch.Tensor, int | None]], path: str) -> Any:
     @_not_compiled
     def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        outside = masks.pop()
+        outside, cast(nn.Embedding, module).padding_idx = masks.pop()
         return sum_out(output.masked_fill(outside.unsqueeze(-1), 0), group, path)
 
     return hook

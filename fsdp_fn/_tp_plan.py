@@ -24,9 +24,20 @@ ROWWISE = "rowwise"  # input features split: weight on dim 1; the output summed 
 EMBEDDING_ROWWISE = "embedding_rowwise"  # the vocabulary split: rows of the table; the output summed
 COLWISE_GATHER_OUTPUT = "colwise_gather_output"  # colwise, its output gathered whole on every rank
 VOCAB_PARALLEL = "vocab_parallel"  # colwise, its output (logits) left split for ``parallel_cross_entropy``
+ROWWISE_SPLIT_INPUT = "rowwise_split_input"  # rowwise on a whole input: this rank's piece of it taken first
+REPLICATED_WITH_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"  # whole, run on pieces: its gradient summed
 REPLICATE = "replicate"  # every rank holds the whole module
 
-STYLES = (COLWISE, ROWWISE, EMBEDDING_ROWWISE, COLWISE_GATHER_OUTPUT, VOCAB_PARALLEL, REPLICATE)
+STYLES = (
+    COLWISE,
+    ROWWISE,
+    EMBEDDING_ROWWISE,
+    COLWISE_GATHER_OUTPUT,
+    VOCAB_PARALLEL,
+    ROWWISE_SPLIT_INPUT,
+    REPLICATED_WITH_GRAD_ALLREDUCE,
+    REPLICATE,
+)
 # Hugging Face's other names for the same styles.
 ALIASES = {"colwise_rep": COLWISE_GATHER_OUTPUT, "rowwise_rep": ROWWISE, "local_colwise": COLWISE}
 
@@ -99,7 +110,7 @@ class TensorPlan:
                 an ``nn.Linear`` or ``nn.Embedding`` of the kind it splits).
         """
         style = self.style_of(path)
-        if style is None or style == REPLICATE:
+        if style is None or style in (REPLICATE, REPLICATED_WITH_GRAD_ALLREDUCE):
             return None
         kind = torch.nn.Embedding if style == EMBEDDING_ROWWISE else torch.nn.Linear
         if not isinstance(module, kind):
@@ -107,7 +118,7 @@ class TensorPlan:
                 f"tensor-parallel style {style!r} is for an nn.{kind.__name__}; module {path!r} is a "
                 f"{type(module).__name__} (give it a style of its kind, or split its Linear children instead)"
             )
-        if style == ROWWISE:
+        if style in (ROWWISE, ROWWISE_SPLIT_INPUT):
             return 1 if attr == "weight" else None  # its bias is added once, after the sum
         return 0
 

@@ -56,7 +56,34 @@ def _gpt_loss(model, batch):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
+def _hugging_face(kind, **kw):
+    """Qwen3 (its plan splits q/k/v and sums the per-head norms' gradients: replicated_with_grad_allreduce)
+    and Phi3 (fused qkv and gate_up gathered whole, o and down taking their input's piece:
+    rowwise_split_input), small, from a config."""
+    import transformers
+
+    config = {
+        "vocab_size": 61,
+        "hidden_size": 32,
+        "intermediate_size": 88,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32,
+    }
+    torch.manual_seed(0)
+    if kind == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**config, head_dim=8, **kw))
+        layer = transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer
+    else:
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**config, pad_token_id=0, **kw))
+        layer = transformers.models.phi3.modeling_phi3.Phi3DecoderLayer
+    return model, ff.layer_policy([layer]), _llama_loss, 61, 10
+
+
 def _model(kind, **kw):
+    if kind in ("qwen3", "phi3"):
+        return _hugging_face(kind, **kw)
     if kind == "llama":
         import transformers
 
@@ -197,6 +224,7 @@ def test_fsdp_by_tp_trains_like_one_process(pool, kind, mesh):
 
 @pytest.mark.parametrize("kind", ["llama", "gpt"])
 def test_tp_alone_trains_like_one_process(pool2, kind):
+    # (on its own: a 2-rank job)
     _close(pool2.run(_train_tp, kind, (1, 2), ("dp", "tp"), world=2)[0])
 
 
@@ -518,7 +546,15 @@ def _logged_step(group, kind):
     return key(log.records) == key(predicted), key(log.records) - key(predicted), key(predicted) - key(log.records)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt"])
+@pytest.mark.parametrize("kind", ["qwen3", "phi3"])
+def test_other_hugging_face_plans_train_like_one_process(pool, kind):
+    # Catches: a per-head norm's gradient left as one rank's part (Qwen3's q_norm/k_norm), a whole
+    # input fed to a row-split layer unsplit (Phi3's o_proj and down_proj).
+    r = pool.run(_train_tp, kind, (2, 2), ("dp", "tp"), world=4)[0]
+    _close(r)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt", "qwen3", "phi3"])
 def test_collectives_predicted_under_tp(pool, kind):
     # Catches: a split module's collective missing or doubled (a hook installed twice, a bias summed),
     # the wrong size (an uneven piece), the norm's sum over the tensor axis not counted.
