@@ -49,12 +49,13 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
         # qkv's outputs are (head, q/k/v, head_dim): a split of its rows holds whole heads, and
-        # the head count is -1 (what this rank holds under tensor parallelism).
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, -1, 3, self.head_dim).unbind(3)
+        # the head count is -1 (what this rank holds under tensor parallelism); the shapes are
+        # the tensors' own (under sequence parallelism x holds a piece of the sequence, qkv all of it).
+        h = self.qkv(self.ln1(x))
+        q, k, v = h.view(*h.shape[:2], -1, 3, self.head_dim).unbind(3)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        x = x + self.proj(y.transpose(1, 2).flatten(2))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 

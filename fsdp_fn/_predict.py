@@ -154,10 +154,19 @@ def tensor_parallel_collectives(plan: Plan, tokens: int, schedule: Schedule | No
 
     Returns:
         The ``Collective``s, named by module path, over the tensor-parallel axis.
+
+    Raises:
+        ValueError: under sequence parallelism (``plan.tensor.sequence_parallel``).
     """
     tensor, schedule = plan.tensor, schedule or Schedule()
     if tensor is None or tensor.size == 1:
         return []
+    if tensor.sequence_parallel:
+        raise ValueError(
+            "predict_collectives(tokens=...) does not predict sequence parallelism's collectives (their sizes "
+            "follow the sequence's pieces and the layers' widths, which the plan does not hold); leave tokens out "
+            "to predict the rest"
+        )
     out: list[Collective] = []
     for spec in plan.params:
         path, _, attr = spec.name.rpartition(".")

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import FunctionCtx
 
-from fsdp_fn._collectives import _same_batch_size, all_gather_into, all_reduce_
+from fsdp_fn._collectives import _same_batch_size, all_gather_into, all_reduce_, reduce_scatter
 from fsdp_fn._tp_plan import (
     COLWISE,
     COLWISE_GATHER_OUTPUT,
@@ -38,6 +38,8 @@ from fsdp_fn._tp_plan import (
     REPLICATED_WITH_GRAD_ALLREDUCE,
     ROWWISE,
     ROWWISE_SPLIT_INPUT,
+    SEQUENCE_PARALLEL,
+    SEQUENCE_SPLIT_INPUT,
     VOCAB_PARALLEL,
     TensorPlan,
     chunk_bounds,
@@ -181,6 +183,101 @@ class _SplitLast(torch.autograd.Function):
         return _SplitLast.apply(x.movedim(dim, 0), group, n, name), 0
 
 
+class _SeqGather(torch.autograd.Function):
+    """Sequence parallelism's entry to a split module: every rank's piece of the sequence (dim -2,
+    ``n`` rows in all, torch.chunk's pieces), whole on each rank. The split module reads it with its
+    own piece of the weight, so each rank's gradient of it is a part: the backward sums them and
+    keeps this rank's rows (``_SeqScatter``)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, group: dist.ProcessGroup, n: int, name: str | None) -> torch.Tensor:
+        return _GatherLast.forward(x.movedim(-2, -1), group, n, name).movedim(-1, -2).contiguous()
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.group, ctx.n, ctx.name = inputs  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _SeqScatter.apply(grad, ctx.group, ctx.n, ctx.name), None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
+        return cast(torch.Tensor, _SeqGather.apply(tangent, ctx.group, ctx.n, ctx.name))
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, group: Any, n: int, name: str | None
+    ) -> tuple[torch.Tensor, Any]:
+        dim = in_dims[0]
+        if dim is None:
+            return _SeqGather.apply(x, group, n, name), None
+        batch = x.movedim(dim, 0)  # (the sequence stays second to last)
+        _same_batch_size(batch.shape[0], group, name, "all_gather")
+        return _SeqGather.apply(batch, group, n, name), 0
+
+
+class _SeqScatter(torch.autograd.Function):
+    """Sequence parallelism's exit from a row-split module: its partial outputs (the whole
+    sequence, dim -2, ``n`` rows) summed over the ranks, this rank's piece of the rows kept (one
+    reduce-scatter); the backward gathers the pieces' gradients whole (``_SeqGather``)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, group: dist.ProcessGroup, n: int, name: str | None) -> torch.Tensor:
+        world, rank = group.size(), group.rank()
+        step = -(-n // world)
+        lo, hi = chunk_bounds(n, world, rank)
+        rows = x.movedim(-2, 0)
+        padded = F.pad(rows.reshape(n, -1), (0, 0, 0, step * world - n)).contiguous()
+        with torch.no_grad():
+            mine = reduce_scatter(padded.view(-1), group, name)
+        return mine.view(step, *rows.shape[1:])[: hi - lo].movedim(0, -2).contiguous()
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.group, ctx.n, ctx.name = inputs  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _SeqGather.apply(grad, ctx.group, ctx.n, ctx.name), None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
+        return cast(torch.Tensor, _SeqScatter.apply(tangent, ctx.group, ctx.n, ctx.name))
+
+    @staticmethod
+    def vmap(
+        info: Any, in_dims: tuple[int | None, ...], x: torch.Tensor, group: Any, n: int, name: str | None
+    ) -> tuple[torch.Tensor, Any]:
+        dim = in_dims[0]
+        if dim is None:
+            return _SeqScatter.apply(x, group, n, name), None
+        batch = x.movedim(dim, 0)
+        _same_batch_size(batch.shape[0], group, name, "reduce_scatter")
+        return _SeqScatter.apply(batch, group, n, name), 0
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, n: int, name: str | None = None) -> torch.Tensor:
+    """Every rank's piece of the sequence (dim -2; ``n`` rows in all, split as ``torch.chunk``),
+    whole on each rank, for a split module to read; the backward sums the ranks' gradients and
+    keeps this rank's rows (a reduce-scatter). Memory: the whole sequence; communication: one
+    all-gather forward, one reduce-scatter backward."""
+    return cast(torch.Tensor, _SeqGather.apply(x, group, n, name))
+
+
+def scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup, name: str | None = None) -> torch.Tensor:
+    """A split module's partial outputs over the whole sequence (dim -2) summed over the ranks,
+    this rank's piece of the rows kept (``torch.chunk``'s); the backward gathers the gradient whole.
+    Memory: one piece; communication: one reduce-scatter forward, one all-gather backward."""
+    return cast(torch.Tensor, _SeqScatter.apply(x, group, x.shape[-2], name))
+
+
+def split_sequence(x: torch.Tensor, group: dist.ProcessGroup, name: str | None = None) -> torch.Tensor:
+    """This rank's piece of the sequence (dim -2, ``torch.chunk``'s) of a value every rank holds
+    whole; the backward gathers the gradient whole. Communication: one all-gather backward."""
+    return split_last(x.movedim(-2, -1), group, x.shape[-2], name).movedim(-1, -2)
+
+
 def gather_dim(x: torch.Tensor, group: dist.ProcessGroup, split: tuple[int, int]) -> torch.Tensor:
     """A parameter's whole value from every rank's piece (``ParamSpec.split``: its dimension and
     whole length); differentiable (``gather_last`` along that dimension)."""
@@ -290,7 +387,8 @@ def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 FIXED_HEADS = (
     "a module inside a tensor-parallel unit reshaped a split output by the whole model's head count; "
     "each rank holds {share} of the heads: reshape by -1 heads (x.view(b, t, -1, head_dim)), as "
-    "Hugging Face's models do"
+    "Hugging Face's models do (under sequence parallelism: take the sequence length from the tensor "
+    "reshaped, not from the block's input, which holds a piece of it)"
 )
 
 
@@ -312,18 +410,26 @@ def split_modules(module: nn.Module, tensor: TensorPlan, group: dist.ProcessGrou
     a row-split module's output leaves through ``sum_out`` (its bias added once, after); a
     vocabulary-split embedding reads only its rows and sums; ``colwise_gather_output`` gathers its
     output. The module's parameters hold this rank's pieces meanwhile (the plan's shapes). Inside
-    such a block already (a rematerialised region's forward), it installs nothing more."""
+    such a block already (a rematerialised region's forward), it installs nothing more.
+
+    With sequence parallelism (``tensor.sequence_parallel``) the sequence is split from a
+    ``sequence_split_input`` module's input on: a split module's input is gathered along it
+    (``gather_sequence``), a row-split output reduce-scattered along it (``scatter_sequence``), and
+    a ``sequence_parallel`` module (a norm) sums its parameters' gradients; what runs on the
+    pieces draws from the rank's own random stream."""
     if id(module) in _SPLIT:
         yield
         return
     handles = []
     streams = Streams(tensor.rank)
+    sp = tensor.sequence_parallel
     _SPLIT.add(id(module))
     try:
         for path, m in module.named_modules():
             style = tensor.style_of(path)
             if style in (COLWISE, COLWISE_GATHER_OUTPUT, VOCAB_PARALLEL):
-                handles.append(m.register_forward_pre_hook(_copy_input(group, path), with_kwargs=True))
+                entry = _gather_sequence_input(group, id(module), path) if sp else _copy_input(group, path)
+                handles.append(m.register_forward_pre_hook(entry, with_kwargs=True))
                 if style == COLWISE_GATHER_OUTPUT:
                     assert isinstance(m, nn.Linear)
                     handles.append(m.register_forward_hook(_gather_output(group, m.out_features, path), prepend=True))
@@ -331,18 +437,25 @@ def split_modules(module: nn.Module, tensor: TensorPlan, group: dist.ProcessGrou
                     handles.append(m.register_forward_hook(_entering(streams)))
             elif style in (ROWWISE, ROWWISE_SPLIT_INPUT):
                 stack: list[Any] = []
-                handles.append(m.register_forward_pre_hook(_leaving(streams), prepend=True))
+                if not sp:  # (with the sequence split its output is a piece too)
+                    handles.append(m.register_forward_pre_hook(_leaving(streams), prepend=True))
                 if style == ROWWISE_SPLIT_INPUT:  # its input is whole: this rank's piece of it
                     assert isinstance(m, nn.Linear)
                     handles.append(
                         m.register_forward_pre_hook(_split_input(group, m.in_features, path), with_kwargs=True)
                     )
                 handles.append(m.register_forward_pre_hook(_bias_aside(stack), with_kwargs=True))
-                handles.append(m.register_forward_hook(_sum_output(group, stack, path), prepend=True))
-            elif style == REPLICATED_WITH_GRAD_ALLREDUCE:  # whole, run on pieces: each rank's gradient a part
+                handles.append(m.register_forward_hook(_sum_output(group, stack, path, sp), prepend=True))
+            elif style in (REPLICATED_WITH_GRAD_ALLREDUCE, SEQUENCE_PARALLEL):  # whole, run on pieces
                 held: list[dict[str, Any]] = []
                 handles.append(m.register_forward_pre_hook(_parameters_in(group, held, path), with_kwargs=True))
                 handles.append(m.register_forward_hook(_parameters_back(held), prepend=True))
+            elif style == SEQUENCE_SPLIT_INPUT:
+                handles.append(
+                    m.register_forward_pre_hook(
+                        _split_sequence_input(group, id(module), streams, path), with_kwargs=True
+                    )
+                )
             elif style == EMBEDDING_ROWWISE:
                 assert isinstance(m, nn.Embedding)
                 masks: list[tuple[torch.Tensor, int | None]] = []
@@ -417,6 +530,40 @@ def _copy_input(group: dist.ProcessGroup, path: str) -> Any:
     return hook
 
 
+# The whole sequence's length at the last split, by model (``id``): a split module's gather (in
+# the forward, and in a rematerialised region's recomputation during the backward) needs it, as
+# the pieces' sizes alone do not say it.
+_SEQUENCE_LENGTH: dict[int, int] = {}
+
+
+def _split_sequence_input(group: dist.ProcessGroup, model: int, streams: Streams, path: str) -> Any:
+    @_not_compiled
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x = args[0]
+        _SEQUENCE_LENGTH[model] = x.shape[-2]
+        streams.enter(x.device)  # from here on the values are this rank's piece
+        return (split_sequence(x, group, path), *args[1:]), kwargs
+
+    return hook
+
+
+def _gather_sequence_input(group: dist.ProcessGroup, model: int, path: str) -> Any:
+    @_not_compiled
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not args or not isinstance(args[0], torch.Tensor):
+            return None
+        n = _SEQUENCE_LENGTH.get(model)
+        if n is None:
+            raise RuntimeError(
+                f"tensor-parallel module {path!r} runs on a sequence split between the split modules "
+                "(sequence parallelism) but no module has split it yet: give the first layer the style "
+                "'sequence_split_input'"
+            )
+        return (gather_sequence(args[0], group, n, path), *args[1:]), kwargs
+
+    return hook
+
+
 def _split_input(group: dist.ProcessGroup, n: int, path: str) -> Any:
     @_not_compiled
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -466,14 +613,15 @@ def _bias_aside(stack: list[Any]) -> Any:
     return hook
 
 
-def _sum_output(group: dist.ProcessGroup, stack: list[Any], path: str) -> Any:
+def _sum_output(group: dist.ProcessGroup, stack: list[Any], path: str, sequence: bool) -> Any:
     @_not_compiled
     def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         bias = stack.pop()
-        out = sum_out(output, group, path)
+        out = scatter_sequence(output, group, path) if sequence else sum_out(output, group, path)
         if bias is not None:
             module._parameters["bias"] = bias
-            out = out + bias
+            # (added to a piece of the sequence, each rank's gradient of it is a part: summed)
+            out = out + (copy_in(bias, group, path) if sequence else bias)
         return out
 
     return hook

@@ -26,6 +26,11 @@ COLWISE_GATHER_OUTPUT = "colwise_gather_output"  # colwise, its output gathered 
 VOCAB_PARALLEL = "vocab_parallel"  # colwise, its output (logits) left split for ``parallel_cross_entropy``
 ROWWISE_SPLIT_INPUT = "rowwise_split_input"  # rowwise on a whole input: this rank's piece of it taken first
 REPLICATED_WITH_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"  # whole, run on pieces: its gradient summed
+# Sequence parallelism (Megatron's): between the split modules the sequence is split instead of
+# repeated. A split module's input is then gathered along the sequence and a row-split output
+# reduce-scattered along it.
+SEQUENCE_PARALLEL = "sequence_parallel"  # whole, run on the rank's sequence piece (a norm): its gradient summed
+SEQUENCE_SPLIT_INPUT = "sequence_split_input"  # the sequence of its whole input split on entry (the first layer)
 REPLICATE = "replicate"  # every rank holds the whole module
 
 STYLES = (
@@ -36,6 +41,8 @@ STYLES = (
     VOCAB_PARALLEL,
     ROWWISE_SPLIT_INPUT,
     REPLICATED_WITH_GRAD_ALLREDUCE,
+    SEQUENCE_PARALLEL,
+    SEQUENCE_SPLIT_INPUT,
     REPLICATE,
 )
 # Hugging Face's other names for the same styles.
@@ -95,6 +102,12 @@ class TensorPlan:
         """
         return cls(tuple((p, ALIASES.get(s, s)) for p, s in styles.items()), axis, size, rank)
 
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the sequence is split between the split modules (a ``sequence_parallel`` or
+        ``sequence_split_input`` style in the plan)."""
+        return any(s in (SEQUENCE_PARALLEL, SEQUENCE_SPLIT_INPUT) for _, s in self.styles)
+
     def style_of(self, path: str) -> str | None:
         """The style of the module at ``path``, or ``None`` (replicated)."""
         for pattern, style in self._compiled:
@@ -110,7 +123,12 @@ class TensorPlan:
                 an ``nn.Linear`` or ``nn.Embedding`` of the kind it splits).
         """
         style = self.style_of(path)
-        if style is None or style in (REPLICATE, REPLICATED_WITH_GRAD_ALLREDUCE):
+        if style is None or style in (
+            REPLICATE,
+            REPLICATED_WITH_GRAD_ALLREDUCE,
+            SEQUENCE_PARALLEL,
+            SEQUENCE_SPLIT_INPUT,
+        ):
             return None
         kind = torch.nn.Embedding if style == EMBEDDING_ROWWISE else torch.nn.Linear
         if not isinstance(module, kind):

@@ -7,19 +7,35 @@ their collectives itself; these are the same pieces, for a module of one's own:
   (its gradient summed over the axis) and a split computation's partial results summed (the
   gradient passed through): each the other's transpose.
 * ``gather_last`` / ``split_last``: the last dimension's pieces gathered whole, and the reverse.
+* ``gather_sequence`` / ``scatter_sequence`` / ``split_sequence``: sequence parallelism's (dim -2):
+  the pieces gathered for a split module (the gradient reduce-scattered), a row-split module's
+  partial outputs reduce-scattered (the gradient gathered), and a whole value's piece taken.
 * ``parallel_cross_entropy``: the cross-entropy of logits whose vocabulary is split over the
   axis (a ``"vocab_parallel"`` head's), without gathering them.
 
 All are differentiable through every ``torch.func`` transform (grad, vjp, jvp, vmap, HVP).
 """
 
-from fsdp_fn._tp import copy_in, gather_last, parallel_cross_entropy, split_last, sum_out
+from fsdp_fn._tp import (
+    copy_in,
+    gather_last,
+    gather_sequence,
+    parallel_cross_entropy,
+    scatter_sequence,
+    split_last,
+    split_sequence,
+    sum_out,
+)
 from fsdp_fn._tp_plan import (
     COLWISE,
     COLWISE_GATHER_OUTPUT,
     EMBEDDING_ROWWISE,
     REPLICATE,
+    REPLICATED_WITH_GRAD_ALLREDUCE,
     ROWWISE,
+    ROWWISE_SPLIT_INPUT,
+    SEQUENCE_PARALLEL,
+    SEQUENCE_SPLIT_INPUT,
     STYLES,
     VOCAB_PARALLEL,
     TensorPlan,
@@ -31,14 +47,21 @@ __all__ = [
     "COLWISE_GATHER_OUTPUT",
     "EMBEDDING_ROWWISE",
     "REPLICATE",
+    "REPLICATED_WITH_GRAD_ALLREDUCE",
     "ROWWISE",
+    "ROWWISE_SPLIT_INPUT",
+    "SEQUENCE_PARALLEL",
+    "SEQUENCE_SPLIT_INPUT",
     "STYLES",
     "VOCAB_PARALLEL",
     "TensorPlan",
     "chunk_bounds",
     "copy_in",
     "gather_last",
+    "gather_sequence",
     "parallel_cross_entropy",
+    "scatter_sequence",
     "split_last",
+    "split_sequence",
     "sum_out",
 ]

@@ -125,6 +125,7 @@ def _train_tp(
     vocab_parallel=False,
     freeze=(),
     grouped=1,
+    sequence=False,
 ):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -135,7 +136,7 @@ def _train_tp(
             p.requires_grad_(False)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     fn = ff.functionalize(model)
-    styles = dict(model._tp_plan)
+    styles = {**model._tp_plan, **(SEQUENCE_STYLES[kind] if sequence else {})}
     ours = loss_fn
     if vocab_parallel:  # the head's logits stay split; the loss reads them where they are
         styles["head"] = "vocab_parallel"
@@ -197,6 +198,23 @@ def _close(r, loss=2e-5, norm=2e-5, param=1e-4):  # (FSDP2 + TP: 2.9e-5 after 5 
     assert r["param"] < param, r
 
 
+# Sequence parallelism on top of each model's plan: the first layer splits the sequence, the
+# norms run on the pieces.
+SEQUENCE_STYLES = {
+    "gpt": {
+        "blocks.0": "sequence_split_input",
+        "blocks.*.ln1": "sequence_parallel",
+        "blocks.*.ln2": "sequence_parallel",
+        "ln_f": "sequence_parallel",
+    },
+    "llama": {
+        "model.layers.0": "sequence_split_input",
+        "model.layers.*.input_layernorm": "sequence_parallel",
+        "model.layers.*.post_attention_layernorm": "sequence_parallel",
+        "model.norm": "sequence_parallel",
+    },
+}
+
 MESHES = {
     "dp2-tp2": ((2, 2), ("dp", "tp")),
     "tp2-dp2": ((2, 2), ("tp", "dp")),  # the names decide, not the order
@@ -226,6 +244,22 @@ def test_fsdp_by_tp_trains_like_one_process(pool, kind, mesh):
 def test_tp_alone_trains_like_one_process(pool2, kind):
     # (on its own: a 2-rank job)
     _close(pool2.run(_train_tp, kind, (1, 2), ("dp", "tp"), world=2)[0])
+
+
+@pytest.mark.parametrize("option", ["plain", "remat"])
+def test_sequence_parallel_trains_like_one_process(pool, option):
+    # Catches: a norm's (or a row-split bias's) gradient left as one rank's part of the sequence, a
+    # row-split output summed whole instead of scattered (or scattered in the wrong rows: the
+    # sequence of 9 splits 5 + 4), a recomputation that cannot gather (the length is the forward's).
+    step_kw = {"remat": ff.Remat()} if option == "remat" else {}
+    _close(pool.run(_train_tp, "gpt", (2, 2), ("dp", "tp"), sequence=True, step_kw=step_kw, world=4)[0])
+
+
+def test_a_model_that_takes_the_sequence_length_from_its_block_input_is_named(pool):
+    # Hugging Face's Llama reshapes q/k/v by its layer input's shape, which holds a piece of the
+    # sequence under sequence parallelism: the error says so and what to change.
+    with pytest.raises(Exception, match="take the sequence length from the tensor reshaped"):
+        pool.run(_train_tp, "llama", (2, 2), ("dp", "tp"), sequence=True, world=4)
 
 
 def test_vocabulary_parallel_head_and_loss(pool):
@@ -674,3 +708,46 @@ def test_the_functional_loop_under_tp(pool):
     # or counting a parameter the axis does not split once per rank.
     for r in pool.run(_functional_loop, world=4):
         assert r["norm"] < 2e-5 and r["param"] < 4e-4, r
+
+
+def _sequence_pair(group):
+    """gather_sequence / scatter_sequence (each the other's transpose) and split_sequence against
+    the same sums done by hand over every rank's values (float64; 7 rows split unevenly)."""
+    world, rank = group.size(), group.rank()
+    g = torch.Generator().manual_seed(0)
+    n = 7
+    xs = [torch.randn(2, n, 3, generator=g, dtype=torch.float64) for _ in range(world)]  # each rank's partial
+    cs = [torch.randn(2, n, 3, generator=g, dtype=torch.float64) for _ in range(world)]  # each rank's cotangent
+    pieces = [chunk_bounds(n, world, r) for r in range(world)]
+    lo, hi = pieces[rank]
+    whole = sum(xs)
+    out = {}
+    # scatter: this rank's rows of the sum; its transpose gathers this rank's cotangent rows whole
+    got = ff.tp.scatter_sequence(xs[rank], group)
+    out["scatter"] = (got - whole[:, lo:hi]).abs().max().item()
+    grad = torch.func.grad(lambda x: (ff.tp.scatter_sequence(x, group) * cs[rank][:, lo:hi]).sum())(xs[rank])
+    want = torch.cat([cs[r][:, a:b] for r, (a, b) in enumerate(pieces)], dim=1)
+    out["scatter_grad"] = (grad - want).abs().max().item()
+    # gather: the pieces whole; its transpose sums every rank's cotangent and keeps this rank's rows
+    got = ff.tp.gather_sequence(whole[:, lo:hi].contiguous(), group, n)
+    out["gather"] = (got - whole).abs().max().item()
+    grad = torch.func.grad(lambda p: (ff.tp.gather_sequence(p, group, n) * cs[rank]).sum())(
+        whole[:, lo:hi].contiguous()
+    )
+    out["gather_grad"] = (grad - sum(cs)[:, lo:hi]).abs().max().item()
+    # forward mode and vmap: the same collective of the tangent, of each batch element
+    _, tangent = torch.func.jvp(lambda x: ff.tp.scatter_sequence(x, group), (xs[rank],), (cs[rank],))
+    out["scatter_jvp"] = (tangent - sum(cs)[:, lo:hi]).abs().max().item()
+    batched = torch.vmap(lambda p: ff.tp.gather_sequence(p, group, n))(whole[:, lo:hi].contiguous())
+    out["gather_vmap"] = (batched - whole).abs().max().item()
+    # split: this rank's rows of a whole value; its gradient gathered whole
+    grad = torch.func.grad(lambda w: (ff.tp.split_sequence(w, group) * whole[:, lo:hi]).sum())(cs[0])
+    out["split_grad"] = (grad - whole).abs().max().item()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sequence_pair_through_transforms(pool, world):
+    for r in pool.run(_sequence_pair, world=world):
+        for key, value in r.items():
+            assert value < 1e-12, (key, value)
