@@ -21,6 +21,7 @@ collectives go through the axis group's ``Comm`` and the collective log like FSD
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
@@ -434,7 +435,7 @@ def split_modules(module: nn.Module, tensor: TensorPlan, group: dist.ProcessGrou
                     assert isinstance(m, nn.Linear)
                     handles.append(m.register_forward_hook(_gather_output(group, m.out_features, path), prepend=True))
                 else:  # its output is this rank's piece: what runs on it draws from this rank's stream
-                    handles.append(m.register_forward_hook(_entering(streams)))
+                    handles.append(m.register_forward_hook(_entering(streams, path)))
             elif style in (ROWWISE, ROWWISE_SPLIT_INPUT):
                 stack: list[Any] = []
                 if not sp:  # (with the sequence split its output is a piece too)
@@ -473,23 +474,26 @@ def split_modules(module: nn.Module, tensor: TensorPlan, group: dist.ProcessGrou
 class Streams:
     """Random streams across a split (Megatron's tracker, without touching the model): between a
     column-split module's output and the next row-split module's input the values are this rank's
-    piece, and a dropout there draws from a stream of this rank's own, seeded at entry from one
-    draw of the shared stream (so a recomputation, which replays the shared stream, draws the same);
-    the shared stream is set aside meanwhile, so what runs on values every rank of the axis holds
-    alike draws alike there, whatever the pieces' sizes."""
+    piece, and a dropout there draws from a stream of this rank's own, seeded at entry from the
+    shared stream's state, the entering module's name and the rank (a recomputation, which replays
+    the shared stream, draws the same; the shared stream itself is not drawn from, so the rest of
+    the program sees the numbers it would without tensor parallelism); the shared stream is set
+    aside meanwhile, so what runs on values every rank of the axis holds alike draws alike there,
+    whatever the pieces' sizes."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.shared: tuple[torch.Generator, torch.Tensor] | None = None  # (generator, its state set aside)
 
-    def enter(self, device: torch.device) -> None:
+    def enter(self, device: torch.device, where: str) -> None:
         if self.shared is not None:
             return
         generator = _generator(device)
-        with torch._C._DisableFuncTorch():
-            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-        self.shared = (generator, generator.get_state())
-        generator.manual_seed((seed + 0x9E3779B97F4A7C15 * (self.rank + 1)) % 2**63)
+        state = generator.get_state()
+        digest = hashlib.blake2b(state.numpy().tobytes(), digest_size=8, person=b"fsdp_fn-tp")
+        digest.update(f"{where}/{self.rank}".encode())
+        self.shared = (generator, state)
+        generator.manual_seed(int.from_bytes(digest.digest(), "little") >> 1)
 
     def leave(self) -> None:
         if self.shared is not None:
@@ -504,10 +508,10 @@ def _generator(device: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
-def _entering(streams: Streams) -> Any:
+def _entering(streams: Streams, path: str) -> Any:
     @_not_compiled
     def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-        streams.enter(output.device)
+        streams.enter(output.device, path)
 
     return hook
 
@@ -541,7 +545,7 @@ def _split_sequence_input(group: dist.ProcessGroup, model: int, streams: Streams
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         x = args[0]
         _SEQUENCE_LENGTH[model] = x.shape[-2]
-        streams.enter(x.device)  # from here on the values are this rank's piece
+        streams.enter(x.device, path)  # from here on the values are this rank's piece
         return (split_sequence(x, group, path), *args[1:]), kwargs
 
     return hook
