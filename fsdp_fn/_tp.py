@@ -85,8 +85,9 @@ class _Sum(torch.autograd.Function):
         # (no detach: inside a rematerialised region the forward is traced operator by operator,
         # and a detach there would read as the output not coming from the input)
         out = x.clone(memory_format=torch.contiguous_format)
-        with torch.no_grad():
-            return all_reduce_(out, group, name)
+        with _untraced():
+            total = all_reduce_(out.detach().clone(), group, name)
+        return out.copy_(total)
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -124,9 +125,11 @@ class _GatherLast(torch.autograd.Function):
                 f"got {x.shape[-1]}"
             )
         mine = F.pad(x, (0, step - (hi - lo))).contiguous()
-        every = mine.new_empty(world * mine.numel())
-        all_gather_into(every, mine.reshape(-1), group, name)
+        with _untraced():
+            every = mine.new_empty(world * mine.numel())
+            all_gather_into(every, mine.detach().reshape(-1).clone(), group, name)
         pieces = every.view(world, *mine.shape).unbind(0)
+        pieces[rank].copy_(mine)  # (the same values: in a region's trace, the result comes from x)
         return torch.cat([p[..., : b - a] for p, (a, b) in zip(pieces, _bounds(n, world), strict=True)], dim=-1)
 
     @staticmethod
@@ -229,10 +232,11 @@ class _SeqScatter(torch.autograd.Function):
         step = -(-n // world)
         lo, hi = chunk_bounds(n, world, rank)
         rows = x.movedim(-2, 0)
-        padded = F.pad(rows.reshape(n, -1), (0, 0, 0, step * world - n)).contiguous()
-        with torch.no_grad():
+        with _untraced():
+            padded = F.pad(rows.detach().reshape(n, -1), (0, 0, 0, step * world - n)).contiguous()
             mine = reduce_scatter(padded.view(-1), group, name)
-        return mine.view(step, *rows.shape[1:])[: hi - lo].movedim(0, -2).contiguous()
+        out = x.narrow(-2, lo, hi - lo).contiguous().clone()  # (in a region's trace: made from x)
+        return out.copy_(mine.view(step, *rows.shape[1:])[: hi - lo].movedim(0, -2))
 
     @staticmethod
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -284,6 +288,16 @@ def gather_dim(x: torch.Tensor, group: dist.ProcessGroup, split: tuple[int, int]
     whole length); differentiable (``gather_last`` along that dimension)."""
     dim, n = split
     return gather_last(x.movedim(dim, -1), group, n, "unshard").movedim(-1, dim)
+
+
+@contextlib.contextmanager
+def _untraced() -> Iterator[None]:
+    """For the block, the dispatch modes running now (a rematerialised region's trace) are set
+    aside: a collective runs on buffers of its own there, which a backend's communication thread
+    may hold a while after it is done; the caller connects its result to the traced values with
+    an operator the trace sees (a copy into a tensor made from the input)."""
+    with torch.no_grad(), torch.utils._python_dispatch._disable_current_modes():
+        yield
 
 
 def _bounds(n: int, world: int) -> list[tuple[int, int]]:
@@ -489,8 +503,9 @@ class Streams:
         if self.shared is not None:
             return
         generator = _generator(device)
-        state = generator.get_state()
-        digest = hashlib.blake2b(state.numpy().tobytes(), digest_size=8, person=b"fsdp_fn-tp")
+        with torch._C._DisableFuncTorch():  # (a plain tensor of bytes, under a transform too)
+            state = generator.get_state()
+            digest = hashlib.blake2b(state.numpy().tobytes(), digest_size=8, person=b"fsdp_fn-tp")
         digest.update(f"{where}/{self.rank}".encode())
         self.shared = (generator, state)
         generator.manual_seed(int.from_bytes(digest.digest(), "little") >> 1)

@@ -206,12 +206,13 @@ class _Forward(TorchDispatchMode):
         # (state changed in place in an input, a buffer, is the recomputation's to repeat: as_before)
         keep = {_storage(_unwrapped(t)) for t in (*outputs, *self.policy_results())} | self.input_storages
         left = self._alive_apart_from(keep)
-        for pause in (0.0, 0.001, 0.01):
+        for pause in (0.0, 0.001, 0.01, 0.05, 0.2):
             if not left:
                 break
             # A reference cycle may hold one a while; so may a backend's communication thread, which
             # lets go of a collective's tensors just after it says the collective is done (gloo's
-            # all-reduce inside a region: the tensor-parallel sum).
+            # all-reduce inside a region: the tensor-parallel sum), later when the cores are busy.
+            # Only a region that seems to keep one waits (at most a quarter of a second).
             time.sleep(pause)
             gc.collect()
             left = self._alive_apart_from(keep)
