@@ -22,10 +22,11 @@ class GPTConfig:
     n_layers: int = 2
     n_heads: int = 4
     tie: bool = False  # share the token embedding with the output head
+    tp_ready: bool = False  # qkv's outputs by head (a split of its rows holds whole heads): see TP_PLAN
 
 
-# Tensor parallelism (``ff.make_plan(model, policy, tp=model._tp_plan, mesh=mesh)``), in Hugging
-# Face's words: each block's attention and MLP split Megatron's way, the vocabulary split over the
+# Tensor parallelism (``ff.make_plan(model, policy, tp=model._tp_plan, mesh=mesh)``, on a model made
+# with ``GPTConfig(tp_ready=True)``), in Hugging Face's words: each block's attention and MLP split Megatron's way, the vocabulary split over the
 # embedding's rows and the head's outputs.
 TP_PLAN = {
     "wte": "embedding_rowwise",
@@ -40,7 +41,7 @@ TP_PLAN = {
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.head_dim = cfg.d_model // cfg.n_heads
+        self.n_heads, self.head_dim, self.tp_ready = cfg.n_heads, cfg.d_model // cfg.n_heads, cfg.tp_ready
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
@@ -49,6 +50,16 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_ready:
+            return self._forward_tp_ready(x)
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    def _forward_tp_ready(self, x: torch.Tensor) -> torch.Tensor:
         # qkv's outputs are (head, q/k/v, head_dim): a split of its rows holds whole heads, and
         # the head count is -1 (what this rank holds under tensor parallelism); the shapes are
         # the tensors' own (under sequence parallelism x holds a piece of the sequence, qkv all of it).

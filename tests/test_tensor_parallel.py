@@ -33,7 +33,7 @@ LLAMA = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
 }
-GPT_CFG = {"vocab": 37, "seq": 9, "d_model": 12, "n_layers": 2, "n_heads": 2}
+GPT_CFG = {"vocab": 37, "seq": 9, "d_model": 12, "n_layers": 2, "n_heads": 2, "tp_ready": True}
 STEPS = 3
 BATCH = 4  # sequences in the global batch
 
