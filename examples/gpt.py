@@ -26,8 +26,8 @@ class GPTConfig:
 
 
 # Tensor parallelism (``ff.make_plan(model, policy, tp=model._tp_plan, mesh=mesh)``, on a model made
-# with ``GPTConfig(tp_ready=True)``), in Hugging Face's words: each block's attention and MLP split Megatron's way, the vocabulary split over the
-# embedding's rows and the head's outputs.
+# with ``GPTConfig(tp_ready=True)``), in Hugging Face's words: each block's attention and MLP split
+# Megatron's way, the vocabulary split over the embedding's rows and the head's outputs.
 TP_PLAN = {
     "wte": "embedding_rowwise",
     "blocks.*.qkv": "colwise",
