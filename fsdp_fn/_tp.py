@@ -110,7 +110,22 @@ class _Sum(torch.autograd.Function):
         return _Sum.apply(x, group, name), in_dims[0]  # elementwise: one sum of the whole batch
 
 
-class _GatherLast(torch.autograd.Function):
+class _Along(torch.autograd.Function):
+    """The scaffolding of the four collectives along one dimension below, each ``(x, group, n,
+    name)`` and linear in ``x``: the context keeps ``group``, ``n`` (the whole dimension's length)
+    and ``name``, and the tangent of the output is the same collective of the tangent. Each says
+    its own forward, backward (its transpose) and vmap rule."""
+
+    @staticmethod
+    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _, ctx.group, ctx.n, ctx.name = inputs  # type: ignore[attr-defined]
+
+    @classmethod
+    def jvp(cls, ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:  # type: ignore[override]
+        return cast(torch.Tensor, cls.apply(tangent, ctx.group, ctx.n, ctx.name))
+
+
+class _GatherLast(_Along):
     """Every rank's piece along the last dimension, concatenated in rank order (torch.chunk's
     pieces of ``n``); its backward keeps this rank's piece of the gradient (``_SplitLast``)."""
 
@@ -133,16 +148,8 @@ class _GatherLast(torch.autograd.Function):
         return torch.cat([p[..., : b - a] for p, (a, b) in zip(pieces, _bounds(n, world), strict=True)], dim=-1)
 
     @staticmethod
-    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, ctx.group, ctx.n, ctx.name = inputs  # type: ignore[attr-defined]
-
-    @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return _SplitLast.apply(grad, ctx.group, ctx.n, ctx.name), None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
-        return cast(torch.Tensor, _GatherLast.apply(tangent, ctx.group, ctx.n, ctx.name))
 
     @staticmethod
     def vmap(
@@ -156,7 +163,7 @@ class _GatherLast(torch.autograd.Function):
         return _GatherLast.apply(batch, group, n, name), 0
 
 
-class _SplitLast(torch.autograd.Function):
+class _SplitLast(_Along):
     """This rank's piece along the last dimension of a value every rank holds alike; its backward
     gathers the pieces' gradients (``_GatherLast``)."""
 
@@ -166,16 +173,8 @@ class _SplitLast(torch.autograd.Function):
         return x[..., lo:hi].contiguous()
 
     @staticmethod
-    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, ctx.group, ctx.n, ctx.name = inputs  # type: ignore[attr-defined]
-
-    @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return _GatherLast.apply(grad, ctx.group, ctx.n, ctx.name), None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
-        return cast(torch.Tensor, _SplitLast.apply(tangent, ctx.group, ctx.n, ctx.name))
 
     @staticmethod
     def vmap(
@@ -187,7 +186,7 @@ class _SplitLast(torch.autograd.Function):
         return _SplitLast.apply(x.movedim(dim, 0), group, n, name), 0
 
 
-class _SeqGather(torch.autograd.Function):
+class _SeqGather(_Along):
     """Sequence parallelism's entry to a split module: every rank's piece of the sequence (dim -2,
     ``n`` rows in all, torch.chunk's pieces), whole on each rank. The split module reads it with its
     own piece of the weight, so each rank's gradient of it is a part: the backward sums them and
@@ -198,16 +197,8 @@ class _SeqGather(torch.autograd.Function):
         return _GatherLast.forward(x.movedim(-2, -1), group, n, name).movedim(-1, -2).contiguous()
 
     @staticmethod
-    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, ctx.group, ctx.n, ctx.name = inputs  # type: ignore[attr-defined]
-
-    @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return _SeqScatter.apply(grad, ctx.group, ctx.n, ctx.name), None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
-        return cast(torch.Tensor, _SeqGather.apply(tangent, ctx.group, ctx.n, ctx.name))
 
     @staticmethod
     def vmap(
@@ -221,7 +212,7 @@ class _SeqGather(torch.autograd.Function):
         return _SeqGather.apply(batch, group, n, name), 0
 
 
-class _SeqScatter(torch.autograd.Function):
+class _SeqScatter(_Along):
     """Sequence parallelism's exit from a row-split module: its partial outputs (the whole
     sequence, dim -2, ``n`` rows) summed over the ranks, this rank's piece of the rows kept (one
     reduce-scatter); the backward gathers the pieces' gradients whole (``_SeqGather``)."""
@@ -239,16 +230,8 @@ class _SeqScatter(torch.autograd.Function):
         return out.copy_(mine.view(step, *rows.shape[1:])[: hi - lo].movedim(0, -2))
 
     @staticmethod
-    def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, ctx.group, ctx.n, ctx.name = inputs  # type: ignore[attr-defined]
-
-    @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return _SeqGather.apply(grad, ctx.group, ctx.n, ctx.name), None, None, None
-
-    @staticmethod
-    def jvp(ctx: Any, tangent: torch.Tensor, *_: None) -> torch.Tensor:
-        return cast(torch.Tensor, _SeqScatter.apply(tangent, ctx.group, ctx.n, ctx.name))
 
     @staticmethod
     def vmap(
