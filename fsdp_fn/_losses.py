@@ -204,7 +204,17 @@ def chunked_cross_entropy(
         )
     if bias is not None:
         raise ValueError("chunked_cross_entropy: bias comes from the head module; pass it only with a weight tensor")
-    loss: torch.Tensor = _call_as(head, lambda h: loss_of(h, head.weight, head.bias), hidden)
+
+    def of_head(h: torch.Tensor) -> torch.Tensor:
+        if head.weight.shape[0] != head.out_features:  # (its module says the whole vocabulary)
+            raise ValueError(
+                f"chunked_cross_entropy: the head's weight holds {head.weight.shape[0]} of its {head.out_features} "
+                "rows (a tensor-parallel piece of the vocabulary): a loss over them would be another loss; give "
+                "the head the style 'vocab_parallel' and take fsdp_fn.tp.parallel_cross_entropy of its logits"
+            )
+        return loss_of(h, head.weight, head.bias)
+
+    loss: torch.Tensor = _call_as(head, of_head, hidden)
     return loss
 
 

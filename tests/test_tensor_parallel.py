@@ -751,3 +751,26 @@ def test_sequence_pair_through_transforms(pool, world):
     for r in pool.run(_sequence_pair, world=world):
         for key, value in r.items():
             assert value < 1e-12, (key, value)
+
+
+def _chunked_loss_on_a_split_head(group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, policy, _, vocab, length = _model("gpt")
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, policy, tp=model._tp_plan, mesh=mesh), mesh)
+    batch = _batches(vocab, length, 1)[0]
+    try:
+        ff.apply_sharded(fn, params, fn.buffers, batch[:, :-1], batch[:, 1:])  # GPT's chunked loss
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_chunked_loss_on_a_split_head_is_refused(pool2):
+    # Catches: chunked_cross_entropy reading a head's piece of the vocabulary as the whole (a loss,
+    # silently, over another vocabulary).
+    for msg in pool2.run(_chunked_loss_on_a_split_head, world=2):
+        assert "the head's weight holds 19 of its 37 rows" in msg or "holds 18 of its 37 rows" in msg, msg
+        assert "fsdp_fn.tp.parallel_cross_entropy" in msg
