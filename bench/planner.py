@@ -3,7 +3,8 @@
 On the tiny GPT of ``bench/overhead.py`` (vocab 512, d 64, seq 32, 2 sequences per rank, 16
 blocks, AdamW), CPU, gloo, W ranks: the budget is FSDP2's measured peak with ``fully_shard``
 on every block (``MemoryMeter`` with ``bench/compare.py``'s FSDP2 rule), ``measure_costs``
-times the costs, ``plan_for_budget`` chooses. Then every uniform grouping (1..16 blocks a
+times the costs, ``plan_for_budget`` chooses, from the plan a user gets by default (one unit a
+block; the embedding and head units of their own, ``split_root="auto"``). Then every uniform grouping (1..16 blocks a
 unit, without and with remat) is timed and metered, and DDP timed beside them, so the
 report says how close the prediction came (step and peak), whether the choice fits the
 budget, and how far the chosen plan is from the fastest measured one that fits.
@@ -132,7 +133,7 @@ def bench(group: Any, layers: int, steps: int, sizes: list[int], kind: str = "ti
     budget = int(_slowest(_metered(_torch_system("fsdp2", layers, group, ac), rank, fsdp2_rule), group))
     fsdp2_ms = 1e3 * _slowest(_timed(_torch_system("fsdp2", layers, group, ac), rank, steps), group)
     fn = ff.functionalize(_model(layers))
-    base = ff.make_plan(fn.module, ff.layer_policy([Block]), split_root=False)
+    base = ff.make_plan(fn.module, ff.layer_policy([Block]))  # the default plan: the root split (embedding, head)
     start = time.perf_counter()
     costs = ff.measure_costs(fn, lm_loss, _batch(rank, 0), base, group)
     measured_in = time.perf_counter() - start

@@ -256,9 +256,10 @@ class MemoryEstimate:
         full_grad: full (unsharded) unit gradients alive while they are reduce-scattered.
         activations: activations and temporaries at their peak, from one fake step (0: not
             estimated).
-        with_gradients: activations plus the gradients alive with them (shards of the
-            units already reduced, the full gradient of the unit whose backward runs), at
-            the moment that sum peaks.
+        with_gradients: activations plus the gradients and gathered units alive with them
+            (shards of the units already reduced, the full gradient of the unit whose
+            backward runs; that unit and the ones prefetched after it in backward, or
+            ``gathered`` in the forward), at the moment that sum peaks.
     """
 
     params: int  # sharded parameters, trainable and frozen (padding included)
@@ -267,17 +268,19 @@ class MemoryEstimate:
     gathered: int  # gathered parameters in flight at most
     full_grad: int  # full (unsharded) unit gradients alive while they are reduce-scattered
     activations: int = 0  # activations and temporaries at their peak (0: not estimated)
-    with_gradients: int = 0  # activations + gradients alive with them, at their joint peak
+    with_gradients: int = 0  # activations + gradients and gathered units alive with them, at their joint peak
 
     @property
     def total(self) -> int:
         """The step's peak bytes on one rank.
 
-        Shards and gathered units throughout, plus the larger of the activations' joint
-        peak with the gradients and the end of backward (every gradient shard, a unit's full
-        gradient). Without activations: the sum of the plan's parts.
+        Shards and optimizer state throughout, plus, with activations, their joint peak
+        with the gradients and gathered units (``with_gradients``, which covers the end of
+        backward too); without, the sum of the plan's parts.
         """
-        return self.params + self.optimizer + self.gathered + max(self.with_gradients, self.grads + self.full_grad)
+        if self.with_gradients:
+            return self.params + self.optimizer + self.with_gradients
+        return self.params + self.optimizer + self.gathered + self.grads + self.full_grad
 
 
 def estimate_memory(
@@ -351,16 +354,33 @@ def estimate_memory(
         summed = params if schedule.reduce_each_micro_batch else full
     largest_shard = max(shard_bytes.values(), default=0)
     counters = 4 * sum(len(u.params) for u in plan.units)  # one float32 step count per trainable parameter
-    with_gradients = 0
-    for stage in activations.stages if activations is not None else ():
+    in_flight = root + sum(others[:units_in_flight])
+    stages = activations.stages if activations is not None else ()
+    # In backward a unit is gathered while its backward runs, with the next ones in backward
+    # order prefetched; the units whose backward ran are gone (the first unit's backward runs
+    # with nothing after it: a rematerialised step's peak may be there).
+    backward = list(dict.fromkeys(s.running for s in stages if s.running is not None and s.running != ROOT))
+
+    def from_(at: int) -> int:  # the root, and the units gathered from backward position ``at`` on
+        return root + sum(gathered(plan.unit(n)) for n in backward[at : at + units_in_flight])
+
+    with_gradients, at = 0, -1  # (at: the backward position reached; -1: still in the forward)
+    for stage in stages:
         reduced = [shard_bytes[n] for n in stage.reduced if n in shard_bytes]
         shards = max(reduced, default=0) if update_in_backward else sum(reduced)
-        full = (
-            plan.unit(stage.running).padded_numel(world) * plan.unit(stage.running).dtype.itemsize
-            if stage.running is not None
-            else 0
-        )
-        with_gradients = max(with_gradients, stage.peak + shards + full + summed)
+        full = 0
+        if stage.running is not None:
+            unit = plan.unit(stage.running)
+            full = unit.padded_numel(world) * unit.dtype.itemsize
+        if stage.running is not None and stage.running != ROOT:
+            at = backward.index(stage.running)
+            held = from_(at)
+        else:  # the forward; or between two units' backward (the next ones prefetched), or after the last
+            held = in_flight if at < 0 else from_(at + 1)
+        with_gradients = max(with_gradients, held + stage.peak + shards + full + summed)
+    if stages:  # the end of backward: every gradient shard, a unit's full gradient, the root
+        largest_full = max((u.padded_numel(world) * u.dtype.itemsize for u in plan.units), default=0)
+        with_gradients = max(with_gradients, root + (largest_shard if update_in_backward else params) + largest_full)
     return MemoryEstimate(
         params=params + frozen,
         grads=largest_shard if update_in_backward else params,
