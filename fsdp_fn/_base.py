@@ -249,36 +249,6 @@ def update_in_place(t: GradientTransformation, grads: Updates, state: State, par
     return copy_into(state, new)
 
 
-def update_by_fused(fused: FusedFn, update: UpdateFn, applies: Callable[[Updates, State, Params], bool]) -> UpdateFn:
-    """``update`` computed by ``fused`` on copies where ``applies(grads, state, params)``: the
-    state's tensors and the updated units' shards are copied, stepped in place (torch's
-    kernels, in cache-sized pieces), and each unit's update is its copy less its shard.
-
-    The same numbers as the train step's in-place step (``apply_updates`` gives its
-    parameters back: the difference of two nearby floats is exact), in about a third of
-    the passes over memory a chain of new tensors takes. Memory: the new state and one
-    new shard per updated unit, as ``update``'s; no communication. Elsewhere (no
-    ``params``, extra arguments, dtypes the kernels do not take): ``update``."""
-
-    def by_fused(grads: Updates, state: State, params: Params | None = None, **extra: Any) -> tuple[Updates, State]:
-        if params is None or extra or not applies(grads, state, params):
-            return update(grads, state, params, **extra)
-        copied = optree.tree_map(
-            lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state, namespace=NAMESPACE, none_is_leaf=True
-        )
-        moved = {unit.name for unit in received_units(grads)}
-        stepped = params.replace({u: t.clone() if u in moved else t for u, t in params.shards.items()})
-        new = fused(grads, copied, stepped)
-        layout = params.layout
-        updates = {}
-        for unit in params.plan.units:
-            p, q = params[unit.name], stepped[unit.name]
-            updates[unit.name] = q.sub_(p) if q is not p else no_update(unit, p, layout)
-        return grads.replace(updates), new
-
-    return by_fused
-
-
 def copy_into(old: State, new: State) -> State:
     """``new`` with each of its tensors that replaces a different one of ``old`` copied into it."""
     leaves_old, spec = optree.tree_flatten(old, namespace=NAMESPACE, none_is_leaf=True)

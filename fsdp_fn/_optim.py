@@ -6,9 +6,7 @@ is optax's. Their ``update`` is functional, as every transformation's; their ``f
 form, what the train step runs on donated buffers, calls torch's own kernels
 (``torch.optim.adamw.adamw``, ``adam``, ``sgd``) in place, so a step equals
 ``torch.optim.AdamW``/``Adam``/``SGD`` element for element and holds exactly the sharded
-moments, never a second copy of parameters or state. ``adamw``'s and ``adam``'s ``update``
-runs that kernel on copies (``update_by_fused``): the functional loop's numbers are the
-step's, in a third of the passes over memory their chain of new tensors takes.
+moments, never a second copy of parameters or state.
 
 torch.optim skips a parameter whose ``.grad`` is ``None``; so do these, per parameter:
 ``grads.received`` says which parameters of each unit got a gradient, and the others keep
@@ -26,7 +24,7 @@ from torch.optim.adam import adam as _adam_kernel
 from torch.optim.adamw import adamw as _adamw_kernel
 from torch.optim.sgd import sgd as _sgd_kernel
 
-from fsdp_fn._base import GradientTransformation, Params, Updates, chain, update_by_fused, update_in_place
+from fsdp_fn._base import GradientTransformation, Params, Updates, chain, update_in_place
 from fsdp_fn._plan import unit_label
 from fsdp_fn._shard import Sharded
 from fsdp_fn._transforms import (
@@ -167,12 +165,11 @@ def _sync_counts(whole: list[str], steps: Sharded | None) -> None:
         counts[1:] = counts[0]
 
 
-def _rate(lr: LearningRate, state: Any) -> tuple[float, Any]:
-    """The learning rate of this update and the schedule's next state (a schedule counts its updates);
-    a bad value is refused as the chain's ``scale_by_learning_rate`` refuses it, in either form."""
+def _rate(lr: LearningRate, state: Any, where: str) -> tuple[float, Any]:
+    """The learning rate of this update and the schedule's next state (a schedule counts its updates)."""
     if not callable(lr):
         return float(lr), state
-    return rate_at(lr, state.count, "scale_by_learning_rate"), ScaleByScheduleState(state.count + 1)
+    return rate_at(lr, state.count, where), ScaleByScheduleState(state.count + 1)
 
 
 def _like_params(grads: Updates, params: Params) -> Updates:
@@ -181,15 +178,6 @@ def _like_params(grads: Updates, params: Params) -> Updates:
     if all(grads[u].dtype == t.dtype for u, t in params.shards.items()):
         return grads
     return grads.replace({u: grads[u].to(t.dtype) for u, t in params.shards.items()})
-
-
-def _kernel_takes(grads: Updates, state: tuple[Any, ...], params: Params) -> bool:
-    """Whether torch's Adam kernel computes ``update`` as the chain does: gradients and moments
-    in the parameters' dtype (the chain widens mixed dtypes, and its updates have the wider one)."""
-    moments = next(s for s in state if isinstance(s, ScaleByAdamState))
-    return all(
-        grads[u].dtype == moments.mu[u].dtype == moments.nu[u].dtype == t.dtype for u, t in params.shards.items()
-    )
 
 
 def _flipped(maximize: bool) -> list[GradientTransformation]:
@@ -268,7 +256,7 @@ def adamw(
         if any(moments.mu[u].dtype != t.dtype for u, t in params.shards.items()):
             return update_in_place(tx, grads, state, params)  # type: ignore[no-any-return]  # (the chain: torch's kernel takes one dtype)
         grads = _like_params(grads, params)
-        rate, schedule = _rate(lr, state[-1])
+        rate, schedule = _rate(lr, state[-1], "adamw")
         todo = _select(grads, params, [moments.mu, moments.nu], moments.count, weight_decay_mask)
         for decayed, part in _by_decay(todo):
             _adamw_kernel(
@@ -290,7 +278,7 @@ def adamw(
         _sync_counts(todo.whole, moments.count)
         return (*state[:-1], schedule)
 
-    return tx._replace(name="adamw", fused=fused, update=update_by_fused(fused, tx.update, _kernel_takes))
+    return tx._replace(name="adamw", fused=fused)
 
 
 def adam(
@@ -352,7 +340,7 @@ def adam(
         if any(moments.mu[u].dtype != t.dtype for u, t in params.shards.items()):
             return update_in_place(tx, grads, state, params)  # type: ignore[no-any-return]  # (the chain: torch's kernel takes one dtype)
         grads = _like_params(grads, params)
-        rate, schedule = _rate(lr, state[-1])
+        rate, schedule = _rate(lr, state[-1], "adam")
         todo = _select(grads, params, [moments.mu, moments.nu], moments.count, weight_decay_mask)
         for decayed, part in _by_decay(todo):
             _adam_kernel(
@@ -374,7 +362,7 @@ def adam(
         _sync_counts(todo.whole, moments.count)
         return (*state[:-1], schedule)
 
-    return tx._replace(name="adam", fused=fused, update=update_by_fused(fused, tx.update, _kernel_takes))
+    return tx._replace(name="adam", fused=fused)
 
 
 def sgd(
@@ -439,7 +427,7 @@ def sgd(
     def fused(grads: Updates, state: tuple[Any, ...], params: Params) -> tuple[Any, ...]:
         moments: TraceState | None = state[-2] if momentum is not None else None
         grads = _like_params(grads, params)
-        rate, schedule = _rate(lr, state[-1])
+        rate, schedule = _rate(lr, state[-1], "sgd")
         states = [moments.trace] if moments is not None else []
         todo = _select(grads, params, states, moments.count if moments is not None else None, weight_decay_mask)
         for decayed, part in _by_decay(todo):
