@@ -16,6 +16,11 @@ budget, and how far the chosen plan is from the fastest measured one that fits.
 ``--model bench`` is ``bench/compare.py``'s GPT (d 512, 8 blocks, vocab 8192) at the realistic
 batch (8 x 256 tokens per rank), and the budget FSDP2's peak with activation checkpointing
 on every block (``torch.distributed._composable.checkpoint``), whose step is timed beside.
+``--model llama`` is a small Hugging Face Llama (hidden 128, 8 decoder layers, GQA 4/2 heads,
+vocab 1024; 4 x 64 tokens per rank), its decoder layers the blocks, the budget as for the
+tiny GPT.
+
+    python bench/planner.py --model llama --json out/planner_llama.json
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import time
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
@@ -40,13 +46,49 @@ from fsdp_fn.testing import RankPool
 MODELS = {  # (GPTConfig fields, sequences per rank)
     "tiny": ({"vocab": 512, "seq": 32, "d_model": 64, "n_heads": 2}, 2),
     "bench": ({"vocab": 8192, "seq": 256, "d_model": 512, "n_heads": 8}, 8),
+    "llama": ({"vocab": 1024, "seq": 64, "hidden": 128, "intermediate": 344, "heads": 4, "kv_heads": 2}, 4),
 }
 _KIND = ["tiny"]  # (set per rank by bench())
 
 
-def _model(layers: int) -> GPT:
+def _model(layers: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    return GPT(GPTConfig(**MODELS[_KIND[0]][0], n_layers=layers))
+    cfg = MODELS[_KIND[0]][0]
+    if _KIND[0] != "llama":
+        return GPT(GPTConfig(**cfg, n_layers=layers))
+    import transformers
+
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=cfg["vocab"],
+            hidden_size=cfg["hidden"],
+            intermediate_size=cfg["intermediate"],
+            num_hidden_layers=layers,
+            num_attention_heads=cfg["heads"],
+            num_key_value_heads=cfg["kv_heads"],
+            max_position_embeddings=cfg["seq"],
+            use_cache=False,
+        )
+    )
+
+
+def _block() -> type:
+    if _KIND[0] != "llama":
+        return Block
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return LlamaDecoderLayer
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return list(model.model.layers if _KIND[0] == "llama" else model.blocks)  # type: ignore[union-attr,arg-type]
+
+
+def _loss(model: Any, batch: torch.Tensor) -> torch.Tensor:
+    if _KIND[0] != "llama":
+        return lm_loss(model, batch)
+    logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
 
 
 def _batch(rank: int, k: int) -> torch.Tensor:
@@ -82,7 +124,7 @@ def _torch_system(kind: str, layers: int, group: Any, checkpoint: bool = False) 
     model = _model(layers)
     if kind == "fsdp2":
         mesh = DeviceMesh.from_group(group, "cpu")
-        for block in model.blocks:
+        for block in _blocks(model):
             if checkpoint:
                 composable_checkpoint(block)
             fully_shard(block, mesh=mesh)
@@ -94,7 +136,7 @@ def _torch_system(kind: str, layers: int, group: Any, checkpoint: bool = False) 
 
     def run(batch: torch.Tensor) -> None:
         opt.zero_grad(set_to_none=True)
-        lm_loss(wrapped, batch).backward()
+        _loss(wrapped, batch).backward()
         opt.step()
 
     def tag(meter: ff.MemoryMeter) -> None:
@@ -109,7 +151,7 @@ def _torch_system(kind: str, layers: int, group: Any, checkpoint: bool = False) 
 def _fsdp_fn(plan: ff.Plan, remat: bool, kept: bool, layers: int, group: Any) -> Any:
     fn = ff.functionalize(_model(layers))
     schedule = ff.Schedule(reshard_after_forward=not kept)
-    step = ff.train_step(fn, lm_loss, ff.adamw(lr=1e-3), remat=remat or None, schedule=schedule)
+    step = ff.train_step(fn, _loss, ff.adamw(lr=1e-3), remat=remat or None, schedule=schedule)
     holder = {"state": step.init(ff.shard(fn.params, plan, group))}
 
     def run(batch: torch.Tensor) -> None:
@@ -133,17 +175,17 @@ def bench(group: Any, layers: int, steps: int, sizes: list[int], kind: str = "ti
     budget = int(_slowest(_metered(_torch_system("fsdp2", layers, group, ac), rank, fsdp2_rule), group))
     fsdp2_ms = 1e3 * _slowest(_timed(_torch_system("fsdp2", layers, group, ac), rank, steps), group)
     fn = ff.functionalize(_model(layers))
-    base = ff.make_plan(fn.module, ff.layer_policy([Block]))  # the default plan: the root split (embedding, head)
+    base = ff.make_plan(fn.module, ff.layer_policy([_block()]))  # the default plan: the root split (embedding, head)
     start = time.perf_counter()
-    costs = ff.measure_costs(fn, lm_loss, _batch(rank, 0), base, group)
+    costs = ff.measure_costs(fn, _loss, _batch(rank, 0), base, group)
     measured_in = time.perf_counter() - start
     start = time.perf_counter()
     refused = None
     try:
-        choice = ff.plan_for_budget(fn, lm_loss, _batch(rank, 0), base, costs, budget)
+        choice = ff.plan_for_budget(fn, _loss, _batch(rank, 0), base, costs, budget)
     except ValueError as e:  # reported; the predictions without a budget go beside the measurements
         refused = str(e)
-        choice = ff.plan_for_budget(fn, lm_loss, _batch(rank, 0), base, costs, None)
+        choice = ff.plan_for_budget(fn, _loss, _batch(rank, 0), base, costs, None)
     planned_in = time.perf_counter() - start
     rows = []
     for per_unit in sizes:
@@ -189,18 +231,16 @@ def main() -> None:
     p.add_argument("--json", type=pathlib.Path)
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
     args = p.parse_args()
-    if args.model == "bench" and args.layers == 16:
+    if args.model != "tiny" and args.layers == 16:
         args.layers = 8
-    every = (
-        (1, 2, 4, 8, 16) if args.model == "bench" else (1, 2, 3, 4, 6, 8, 12, 16)
-    )  # (the bench GPT's steps are slow)
+    every = (1, 2, 4, 8, 16) if args.model != "tiny" else (1, 2, 3, 4, 6, 8, 12, 16)  # (the bench GPT's steps are slow)
     sizes = sorted({k for k in every if k <= args.layers} | {args.layers})
     with RankPool(args.world, threads=1, timeout=3600) as pool:
         report = pool.run(bench, args.layers, args.steps, sizes, args.model)[0]
     choice = ff.PlanChoice.from_dict(report["choice"])
     c = choice.chosen
     print(
-        f"# planner, CPU, gloo, W={args.world}, {args.model} GPT ({args.layers} blocks), "
+        f"# planner, CPU, gloo, W={args.world}, {args.model} {'Llama' if args.model == 'llama' else 'GPT'} ({args.layers} blocks), "
         f"budget = {report['fsdp2']} per block's peak"
     )
     if report["refused"]:

@@ -360,9 +360,20 @@ def estimate_memory(
     # order prefetched; the units whose backward ran are gone (the first unit's backward runs
     # with nothing after it: a rematerialised step's peak may be there).
     backward = list(dict.fromkeys(s.running for s in stages if s.running is not None and s.running != ROOT))
+    backward += [
+        u.name for u in reversed(plan.units) if u.name != ROOT and u.name not in backward
+    ]  # (no stage of their own)
+    cap = units_in_flight * max(others, default=0)  # the schedule's cap on gathered bytes, prefetches included
 
-    def from_(at: int) -> int:  # the root, and the units gathered from backward position ``at`` on
-        return root + sum(gathered(plan.unit(n)) for n in backward[at : at + units_in_flight])
+    def from_(at: int) -> int:
+        """The root, the unit at backward position ``at`` and those after it prefetched while they fit the cap."""
+        held = 0
+        for name in backward[at:]:
+            size = gathered(plan.unit(name))
+            if held and held + size > cap:
+                break
+            held += size
+        return root + held
 
     with_gradients, at = 0, -1  # (at: the backward position reached; -1: still in the forward)
     for stage in stages:
