@@ -188,26 +188,31 @@ def bench(group: Any, layers: int, steps: int, sizes: list[int], kind: str = "ti
         choice = ff.plan_for_budget(fn, _loss, _batch(rank, 0), base, costs, None)
     planned_in = time.perf_counter() - start
     rows = []
-    for per_unit in sizes:
-        for remat, kept in ((False, False), (True, False), (False, True)):
-            plan = base.grouped(per_unit)
-            step_s = _slowest(_timed(_fsdp_fn(plan, remat, kept, layers, group), rank, steps), group)
-            peak = int(_slowest(_metered(_fsdp_fn(plan, remat, kept, layers, group), rank), group))
-            predicted = next(
-                (c for c in choice.candidates if (c.per_unit, c.remat, c.kept) == (per_unit, remat, kept)), None
-            )
-            rows.append(
-                {
-                    "per_unit": per_unit,
-                    "remat": remat,
-                    "kept": kept,
-                    "units": len(plan.units),
-                    "step_ms": 1e3 * step_s,
-                    "peak": peak,
-                    "predicted_ms": 1e3 * predicted.step_s if predicted else None,
-                    "predicted_peak": predicted.peak_bytes if predicted else None,
-                }
-            )
+    chosen = (choice.chosen.per_unit, choice.chosen.remat, choice.chosen.kept)
+    configs = [
+        (per_unit, remat, kept)
+        for per_unit in sorted(set(sizes) | {costs.blocks})  # (and all in one, as the planner weighs it)
+        for remat, kept in ((False, False), (True, False), (False, True))
+    ]
+    for per_unit, remat, kept in configs + ([chosen] if chosen not in configs else []):
+        plan = base.grouped(per_unit)
+        step_s = _slowest(_timed(_fsdp_fn(plan, remat, kept, layers, group), rank, steps), group)
+        peak = int(_slowest(_metered(_fsdp_fn(plan, remat, kept, layers, group), rank), group))
+        predicted = next(
+            (c for c in choice.candidates if (c.per_unit, c.remat, c.kept) == (per_unit, remat, kept)), None
+        )
+        rows.append(
+            {
+                "per_unit": per_unit,
+                "remat": remat,
+                "kept": kept,
+                "units": len(plan.units),
+                "step_ms": 1e3 * step_s,
+                "peak": peak,
+                "predicted_ms": 1e3 * predicted.step_s if predicted else None,
+                "predicted_peak": predicted.peak_bytes if predicted else None,
+            }
+        )
     ddp_ms = 1e3 * _slowest(_timed(_torch_system("ddp", layers, group), rank, steps), group)
     return {
         "budget": budget,
