@@ -60,8 +60,11 @@ def test_the_plan_is_the_same_on_every_rank_and_the_fastest_that_fits(pool):
     costs = ff.StepCosts.from_dict(first["costs"])
     assert costs.world == 2 and costs.blocks == 4 and costs.units == (5, 2)
     assert costs.step(costs.units[1]) == pytest.approx(costs.step_s[1])
-    assert costs.step(costs.units[0]) == pytest.approx(costs.step_s[0])  # the slope runs through both ends
-    assert costs.step(costs.units[0], remat=True) == pytest.approx(costs.step_s[0] + 4 * costs.remat_s[0])
+    # the slope runs through both ends; a unit never costs less than nothing (on a noisy clock the
+    # plan of more units may time faster: then the slope is flat, at the all-in-one step)
+    assert costs.per_unit_s >= 0
+    assert costs.step(costs.units[0]) == pytest.approx(max(costs.step_s))
+    assert costs.step(costs.units[0], remat=True) == pytest.approx(max(costs.step_s) + 4 * costs.remat_s[0])
     assert costs.step(costs.units[1], remat=True) == pytest.approx(costs.step_s[1] + 4 * costs.remat_s[1])
     fastest, tight = (ff.PlanChoice.from_dict(json.loads(json.dumps(first[k]))) for k in ("fastest", "tight"))
     assert fastest.chosen == min(fastest.candidates, key=lambda c: c.step_s)
