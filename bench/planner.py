@@ -39,7 +39,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import fsdp_fn as ff
-from bench.compare import fsdp2_rule
+from bench.compare import OpsOnlyTracker, fsdp2_rule
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
 from fsdp_fn.testing import RankPool
 
@@ -107,13 +107,16 @@ def _timed(run: Any, rank: int, steps: int) -> float:
     return statistics.median(times)
 
 
-def _metered(run: Any, rank: int, rule: Any = None) -> int:
-    """The peak of the second step, the state it holds included (tagged: made before the meter)."""
+def _metered(run: Any, rank: int, rule: Any = None) -> tuple[int, int]:
+    """The peak of the second step, the state it holds included (tagged: made before the meter),
+    by ``MemoryMeter`` and, on the same step, by torch's ``FSDPMemTracker``/``MemTracker``."""
     run(_batch(rank, 0))
-    with ff.MemoryMeter(rule=rule) as meter:
+    batch = _batch(rank, 1)
+    tracker = run.tracker(batch)
+    with tracker, ff.MemoryMeter(rule=rule) as meter:
         run.tag(meter)
-        run(_batch(rank, 1))
-    return meter.peak()["total"]
+        run(batch)
+    return meter.peak()["total"], tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
 def _torch_system(kind: str, layers: int, group: Any, checkpoint: bool = False) -> Any:
@@ -144,7 +147,19 @@ def _torch_system(kind: str, layers: int, group: Any, checkpoint: bool = False) 
         state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
         meter.tag(state, "optimizer")
 
-    run.tag = tag  # type: ignore[attr-defined]
+    def tracker(batch: torch.Tensor) -> Any:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        if kind == "fsdp2":
+            t = FSDPMemTracker(wrapped, opt)
+            t.track_inputs((batch,))
+            return t
+        t = MemTracker()
+        t.track_external(wrapped, opt, batch)
+        return t
+
+    run.tag, run.tracker = tag, tracker  # type: ignore[attr-defined]
     return run
 
 
@@ -157,7 +172,15 @@ def _fsdp_fn(plan: ff.Plan, remat: bool, kept: bool, layers: int, group: Any) ->
     def run(batch: torch.Tensor) -> None:
         holder["state"], _ = step(holder["state"], batch)
 
+    def tracker(batch: torch.Tensor) -> Any:
+        from fsdp_fn._memory import _tensors
+
+        t = OpsOnlyTracker()
+        t.track_external(*_tensors(holder["state"]), batch)
+        return t
+
     run.tag = lambda meter: meter.tag(holder["state"], "state")  # type: ignore[attr-defined]
+    run.tracker = tracker  # type: ignore[attr-defined]
     return run
 
 
@@ -172,7 +195,9 @@ def bench(group: Any, layers: int, steps: int, sizes: list[int], kind: str = "ti
     _KIND[0] = kind
     rank = group.rank()
     ac = kind == "bench"  # the budget: FSDP2 per block, with activation checkpointing at the realistic batch
-    budget = int(_slowest(_metered(_torch_system("fsdp2", layers, group, ac), rank, fsdp2_rule), group))
+    metered, tracked = _metered(_torch_system("fsdp2", layers, group, ac), rank, fsdp2_rule)
+    budget = int(_slowest(metered, group))
+    apart = [abs(metered - tracked)]  # the two instruments on every metered step, bytes
     fsdp2_ms = 1e3 * _slowest(_timed(_torch_system("fsdp2", layers, group, ac), rank, steps), group)
     fn = ff.functionalize(_model(layers))
     base = ff.make_plan(fn.module, ff.layer_policy([_block()]))  # the default plan: the root split (embedding, head)
@@ -197,7 +222,9 @@ def bench(group: Any, layers: int, steps: int, sizes: list[int], kind: str = "ti
     for per_unit, remat, kept in configs + ([chosen] if chosen not in configs else []):
         plan = base.grouped(per_unit)
         step_s = _slowest(_timed(_fsdp_fn(plan, remat, kept, layers, group), rank, steps), group)
-        peak = int(_slowest(_metered(_fsdp_fn(plan, remat, kept, layers, group), rank), group))
+        metered, tracked = _metered(_fsdp_fn(plan, remat, kept, layers, group), rank)
+        apart.append(abs(metered - tracked))
+        peak = int(_slowest(metered, group))
         predicted = next(
             (c for c in choice.candidates if (c.per_unit, c.remat, c.kept) == (per_unit, remat, kept)), None
         )
@@ -215,6 +242,7 @@ def bench(group: Any, layers: int, steps: int, sizes: list[int], kind: str = "ti
         )
     ddp_ms = 1e3 * _slowest(_timed(_torch_system("ddp", layers, group), rank, steps), group)
     return {
+        "meter_vs_tracker_max_abs": int(_slowest(max(apart), group)),
         "budget": budget,
         "refused": refused,
         "choice": choice.to_dict(),
@@ -266,6 +294,10 @@ def main() -> None:
     mine = next(r for r in report["rows"] if (r["per_unit"], r["remat"], r["kept"]) == (c.per_unit, c.remat, c.kept))
     fitting = [r for r in report["rows"] if r["peak"] <= report["budget"]]
     best = min(fitting, key=lambda r: r["step_ms"]) if fitting else None
+    print(
+        f"MemoryMeter against torch's FSDPMemTracker/MemTracker on every metered step: at most "
+        f"{report['meter_vs_tracker_max_abs']} bytes apart"
+    )
     print(
         f"budget {report['budget'] / 2**20:.2f} MiB; DDP step {report['ddp_ms']:.1f} ms; "
         f"{report['fsdp2']} step {report['fsdp2_ms']:.1f} ms"

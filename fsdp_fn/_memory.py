@@ -353,6 +353,12 @@ def estimate_memory(
         )
         summed = params if schedule.reduce_each_micro_batch else full
     largest_shard = max(shard_bytes.values(), default=0)
+    grads = largest_shard if update_in_backward else params  # the gradient shards alive at once
+
+    def full_bytes(u: Unit) -> int:  # a unit's full (unsharded) gradient
+        return u.padded_numel(world) * u.dtype.itemsize
+
+    largest_full = max((full_bytes(u) for u in plan.units), default=0)
     counters = 4 * sum(len(u.params) for u in plan.units)  # one float32 step count per trainable parameter
     in_flight = root + sum(others[:units_in_flight])
     stages = activations.stages if activations is not None else ()
@@ -360,9 +366,8 @@ def estimate_memory(
     # order prefetched; the units whose backward ran are gone (the first unit's backward runs
     # with nothing after it: a rematerialised step's peak may be there).
     backward = list(dict.fromkeys(s.running for s in stages if s.running is not None and s.running != ROOT))
-    backward += [
-        u.name for u in reversed(plan.units) if u.name != ROOT and u.name not in backward
-    ]  # (no stage of their own)
+    # (units with no backward stage of their own, an embedding's one operator: last, in reverse order)
+    backward += [u.name for u in reversed(plan.units) if u.name != ROOT and u.name not in backward]
     cap = units_in_flight * max(others, default=0)  # the schedule's cap on gathered bytes, prefetches included
 
     def from_(at: int) -> int:
@@ -379,10 +384,7 @@ def estimate_memory(
     for stage in stages:
         reduced = [shard_bytes[n] for n in stage.reduced if n in shard_bytes]
         shards = max(reduced, default=0) if update_in_backward else sum(reduced)
-        full = 0
-        if stage.running is not None:
-            unit = plan.unit(stage.running)
-            full = unit.padded_numel(world) * unit.dtype.itemsize
+        full = full_bytes(plan.unit(stage.running)) if stage.running is not None else 0
         if stage.running is not None and stage.running != ROOT:
             at = backward.index(stage.running)
             held = from_(at)
@@ -390,16 +392,15 @@ def estimate_memory(
             held = in_flight if at < 0 else from_(at + 1)
         with_gradients = max(with_gradients, held + stage.peak + shards + full + summed)
     if stages:  # the end of backward: every gradient shard, a unit's full gradient, the root
-        largest_full = max((u.padded_numel(world) * u.dtype.itemsize for u in plan.units), default=0)
-        with_gradients = max(with_gradients, root + (largest_shard if update_in_backward else params) + largest_full)
+        with_gradients = max(with_gradients, root + grads + largest_full)
     return MemoryEstimate(
         params=params + frozen,
-        grads=largest_shard if update_in_backward else params,
+        grads=grads,
         optimizer=optimizer_slots * params + counters,
         gathered=root + sum(others[:units_in_flight]),
         # One full unit gradient at a time: a unit's reduction ends before the next unit's
         # flat gradient is allocated (with update_in_backward too).
-        full_grad=max((u.padded_numel(world) * u.dtype.itemsize for u in plan.units), default=0),
+        full_grad=largest_full,
         activations=activations.peak if activations is not None else 0,
         with_gradients=with_gradients,
     )
