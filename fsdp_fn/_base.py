@@ -69,14 +69,23 @@ class UpdateFn(Protocol):
 
 
 def call_update(
-    t: GradientTransformation, grads: Updates, state: State, params: Params | None, extra: dict[str, Any]
+    t: GradientTransformation,
+    grads: Updates,
+    state: State,
+    params: Params | None,
+    extra: dict[str, Any],
+    *,
+    donated: bool = False,
 ) -> tuple[Updates, State]:
     """``t.update(grads, state, params, **extra)`` with the extra arguments ``t`` takes (optax's
     ``with_extra_args_support``): all of them if its ``update`` has ``**kwargs``, else the ones it
-    names, none to one that takes none (``value=loss`` for a link that reads the loss)."""
+    names, none to one that takes none (``value=loss`` for a link that reads the loss).
+    ``donated``: ``grads`` are the caller's to overwrite, so ``t.update_donated`` runs when ``t``
+    has one."""
+    fn = (t.update_donated or t.update) if donated else t.update
     if not extra:
-        return t.update(grads, state, params)
-    return t.update(grads, state, params, **_taken(t.update, extra))
+        return fn(grads, state, params)
+    return fn(grads, state, params, **_taken(fn, extra))
 
 
 def _taken(fn: Callable[..., Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -124,6 +133,10 @@ class GradientTransformation(NamedTuple):
         update_donated: ``update`` that may write its result into the gradients it is given
             (the step's own, donated): what a chain runs before its last link in a train
             step, so a clip adds no gradient-sized buffer (``None``: ``update``).
+        fresh_updates: ``update``'s updates alias nothing but the gradients it was given (new
+            tensors, or those gradients passed through): a chain may then hand them to the
+            next link's ``update_donated``. A transformation made by hand is assumed not to
+            (``False``): its updates may be its state or a cache of its own.
 
     Examples:
         >>> t = GradientTransformation(lambda params: (), lambda grads, state, params=None: (grads, state))
@@ -141,6 +154,7 @@ class GradientTransformation(NamedTuple):
     global_norms: int = 0
     update_donated: UpdateFn | None = None
     max_norms: int = 0
+    fresh_updates: bool = False
 
 
 class EmptyState(NamedTuple):
@@ -167,7 +181,7 @@ def identity() -> GradientTransformation:
     def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
         return grads, state
 
-    return GradientTransformation(_empty, update, "identity", needs_whole_gradient=False)
+    return GradientTransformation(_empty, update, "identity", needs_whole_gradient=False, fresh_updates=True)
 
 
 def whole_gradient_links(t: GradientTransformation) -> list[str]:
@@ -276,7 +290,10 @@ def chain(*links: GradientTransformation) -> GradientTransformation:
     on the same way. The train step's in-place form passes none.
     State: the tuple of the links' states. In place (the train step), every link but the
     last runs as ``update`` on the gradients (the step's own, freed after), the last one
-    fused when it can be. Memory and communication: the links' own.
+    fused when it can be. Out of place, a link with an in-place form runs it on the updates
+    the links before it made (when they all make fresh ones, and not on the gradients the
+    chain was given), as XLA reuses a chain's intermediate buffers: one gradient-sized buffer
+    less per such link. Memory and communication: the links' own.
 
     Args:
         *links: the transformations, applied first to last; none: the identity.
@@ -301,9 +318,11 @@ def chain(*links: GradientTransformation) -> GradientTransformation:
     def update(
         grads: Updates, state: tuple[Any, ...], params: Params | None = None, **extra: Any
     ) -> tuple[Updates, tuple[Any, ...]]:
+        given = grads
         new = []
-        for t, s in zip(links, state, strict=True):
-            grads, s = call_update(t, grads, s, params, extra)
+        for k, (t, s) in enumerate(zip(links, state, strict=True)):
+            donated = k > 0 and t.update_donated is not None and all(link.fresh_updates for link in links[:k])
+            grads, s = call_update(t, grads, s, params, extra, donated=donated and not _shares_memory(grads, given))
             new.append(s)
         return grads, tuple(new)
 
@@ -334,7 +353,14 @@ def chain(*links: GradientTransformation) -> GradientTransformation:
         outcome=outcome if any(t.outcome is not None for t in links) else None,
         fused=fused,
         inner=links,
+        fresh_updates=all(t.fresh_updates for t in links),
     )
+
+
+def _shares_memory(updates: Updates, grads: Updates) -> bool:
+    """Whether a received unit's tensor in ``updates`` shares memory with one of ``grads``."""
+    given = {t.untyped_storage().data_ptr() for t in grads.shards.values()}
+    return any(updates[u.name].untyped_storage().data_ptr() in given for u in received_units(updates))
 
 
 # --- unit-by-unit helpers ---------------------------------------------------------------

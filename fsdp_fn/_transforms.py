@@ -77,7 +77,9 @@ def _stateless(
             fn_(grads[unit.name])
         return grads, state
 
-    return GradientTransformation(_empty, update, name, needs_whole_gradient=False, update_donated=update_donated)
+    return GradientTransformation(
+        _empty, update, name, needs_whole_gradient=False, update_donated=update_donated, fresh_updates=True
+    )
 
 
 def scale(step_size: float) -> GradientTransformation:
@@ -302,6 +304,7 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0) -> GradientTran
         global_norms=int(p != math.inf),
         max_norms=int(p == math.inf),
         update_donated=update_donated,
+        fresh_updates=True,
     )
 
 
@@ -382,7 +385,8 @@ class _Masks:
 def add_decayed_weights(weight_decay: float = 0.0, mask: ParamMask | None = None) -> GradientTransformation:
     """Add ``weight_decay * params`` to the updates (optax's ``add_decayed_weights``).
 
-    Memory: one new tensor per updated unit; no communication.
+    Memory: one new tensor per updated unit (none in place, on donated updates); no
+    communication.
 
     Args:
         weight_decay: the factor, ``>= 0`` (0: the updates pass unchanged).
@@ -407,23 +411,37 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: ParamMask | None = None
         raise ValueError(f"add_decayed_weights: weight_decay must be >= 0, got {weight_decay!r}")
     masks = _Masks(mask)
 
-    def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+    def decayed(grads: Updates, params: Params | None, in_place: bool) -> Updates:
         if weight_decay == 0:  # reads no parameter, so needs none (adam's and sgd's default)
-            return grads, state
+            return grads
         if params is None:
             raise ValueError("add_decayed_weights needs params: update(grads, state, params)")
 
         def decay(unit: Unit, got: tuple[bool, ...], g: torch.Tensor) -> tuple[torch.Tensor]:
             p = params[unit.name]
             where = masks.elements(unit, grads.layout, g.device)
+            # torch.optim.SGD's arithmetic (``grad.add(param, alpha=weight_decay)``)
             if where is None:
-                return (g + weight_decay * p,)
-            return (torch.where(where, g + weight_decay * p, g),)
+                same = in_place and all(got) and g.dtype == torch.promote_types(g.dtype, p.dtype)
+                return (g.add_(p, alpha=weight_decay) if same else torch.add(g, p, alpha=weight_decay),)
+            return (torch.where(where, torch.add(g, p, alpha=weight_decay), g),)
 
-        updates, _ = map_units(decay, grads, [])
-        return updates, state
+        return map_units(decay, grads, [])[0]
 
-    return GradientTransformation(_empty, update, f"add_decayed_weights({weight_decay:g})", needs_whole_gradient=False)
+    def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+        return decayed(grads, params, in_place=False), state
+
+    def update_donated(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+        return decayed(grads, params, in_place=True), state
+
+    return GradientTransformation(
+        _empty,
+        update,
+        f"add_decayed_weights({weight_decay:g})",
+        needs_whole_gradient=False,
+        update_donated=update_donated,
+        fresh_updates=True,
+    )
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -465,21 +483,30 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     def init(params: Params) -> ScaleByScheduleState:
         return ScaleByScheduleState(0)
 
+    def factor_at(count: int) -> float:
+        value = step_size_fn(count)
+        try:
+            return float(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(
+                f"scale_by_schedule: the schedule returned a {type(value).__name__} at count {count}, not a number"
+            ) from None
+
     def update(
         grads: Updates, state: ScaleByScheduleState, params: Params | None = None
     ) -> tuple[Updates, ScaleByScheduleState]:
-        value = step_size_fn(state.count)
-        try:
-            factor = float(value)
-        except (TypeError, ValueError, RuntimeError):
-            raise TypeError(
-                f"scale_by_schedule: the schedule returned a {type(value).__name__} at count {state.count}, "
-                "not a number"
-            ) from None
+        factor = factor_at(state.count)
         updates, _ = map_units(lambda unit, mask, g: (g * factor,), grads, [])
         return updates, ScaleByScheduleState(state.count + 1)
 
-    return GradientTransformation(init, update, "scale_by_schedule", needs_whole_gradient=False)
+    def update_donated(
+        grads: Updates, state: ScaleByScheduleState, params: Params | None = None
+    ) -> tuple[Updates, ScaleByScheduleState]:
+        return _scaled_(grads, factor_at(state.count)), ScaleByScheduleState(state.count + 1)
+
+    return GradientTransformation(
+        init, update, "scale_by_schedule", needs_whole_gradient=False, update_donated=update_donated, fresh_updates=True
+    )
 
 
 def scale_by_learning_rate(lr: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
@@ -526,7 +553,27 @@ def scale_by_learning_rate(lr: ScalarOrSchedule, *, flip_sign: bool = True) -> G
         updates, _ = map_units(lambda unit, mask, g: (g * rate,), grads, [])
         return updates, ScaleByScheduleState(state.count + 1)
 
-    return GradientTransformation(init, update, "scale_by_learning_rate(schedule)", needs_whole_gradient=False)
+    def update_donated(
+        grads: Updates, state: ScaleByScheduleState, params: Params | None = None
+    ) -> tuple[Updates, ScaleByScheduleState]:
+        rate = sign * rate_at(lr, state.count, "scale_by_learning_rate")
+        return _scaled_(grads, rate), ScaleByScheduleState(state.count + 1)
+
+    return GradientTransformation(
+        init,
+        update,
+        "scale_by_learning_rate(schedule)",
+        needs_whole_gradient=False,
+        update_donated=update_donated,
+        fresh_updates=True,
+    )
+
+
+def _scaled_(grads: Updates, factor: float) -> Updates:
+    """``grads`` (donated) times ``factor``, in place (their elements no parameter received are zeros)."""
+    for unit in received_units(grads):
+        grads[unit.name].mul_(factor)
+    return grads
 
 
 # --- moments ----------------------------------------------------------------------------
@@ -638,13 +685,14 @@ def scale_by_adam(
             v = (nu.to(wide) * b2).addcmul_(g, g, value=1 - b2)
             steps = _steps(unit, count, layout)
             bias1, bias2 = 1 - b1**steps, 1 - b2**steps
-            denom = (v.sqrt() / bias2.sqrt()).add_(eps)
-            return m / denom / bias1, count, m.to(mu.dtype), v.to(nu.dtype)
+            # torch's arithmetic, m / (sqrt(v) / sqrt(bias2) + eps) / bias1, in one new buffer
+            out = v.sqrt().div_(bias2.sqrt()).add_(eps)
+            return torch.div(m, out, out=out).div_(bias1), count, m.to(mu.dtype), v.to(nu.dtype)
 
         updates, (count, mu, nu) = map_units(adam, grads, [state.count, state.mu, state.nu])
         return updates, ScaleByAdamState(count, mu, nu)
 
-    return GradientTransformation(init, update, "scale_by_adam", needs_whole_gradient=False)
+    return GradientTransformation(init, update, "scale_by_adam", needs_whole_gradient=False, fresh_updates=True)
 
 
 class TraceState(NamedTuple):
@@ -760,4 +808,4 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         updates, (mu,) = map_units(lion, grads, [state.mu])
         return updates, ScaleByLionState(mu)
 
-    return GradientTransformation(init, update, "scale_by_lion", needs_whole_gradient=False)
+    return GradientTransformation(init, update, "scale_by_lion", needs_whole_gradient=False, fresh_updates=True)

@@ -831,3 +831,130 @@ def test_norm_type_must_be_a_positive_number():
             ff.clip_by_global_norm(1.0, norm_type=bad)
     with pytest.raises(TypeError, match=r"clip_by_global_norm\(norm_type\) must be a number"):
         ff.clip_by_global_norm(1.0, norm_type="inf")
+
+
+def _snapshot(tree):
+    return [t.clone() for t in ff.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _unchanged(tree, snapshot) -> bool:
+    now = [t for t in ff.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    return len(now) == len(snapshot) and all(torch.equal(a, b) for a, b in zip(now, snapshot, strict=True))
+
+
+def _echo_state() -> ff.GradientTransformation:
+    """A hand-made link whose updates are its own state (the grads, kept): not fresh."""
+
+    def update(grads, state, params=None):
+        kept = ff.tree_map(lambda g: g.clone(), grads)
+        return kept, kept
+
+    return ff.GradientTransformation(lambda params: ff.tree_map(torch.zeros_like, params), update)
+
+
+def _counting(calls: list[str]) -> ff.GradientTransformation:
+    def update(grads, state, params=None):
+        calls.append("update")
+        return ff.tree_map(lambda g: g * 2, grads), state
+
+    def update_donated(grads, state, params=None):
+        calls.append("donated")
+        return ff.tree_map(lambda g: g.mul_(2) if g.is_contiguous() else g, grads), state  # (not no-update zeros)
+
+    return ff.GradientTransformation(lambda params: (), update, update_donated=update_donated)
+
+
+def _chain_donates_its_own_updates(group, plan_kind):
+    """A chain's ``update`` runs a link in place on the updates the fresh links before it made,
+    with the bits of the links applied one by one, and changes nothing it is given."""
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    fn = ff.functionalize(model)
+    plan = ff.make_plan(model, ff.layer_policy([nn.Linear])).grouped(1 if plan_kind == "per_layer" else 3)
+    params = ff.shard(fn.params, plan, group)
+    _, grads = ff.value_and_grad(fn, mse_loss)(params, fn.buffers, local_part(batch_for("mlp", MLP(), 0), rank, world))
+    out = {}
+    links = [ff.scale_by_adam(), ff.add_decayed_weights(0.1, _no_decay), ff.scale_by_learning_rate(lambda k: 1e-2)]
+    chain = ff.chain(*links)
+    state = chain.init(params)
+    taken = _snapshot((grads, params, state))
+    updates, new_state = chain.update(grads, state, params)
+    by_hand, hand_states = grads, []
+    for link, s in zip(links, state, strict=True):
+        by_hand, s = link.update(by_hand, s, params)
+        hand_states.append(s)
+    out["same_bits"] = all(torch.equal(updates[u], by_hand[u]) for u in grads) and all(
+        torch.equal(a, b)
+        for a, b in zip(ff.tree_leaves(new_state), ff.tree_leaves(tuple(hand_states)), strict=True)
+        if isinstance(a, torch.Tensor)
+    )
+    out["inputs_kept"] = _unchanged((grads, params, state), taken)
+    # bf16 updates of float32 parameters: the decay promotes, so it is not done in place
+    low = grads.replace({u: g.bfloat16() for u, g in grads.shards.items()})
+    mixed = ff.chain(ff.scale(1.0), ff.add_decayed_weights(0.1))
+    got = mixed.update(low, mixed.init(params), params)[0]
+    want = ff.add_decayed_weights(0.1).update(ff.scale(1.0).update(low, ())[0], (), params)[0]
+    out["mixed_dtypes"] = all(got[u].dtype == want[u].dtype and torch.equal(got[u], want[u]) for u in grads) and (
+        any(got[u].dtype == torch.float32 for u in grads)  # (a reached unit's: promoted)
+    )
+    # a link that passes the given gradients through, or keeps its updates as its state: not reused
+    taken = _snapshot(grads)
+    through = ff.chain(ff.add_decayed_weights(0.0), ff.scale(3.0))
+    got = through.update(grads, through.init(params), params)[0]
+    out["pass_through_kept"] = _unchanged(grads, taken) and all(torch.equal(got[u], grads[u] * 3.0) for u in grads)
+    echo = ff.chain(_echo_state(), ff.scale(3.0))
+    _, (kept, _) = echo.update(grads, echo.init(params), params)
+    out["echo_state_kept"] = all(torch.equal(kept[u], grads[u]) for u in grads)
+    calls: list[str] = []
+    for links_ in ([ff.scale_by_adam(), _counting(calls)], [_echo_state(), _counting(calls)], [_counting(calls)]):
+        c = ff.chain(*links_)
+        c.update(grads, c.init(params), params)
+    out["calls"] = calls
+    return out
+
+
+@pytest.mark.parametrize("plan_kind", ["per_layer", "one_unit"])
+def test_a_chain_reuses_only_the_updates_it_made(pool, plan_kind):
+    # one_unit: head b, which no loss reaches, shares the unit with the reached parameters
+    for out in pool.run(_chain_donates_its_own_updates, plan_kind, world=2):
+        assert out["calls"] == ["donated", "update", "update"]
+        assert out["same_bits"] and out["inputs_kept"] and out["mixed_dtypes"]
+        assert out["pass_through_kept"] and out["echo_state_kept"]
+
+
+def _new_shard_sized(group):
+    """How many shard-sized tensors ``adamw``'s ``update`` allocates, counted at torch's dispatch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    world, rank = group.size(), group.rank()
+    torch.manual_seed(0)
+    model = MLP()
+    fn = ff.functionalize(model)
+    params = ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([nn.Linear])), group)
+    _, grads = ff.value_and_grad(fn, mse_loss)(params, fn.buffers, local_part(batch_for("mlp", model, 0), rank, world))
+    sizes = {t.numel() for t in params.shards.values()}
+
+    class Count(TorchDispatchMode):
+        new = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            given = {t.untyped_storage().data_ptr() for t in ff.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            out = func(*args, **(kwargs or {}))
+            for t in ff.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.numel() in sizes and t.untyped_storage().data_ptr() not in given:
+                    Count.new += 1
+            return out
+
+    tx = ff.adamw(lr=1e-2, weight_decay=0.1)
+    state = tx.init(params)
+    with Count():
+        tx.update(grads, state, params)
+    return Count.new, len(params.shards)
+
+
+def test_adamws_update_allocates_its_moments_and_its_update_only(pool):
+    # before the chain reused its own updates: nine a unit (six in scale_by_adam, two in the
+    # decay, one in the learning rate)
+    for new, units in pool.run(_new_shard_sized, world=2):
+        assert new == 3 * units
