@@ -939,7 +939,8 @@ def _new_shard_sized(group):
         new = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            given = {t.untyped_storage().data_ptr() for t in ff.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            inputs = [t for t in ff.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            given = {t.untyped_storage().data_ptr() for t in inputs}
             out = func(*args, **(kwargs or {}))
             for t in ff.tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.numel() in sizes and t.untyped_storage().data_ptr() not in given:

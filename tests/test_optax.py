@@ -379,13 +379,16 @@ def _ours_and_optax(
     change=None,
     grad_dtype=None,
     widened=False,
+    jit=False,
 ):
     """``ours`` and optax's ``theirs`` from the same parameters on the same gradients (the full
     ones to optax, reduced to the shards for ours), through ``update`` + ``apply_updates`` and
     through ``update_in_place``; ``change(k, ours_state, optax_state)`` before step ``k`` returns
     the states to go on with; ``grad_dtype``: the gradients in that dtype (both sides; with
-    ``widened``, optax gets the same values as float32). Returns the unsharded parameters of
-    both forms and optax's."""
+    ``widened``, optax gets the same values as float32); ``jit``: optax's update compiled once
+    (a wrapper's ``lax.cond`` otherwise compiles at every eager call). Returns the unsharded
+    parameters of both forms and optax's."""
+    import jax
     import jax.numpy as jnp
     import optax
 
@@ -397,6 +400,7 @@ def _ours_and_optax(
     tonp = lambda t: jnp.asarray(t.detach().float().numpy()).astype(jnp.bfloat16 if t.dtype == torch.bfloat16 else None)  # noqa: E731
     jparams = {n: tonp(v) for n, v in fn.params.items()}
     jstate = theirs.init(jparams)
+    their_update = jax.jit(theirs.update) if jit else theirs.update
     for k in range(steps):
         if change is not None:
             state, jstate = change(k, state, jstate)
@@ -409,7 +413,7 @@ def _ours_and_optax(
         params = ff.apply_updates(params, updates)
         state_ip = ff.update_in_place(ours, _cast(ff.reduce_grads(full, params), grad_dtype), state_ip, in_place)
         jgrads = {n: tonp(v.float() if widened else v) for n, v in full.items()}
-        jupdates, jstate = theirs.update(jgrads, jstate, jparams, **(extra or {}))
+        jupdates, jstate = their_update(jgrads, jstate, jparams, **(extra or {}))
         jparams = optax.apply_updates(jparams, jupdates)
     want = {n: torch.from_numpy(np.array(v.astype(jnp.float32))) for n, v in jparams.items()}
     return (
@@ -547,7 +551,7 @@ def _bf16_round(group, accumulator_dtype):
     theirs = optax.MultiSteps(
         optax.scale(-1.0), 64, **({} if accumulator_dtype == "default" else {"accumulator_dtype": jnp.bfloat16})
     )
-    got, got_ip, want = _ours_and_optax(group, ours, theirs, shapes, steps=64, dtype=torch.bfloat16)
+    got, got_ip, want = _ours_and_optax(group, ours, theirs, shapes, steps=64, dtype=torch.bfloat16, jit=True)
     start = _Tree(shapes, torch.bfloat16).w.detach()
     mean = torch.stack([_grads_of({"w": start}, k)["w"].double() for k in range(64)]).mean(0)
     exact = (start.double() - mean.bfloat16().double()).bfloat16().float()
