@@ -63,11 +63,18 @@ class ActivationStage:
         running: the unit whose backward runs (its full gradient is being made); ``None``
             in the forward and the loss.
         peak: the most activation bytes alive during the stretch, on one rank.
+        in_forward: the stretch is the forward and the loss (units gathered as they run);
+            ``False`` from the loss's backward on.
+        full_gradient: the running unit's full gradient exists: one of its gradients is
+            complete, or its recomputation ended (``False`` while a rematerialised unit
+            recomputes).
     """
 
     reduced: frozenset[str]
     running: str | None
     peak: int
+    in_forward: bool = False
+    full_gradient: bool = True
 
 
 @dataclass(frozen=True)
@@ -170,11 +177,13 @@ class _Trace:
         self.in_model = False
         self.in_backward: list[str] = []  # units whose backward has started and not finished
         self.reduced: set[str] = set()
-        self.pending = {u.name: sum(s.requires_grad for s in u.params) for u in plan.units}
+        self.params_of = {u.name: sum(s.requires_grad for s in u.params) for u in plan.units}
+        self.pending = dict(self.params_of)  # per unit: its gradients not complete yet
         self.saved: dict[str, int] = {}
         self.savers: set[int] = set()
         self.recompute: dict[str, int] = {}
-        self.stages: dict[tuple[frozenset[str], str | None], int] = {}
+        self.recomputed: set[str] = set()  # the rematerialised units whose recomputation ended
+        self.stages: dict[tuple[frozenset[str], str | None, bool, bool], int] = {}
         self.params = {p.untyped_storage()._cdata for p in params.values()}
         self.live = _Live(self.params, self.on_sample)
 
@@ -190,7 +199,13 @@ class _Trace:
         return t
 
     def on_sample(self, current: int) -> None:
-        key = (frozenset(self.reduced), self.in_backward[-1] if self.in_backward else None)
+        running = self.in_backward[-1] if self.in_backward else None
+        # (a rematerialised unit's gradients come out of its region at its end; the step writes
+        # each into the full gradient as it is made, from the end of the recomputation on)
+        started = running is not None and (
+            self.pending[running] < self.params_of[running] or running in self.recomputed
+        )
+        key = (frozenset(self.reduced), running, self.live.phase == "forward", started)
         self.stages[key] = max(self.stages.get(key, 0), current)
 
     def begin_backward(self, unit: str) -> None:
@@ -199,9 +214,10 @@ class _Trace:
 
     def gradient_done(self, unit: str, p: torch.Tensor) -> None:
         """A parameter's gradient is complete: the step reduce-scatters it and lets it go (the plan's part)."""
-        p.grad = None
         self.begin_backward(unit)
         self.pending[unit] -= 1
+        self.live.sample("gradient")  # (the step writes it into the unit's full gradient, alive from here)
+        p.grad = None
         if self.pending[unit] == 0:
             self.reduced.add(unit)
             self.in_backward.remove(unit)
@@ -225,6 +241,7 @@ class _Trace:
             self.running.pop()
         self.live.sample("recompute")
         self.recompute[unit] = max(self.recompute.get(unit, 0), self.live.current - before)
+        self.recomputed.add(unit)
         return out
 
     def model(
@@ -389,7 +406,7 @@ def estimate_activations(
         peak=live.peak,
         peak_op=live.peak_op,
         peak_in=live.peak_in,
-        stages=tuple(ActivationStage(r, u, n) for (r, u), n in trace.stages.items()),
+        stages=tuple(ActivationStage(r, u, n, f, g) for (r, u, f, g), n in trace.stages.items()),
         units=trace.units(plan),
         remat=remat_units,
     )

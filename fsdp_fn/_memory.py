@@ -352,6 +352,7 @@ def estimate_memory(
             u.padded_numel(world) * schedule.reduce_dtype(schedule.gather_dtype(u.dtype)).itemsize for u in plan.units
         )
         summed = params if schedule.reduce_each_micro_batch else full
+        summed += 8 * (schedule.micro_batches - 1)  # (and their losses, a number each, float64 at most)
     largest_shard = max(shard_bytes.values(), default=0)
     grads = largest_shard if update_in_backward else params  # the gradient shards alive at once
 
@@ -364,9 +365,14 @@ def estimate_memory(
     stages = activations.stages if activations is not None else ()
     # In backward a unit is gathered while its backward runs, with the next ones in backward
     # order prefetched; the units whose backward ran are gone (the first unit's backward runs
-    # with nothing after it: a rematerialised step's peak may be there).
-    backward = list(dict.fromkeys(s.running for s in stages if s.running is not None and s.running != ROOT))
-    # (units with no backward stage of their own, an embedding's one operator: last, in reverse order)
+    # with nothing after it: a rematerialised step's peak may be there). The order is the
+    # fake step's: where each unit's backward began, or, for one with no stage of its own (a
+    # head's or an embedding's one operator), where its gradient was complete.
+    backward: list[str] = []
+    for stage in stages:
+        for name in [stage.running, *sorted(stage.reduced)]:
+            if name is not None and name != ROOT and name not in backward:
+                backward.append(name)
     backward += [u.name for u in reversed(plan.units) if u.name != ROOT and u.name not in backward]
     cap = units_in_flight * max(others, default=0)  # the schedule's cap on gathered bytes, prefetches included
 
@@ -384,12 +390,14 @@ def estimate_memory(
     for stage in stages:
         reduced = [shard_bytes[n] for n in stage.reduced if n in shard_bytes]
         shards = max(reduced, default=0) if update_in_backward else sum(reduced)
-        full = full_bytes(plan.unit(stage.running)) if stage.running is not None else 0
+        full = full_bytes(plan.unit(stage.running)) if stage.running is not None and stage.full_gradient else 0
         if stage.running is not None and stage.running != ROOT:
             at = backward.index(stage.running)
             held = from_(at)
-        else:  # the forward; or between two units' backward (the next ones prefetched), or after the last
-            held = in_flight if at < 0 else from_(at + 1)
+        elif stage.in_forward:  # (the units gathered as they run, prefetches included)
+            held = in_flight
+        else:  # the loss's backward (the first units prefetched), between two units' or after the last
+            held = from_(at + 1)
         with_gradients = max(with_gradients, held + stage.peak + shards + full + summed)
     if stages:  # the end of backward: every gradient shard, a unit's full gradient, the root
         with_gradients = max(with_gradients, root + grads + largest_full)

@@ -176,17 +176,18 @@ def test_a_loss_that_is_not_a_scalar_is_refused_by_name():
         ff.estimate_activations(model, lm_loss, torch.zeros(2, 9, dtype=torch.long), plan)
 
 
-def _merged_remat(group, per_unit):
-    """Blocks merged ``per_unit`` a unit, every unit rematerialised: the estimate's total against the meter."""
+def _merged(group, per_unit, remat=True, sequences=2):
+    """Blocks merged ``per_unit`` a unit, every unit rematerialised or none: the estimate's total against the meter."""
     rank = group.rank()
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=512, seq=32, d_model=64, n_layers=8, n_heads=2))
     fn = ff.functionalize(model)
     plan = ff.make_plan(model, ff.layer_policy([Block])).grouped(per_unit)
-    step = ff.train_step(fn, lm_loss, ff.adamw(), remat=ff.Remat())
+    chosen = ff.Remat() if remat else None
+    step = ff.train_step(fn, lm_loss, ff.adamw(), remat=chosen)
     state = step.init(ff.shard(fn.params, plan, group))
-    batch = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(rank))
-    acts = ff.estimate_activations(fn, lm_loss, batch, plan, remat=ff.Remat())
+    batch = torch.randint(0, 512, (sequences, 33), generator=torch.Generator().manual_seed(rank))
+    acts = ff.estimate_activations(fn, lm_loss, batch, plan, remat=chosen)
     estimate = ff.estimate_memory(plan, group.size(), activations=acts, schedule=ff.Schedule())
     state, _ = step(state, batch)
     with ff.MemoryMeter() as meter:
@@ -201,5 +202,14 @@ def test_a_merged_rematerialised_plan_is_estimated_to_the_peak(pool, per_unit):
     # gradient shard) counted with a prefetched unit that is not there (nothing runs after it) and
     # the end of backward with every unit still gathered: 8-9% over the meter at 8 blocks a unit on
     # the tiny GPT of bench/planner.py, where the planner weighs remat. Measured now: equal.
-    for estimated, measured in pool.run(_merged_remat, per_unit, world=2):
+    for estimated, measured in pool.run(_merged, per_unit, world=2):
         assert abs(estimated / measured - 1) <= 0.02, (per_unit, estimated, measured)
+
+
+@pytest.mark.parametrize("per_unit", [2, 4])
+def test_the_units_gathered_at_the_loss_are_the_first_ones_backward_runs(pool, per_unit):
+    # Catches: the loss and the start of its backward counted with the two largest units gathered
+    # (the forward's rule), where the step holds the first unit backward runs and the ones it
+    # prefetches beside it: 2.0% and 3.7% over the meter at 2 and 4 blocks a unit. Now equal.
+    for estimated, measured in pool.run(_merged, per_unit, False, 8, world=2):
+        assert abs(estimated / measured - 1) <= 0.005, (per_unit, estimated, measured)
