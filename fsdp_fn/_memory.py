@@ -360,6 +360,12 @@ def estimate_memory(
         return u.padded_numel(world) * u.dtype.itemsize
 
     largest_full = max((full_bytes(u) for u in plan.units), default=0)
+    summing = schedule is not None and schedule.micro_batches > 1 and not schedule.reduce_each_micro_batch
+
+    def taken(u: Unit) -> bool:
+        """Whether the step takes autograd's gradient of the unit's one parameter as its full
+        gradient (no padding, no sum over micro-batches): then the activations count it already."""
+        return len(u.params) == 1 and u.padded_numel(world) == u.numel and world > 1 and not summing
     counters = 4 * sum(len(u.params) for u in plan.units)  # one float32 step count per trainable parameter
     in_flight = root + sum(others[:units_in_flight])
     stages = activations.stages if activations is not None else ()
@@ -390,7 +396,8 @@ def estimate_memory(
     for stage in stages:
         reduced = [shard_bytes[n] for n in stage.reduced if n in shard_bytes]
         shards = max(reduced, default=0) if update_in_backward else sum(reduced)
-        full = full_bytes(plan.unit(stage.running)) if stage.running is not None and stage.full_gradient else 0
+        running = plan.unit(stage.running) if stage.running is not None else None
+        full = full_bytes(running) if running is not None and stage.full_gradient and not taken(running) else 0
         if stage.running is not None and stage.running != ROOT:
             at = backward.index(stage.running)
             held = from_(at)
