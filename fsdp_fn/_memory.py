@@ -366,6 +366,7 @@ def estimate_memory(
         """Whether the step takes autograd's gradient of the unit's one parameter as its full
         gradient (no padding, no sum over micro-batches): then the activations count it already."""
         return len(u.params) == 1 and u.padded_numel(world) == u.numel and world > 1 and not summing
+
     counters = 4 * sum(len(u.params) for u in plan.units)  # one float32 step count per trainable parameter
     in_flight = root + sum(others[:units_in_flight])
     stages = activations.stages if activations is not None else ()
