@@ -65,9 +65,9 @@ class ActivationStage:
         peak: the most activation bytes alive during the stretch, on one rank.
         in_forward: the stretch is the forward and the loss (units gathered as they run);
             ``False`` from the loss's backward on.
-        full_gradient: the running unit's full gradient exists: one of its gradients is
-            complete, or its recomputation ended (``False`` while a rematerialised unit
-            recomputes).
+        full_gradient: one of the running unit's gradients is complete, so its full
+            gradient exists (a rematerialised unit's come out of its recomputation's backward
+            at its end).
     """
 
     reduced: frozenset[str]
@@ -182,7 +182,6 @@ class _Trace:
         self.saved: dict[str, int] = {}
         self.savers: set[int] = set()
         self.recompute: dict[str, int] = {}
-        self.recomputed: set[str] = set()  # the rematerialised units whose recomputation ended
         self.stages: dict[tuple[frozenset[str], str | None, bool, bool], int] = {}
         self.params = {p.untyped_storage()._cdata for p in params.values()}
         self.live = _Live(self.params, self.on_sample)
@@ -202,9 +201,7 @@ class _Trace:
         running = self.in_backward[-1] if self.in_backward else None
         # (a rematerialised unit's gradients come out of its region at its end; the step writes
         # each into the full gradient as it is made, from the end of the recomputation on)
-        started = running is not None and (
-            self.pending[running] < self.params_of[running] or running in self.recomputed
-        )
+        started = running is not None and self.pending[running] < self.params_of[running]
         key = (frozenset(self.reduced), running, self.live.phase == "forward", started)
         self.stages[key] = max(self.stages.get(key, 0), current)
 
@@ -241,7 +238,6 @@ class _Trace:
             self.running.pop()
         self.live.sample("recompute")
         self.recompute[unit] = max(self.recompute.get(unit, 0), self.live.current - before)
-        self.recomputed.add(unit)
         return out
 
     def model(

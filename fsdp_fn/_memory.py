@@ -397,15 +397,22 @@ def estimate_memory(
     for stage in stages:
         reduced = [shard_bytes[n] for n in stage.reduced if n in shard_bytes]
         shards = max(reduced, default=0) if update_in_backward else sum(reduced)
-        running = plan.unit(stage.running) if stage.running is not None else None
-        full = full_bytes(running) if running is not None and stage.full_gradient and not taken(running) else 0
-        if stage.running is not None and stage.running != ROOT:
+        own = stage.running is not None and stage.running != ROOT
+        if own:
             at = backward.index(stage.running)
             held = from_(at)
         elif stage.in_forward:  # (the units gathered as they run, prefetches included)
             held = in_flight
         else:  # the loss's backward (the first units prefetched), between two units' or after the last
             held = from_(at + 1)
+        # The full gradient alive: the running unit's from its first gradient on; before it, and
+        # between two units, the one before in backward order, whose reduction lands only then.
+        if stage.running is not None and stage.full_gradient:
+            running = plan.unit(stage.running)
+            full = 0 if taken(running) else full_bytes(running)
+        else:
+            before = at - 1 if own else at
+            full = full_bytes(plan.unit(backward[before])) if before >= 0 else 0
         with_gradients = max(with_gradients, held + stage.peak + shards + full + summed)
     if stages:  # the end of backward: every gradient shard, a unit's full gradient, the root
         with_gradients = max(with_gradients, root + grads + largest_full)
