@@ -397,9 +397,9 @@ def estimate_memory(
     for stage in stages:
         reduced = [shard_bytes[n] for n in stage.reduced if n in shard_bytes]
         shards = max(reduced, default=0) if update_in_backward else sum(reduced)
-        own = stage.running is not None and stage.running != ROOT
-        if own:
-            at = backward.index(stage.running)
+        own = stage.running if stage.running != ROOT else None  # (a unit of the backward order)
+        if own is not None:
+            at = backward.index(own)
             held = from_(at)
         elif stage.in_forward:  # (the units gathered as they run, prefetches included)
             held = in_flight
@@ -411,7 +411,7 @@ def estimate_memory(
             running = plan.unit(stage.running)
             full = 0 if taken(running) else full_bytes(running)
         else:
-            before = at - 1 if own else at
+            before = at - 1 if own is not None else at
             full = full_bytes(plan.unit(backward[before])) if before >= 0 else 0
         with_gradients = max(with_gradients, held + stage.peak + shards + full + summed)
     if stages:  # the end of backward: every gradient shard, a unit's full gradient, the root
