@@ -199,8 +199,8 @@ class _Trace:
 
     def on_sample(self, current: int) -> None:
         running = self.in_backward[-1] if self.in_backward else None
-        # (a rematerialised unit's gradients come out of its region at its end; the step writes
-        # each into the full gradient as it is made, from the end of the recomputation on)
+        # (from the unit's first complete gradient on, the step holds its full gradient; a
+        # rematerialised unit's come out of its recomputation's backward at its end)
         started = running is not None and self.pending[running] < self.params_of[running]
         key = (frozenset(self.reduced), running, self.live.phase == "forward", started)
         self.stages[key] = max(self.stages.get(key, 0), current)
