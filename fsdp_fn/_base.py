@@ -318,7 +318,7 @@ def chain(*links: GradientTransformation) -> GradientTransformation:
     def update(
         grads: Updates, state: tuple[Any, ...], params: Params | None = None, **extra: Any
     ) -> tuple[Updates, tuple[Any, ...]]:
-        given = grads
+        given = {t.untyped_storage().data_ptr() for t in grads.shards.values()}  # (never overwritten)
         new = []
         for k, (t, s) in enumerate(zip(links, state, strict=True)):
             donated = k > 0 and t.update_donated is not None and all(link.fresh_updates for link in links[:k])
@@ -357,10 +357,9 @@ def chain(*links: GradientTransformation) -> GradientTransformation:
     )
 
 
-def _shares_memory(updates: Updates, grads: Updates) -> bool:
-    """Whether a received unit's tensor in ``updates`` shares memory with one of ``grads``."""
-    given = {t.untyped_storage().data_ptr() for t in grads.shards.values()}
-    return any(updates[u.name].untyped_storage().data_ptr() in given for u in received_units(updates))
+def _shares_memory(updates: Updates, storages: set[int]) -> bool:
+    """Whether a received unit's tensor in ``updates`` lives in one of ``storages`` (their data pointers)."""
+    return any(updates[u.name].untyped_storage().data_ptr() in storages for u in received_units(updates))
 
 
 # --- unit-by-unit helpers ---------------------------------------------------------------
