@@ -7,11 +7,13 @@ times the costs, ``plan_for_budget`` chooses, from the plan a user gets by defau
 block; the embedding and head units of their own, ``split_root="auto"``). Then every uniform grouping (1..16 blocks a
 unit, without and with remat) is timed and metered, and DDP timed beside them, so the
 report says how close the prediction came (step and peak), whether the choice fits the
-budget, and how far the chosen plan is from the fastest measured one that fits.
+budget, and how far the chosen plan is from the fastest measured one that fits. Every row
+is timed in two passes over the rows, the second in the reverse order (``--steps`` timed
+steps a row in each), and reports the median of both.
 
     python bench/planner.py                     # W=2, 16 blocks, CPU, gloo
     python bench/planner.py --layers 8 --steps 10 --json out/planner.json
-    python bench/planner.py --model bench --steps 2 --json out/planner_bench.json
+    python bench/planner.py --model bench --steps 1 --json out/planner_bench.json
 
 ``--model bench`` is ``bench/compare.py``'s GPT (d 512, 8 blocks, vocab 8192) at the realistic
 batch (8 x 256 tokens per rank), and the budget FSDP2's peak with activation checkpointing
@@ -97,14 +99,18 @@ def _batch(rank: int, k: int) -> torch.Tensor:
     return torch.randint(0, cfg["vocab"], (sequences, cfg["seq"] + 1), generator=g)
 
 
-def _timed(run: Any, rank: int, steps: int) -> float:
+def _times(run: Any, rank: int, steps: int) -> list[float]:
     run(_batch(rank, 0))
     times = []
     for k in range(steps):
         start = time.perf_counter()
         run(_batch(rank, k + 1))
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def _timed(run: Any, rank: int, steps: int) -> float:
+    return statistics.median(_times(run, rank, steps))
 
 
 def _metered(run: Any, rank: int, rule: Any = None) -> tuple[int, int]:
@@ -219,9 +225,17 @@ def bench(group: Any, layers: int, steps: int, sizes: list[int], kind: str = "ti
         for per_unit in sorted(set(sizes) | {costs.blocks})  # (and all in one, as the planner weighs it)
         for remat, kept in ((False, False), (True, False), (False, True))
     ]
-    for per_unit, remat, kept in configs + ([chosen] if chosen not in configs else []):
+    configs += [chosen] if chosen not in configs else []
+    # Each row timed in two passes, the second in the reverse order, as measure_costs times
+    # its own: a machine whose speed drifts over the run weighs on every row alike.
+    times: dict[tuple[int, bool, bool], list[float]] = {c: [] for c in configs}
+    for order in (configs, configs[::-1]):
+        for per_unit, remat, kept in order:
+            run = _fsdp_fn(base.grouped(per_unit), remat, kept, layers, group)
+            times[per_unit, remat, kept] += _times(run, rank, steps)
+    for per_unit, remat, kept in configs:
         plan = base.grouped(per_unit)
-        step_s = _slowest(_timed(_fsdp_fn(plan, remat, kept, layers, group), rank, steps), group)
+        step_s = _slowest(statistics.median(times[per_unit, remat, kept]), group)
         metered, tracked = _metered(_fsdp_fn(plan, remat, kept, layers, group), rank)
         apart.append(abs(metered - tracked))
         peak = int(_slowest(metered, group))
@@ -260,7 +274,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per row and pass")
     p.add_argument("--json", type=pathlib.Path)
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
     args = p.parse_args()

@@ -13,6 +13,7 @@ candidate's step time from them and its peak from ``estimate_memory`` and
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from fsdp_fn._shard import shard
 from fsdp_fn._step import train_step
 
 _SIZES = (1 << 10, 1 << 16)  # float32 elements of the timed collectives: latency, then bandwidth
+_MOST_STEPS = 50  # timed steps per configuration and pass, at most
 
 
 @dataclass(frozen=True)
@@ -95,15 +97,19 @@ def measure_costs(
     *,
     optimizer: GradientTransformation | None = None,
     steps: int = 3,
+    seconds: float = 1.0,
 ) -> StepCosts:
     """Time what the grouping and remat trade, on this rank's ``batch``, once.
 
     Runs the train step on fresh shards of ``fn``'s parameters (the module's are not
     changed) for the plan with one unit per block and for all blocks in one unit, and with
-    remat, ``steps`` timed steps each after one to warm up; and four collectives of
-    ``_SIZES``. Each figure is the slowest rank's (one all-reduce), so every rank holds the
-    same costs. Memory: one more sharded state at a time (parameters, optimizer state);
-    communication: what those steps do, and the timed collectives.
+    remat; and four collectives of ``_SIZES``. The five configurations are timed in two
+    passes, the second in the reverse order, so that a machine whose speed drifts during the
+    measurement weighs on each alike; in each pass a configuration gets one step to warm up,
+    then ``steps`` timed steps, or as many more as last about ``seconds`` (the same number on
+    every rank). Each figure is the median of its timed steps, the slowest rank's, so every
+    rank holds the same costs. Memory: one more sharded state at a time (parameters,
+    optimizer state); communication: what those steps do, and the timed collectives.
 
     Args:
         fn: the model, from ``functionalize(module)``.
@@ -112,7 +118,9 @@ def measure_costs(
         plan: a unit per block (``make_plan(model, layer_policy([Block]))``).
         group: the ranks that shard together, as for ``shard``.
         optimizer: the step's optimizer (``adamw()`` when ``None``).
-        steps: timed steps per configuration.
+        steps: the fewest timed steps per configuration and pass.
+        seconds: about how long each configuration's timed steps last in each pass (a
+            fast step is timed more often; ``0``: ``steps`` steps).
 
     Returns:
         The ``StepCosts``.
@@ -128,19 +136,24 @@ def measure_costs(
     optimizer = optimizer or adamw()
     ends = (plan, plan.grouped(blocks))
 
-    def timed(p: Plan, remat: bool, kept: bool = False) -> float:
+    def timed(p: Plan, remat: bool, kept: bool, into: list[float]) -> None:
         schedule = Schedule(reshard_after_forward=not kept)
         step = train_step(fn, loss_fn, optimizer, schedule=schedule, remat=remat or None, check_schedule="never")
         state = step.init(shard(fn.params, p, group))
+        start = time.perf_counter()
         state, _ = step(state, batch)
-        times = []
-        for _ in range(steps):
+        warm = _slowest(time.perf_counter() - start, shard_group)  # (every rank runs as many steps)
+        for _ in range(max(steps, min(_MOST_STEPS, math.ceil(seconds / max(warm, 1e-9))))):
             start = time.perf_counter()
             state, _ = step(state, batch)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+            into.append(time.perf_counter() - start)
 
-    local = [timed(p, remat) for remat in (False, True) for p in ends] + [timed(ends[0], False, kept=True)]
+    configs = [(p, remat, False) for remat in (False, True) for p in ends] + [(ends[0], False, True)]
+    times: list[list[float]] = [[] for _ in configs]
+    for order in (range(len(configs)), reversed(range(len(configs)))):
+        for i in order:
+            timed(*configs[i], times[i])
+    local = [statistics.median(t) for t in times]
     local += [_collective(op, n, shard_group) for op in ("all_gather", "reduce_scatter") for n in _SIZES]
     mine = torch.tensor(local, dtype=torch.float64)
     everyone = mine.new_empty(mine.numel() * shard_group.size())
@@ -166,6 +179,14 @@ def _mergeable(plan: Plan) -> int:
     """The largest number of consecutive units ``Plan.grouped`` may merge: the longest run it finds."""
     merged = plan.grouped(len(plan.units))
     return max((len(u.members) for u in merged.units if u.members), default=1)
+
+
+def _slowest(seconds: float, group: dist.ProcessGroup) -> float:
+    """The largest of every rank's ``seconds`` (one all-gather of one number)."""
+    mine = torch.tensor([seconds], dtype=torch.float64)
+    everyone = mine.new_empty(group.size())
+    all_gather_into(everyone, mine, group, None)
+    return float(everyone.max())
 
 
 def _collective(op: str, n: int, group: dist.ProcessGroup, reps: int = 5) -> float:

@@ -22,7 +22,7 @@ def _setup(rank, layers=4):
 
 def _plan_everywhere(group):
     fn, plan, batch = _setup(group.rank())
-    costs = ff.measure_costs(fn, lm_loss, batch, plan, group, steps=1)
+    costs = ff.measure_costs(fn, lm_loss, batch, plan, group, steps=1, seconds=0)
     fastest = ff.plan_for_budget(fn, lm_loss, batch, plan, costs)
     peaks = sorted({c.peak_bytes for c in fastest.candidates})
     budget = peaks[len(peaks) // 2]  # some candidates fit, some do not
@@ -87,3 +87,50 @@ def test_measuring_needs_blocks_to_merge():
     fn, plan, batch = _setup(0, layers=1)
     with pytest.raises(ValueError, match="needs a plan with two or more blocks to merge"):
         ff.measure_costs(fn, lm_loss, batch, ff.make_plan(fn.module), None)
+
+
+def _measured_configs(group, seconds):
+    """What measure_costs timed, in order: (units, remat, kept gathered, steps run) per configuration."""
+    import time
+
+    import fsdp_fn._planner as planner
+
+    fn, plan, batch = _setup(group.rank())
+    runs = []
+    real_step, real_shard = planner.train_step, planner.shard
+
+    def loss(model, b):
+        runs[-1][3] += 1
+        if seconds:
+            time.sleep(0.01)
+        return lm_loss(model, b)
+
+    def step(fn_, loss_fn, optimizer, *, schedule, remat, **kwargs):
+        runs.append([None, bool(remat), not schedule.reshard_after_forward, 0])
+        return real_step(fn_, loss_fn, optimizer, schedule=schedule, remat=remat, **kwargs)
+
+    def shard(params, p, g):
+        runs[-1][0] = len(p.units)
+        return real_shard(params, p, g)
+
+    planner.train_step, planner.shard = step, shard
+    try:
+        ff.measure_costs(fn, loss, batch, plan, group, steps=2, seconds=seconds)
+    finally:
+        planner.train_step, planner.shard = real_step, real_shard
+    return [tuple(r) for r in runs]
+
+
+def test_costs_are_timed_in_two_passes_the_second_reversed_as_long_as_asked(pool):
+    # Catches: configurations timed once, one after another (a machine whose speed drifts
+    # weighs on the last ones only); a floor on the time that ranks count differently (each
+    # would run its own number of steps: a hang); ``seconds`` ignored.
+    short = pool.run(_measured_configs, 0, world=2)
+    first = [(5, False, False), (2, False, False), (5, True, False), (2, True, False), (5, False, True)]
+    assert short[0] == short[1]
+    assert [r[:3] for r in short[0]] == first + first[::-1]
+    assert all(r[3] == 1 + 2 for r in short[0])  # a step to warm up, then ``steps``
+    long = pool.run(_measured_configs, 0.5, world=2)
+    assert long[0] == long[1]  # every rank ran as many steps
+    assert [r[:3] for r in long[0]] == first + first[::-1]
+    assert all(r[3] > 1 + 2 for r in long[0])  # more steps, to last about ``seconds``
