@@ -106,9 +106,9 @@ def measure_costs(
     remat; and four collectives of ``_SIZES``. The five configurations are timed in two
     passes, the second in the reverse order, so that a machine whose speed drifts during the
     measurement weighs on each alike; in each pass a configuration gets one step to warm up,
-    then ``steps`` timed steps, or as many more as last about ``seconds`` (the same number on
-    every rank). Each figure is the median of its timed steps, the slowest rank's, so every
-    rank holds the same costs. Memory: one more sharded state at a time (parameters,
+    then half its timed steps: ``steps`` in all, or as many more as last about ``seconds``
+    (the same number on every rank). Each figure is the median of its timed steps, the
+    slowest rank's, so every rank holds the same costs. Memory: one more sharded state at a time (parameters,
     optimizer state); communication: what those steps do, and the timed collectives.
 
     Args:
@@ -118,9 +118,9 @@ def measure_costs(
         plan: a unit per block (``make_plan(model, layer_policy([Block]))``).
         group: the ranks that shard together, as for ``shard``.
         optimizer: the step's optimizer (``adamw()`` when ``None``).
-        steps: the fewest timed steps per configuration and pass.
-        seconds: about how long each configuration's timed steps last in each pass (a
-            fast step is timed more often; ``0``: ``steps`` steps).
+        steps: the fewest timed steps per configuration (half in each pass, rounded up).
+        seconds: about how long each configuration's timed steps last in all (a fast step
+            is timed more often; ``0``: ``steps`` steps).
 
     Returns:
         The ``StepCosts``.
@@ -143,7 +143,7 @@ def measure_costs(
         start = time.perf_counter()
         state, _ = step(state, batch)
         warm = _slowest(time.perf_counter() - start, shard_group)  # (every rank runs as many steps)
-        for _ in range(max(steps, min(_MOST_STEPS, math.ceil(seconds / max(warm, 1e-9))))):
+        for _ in range(max(math.ceil(steps / 2), min(_MOST_STEPS, math.ceil(seconds / 2 / max(warm, 1e-9))))):
             start = time.perf_counter()
             state, _ = step(state, batch)
             into.append(time.perf_counter() - start)
