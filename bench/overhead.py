@@ -7,12 +7,17 @@ the median step (max over ranks), and the cost of one more block (the slope betw
 smallest and the largest block count, in microseconds per block per step). For fsdp_fn, the
 step's host time split by phase (``fsdp_fn._phases``: the same ranges a user's
 ``torch.profiler`` trace shows as ``fsdp_fn::<phase>``), checked against torch's profiler on
-the same steps (``--check``: both instruments' totals per phase).
+the same steps (``--check``: both instruments' totals per phase). For every system, the CPU a
+step takes per thread (Linux's ``/proc``: the step's thread, gloo's, fsdp_fn's waiter and
+sender) and the whole process's: with more busy threads than cores, the step's time follows
+their sum. ``--interleave`` builds every system at once and runs one step of each in turn, so
+a machine whose speed changes from second to second weighs on each alike (no phase split).
 
     python bench/overhead.py                                   # W=2, 2 and 16 blocks, CPU, gloo
     python bench/overhead.py --layers 2,8,16 --reps 3 --json out/overhead.json
     python bench/overhead.py --compile                         # every block compiled (block.compile())
     python bench/overhead.py --check                           # phase clock against torch.profiler
+    python bench/overhead.py --layers 16 --reps 3 --steps 20 --interleave   # a step of each in turn
     python bench/overhead.py --device cuda --world 8 --d-model 1024 --peak-tflops 989   # NCCL, MFU
     python bench/overhead.py --layers 16 --systems fsdp_fn,fsdp_fn@4,fsdp_fn@16,fsdp2@4,ddp  # K blocks a unit
 
@@ -35,6 +40,7 @@ import pathlib
 import random
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -153,6 +159,27 @@ def _dynamo_counts() -> dict[str, int]:
     }
 
 
+def _threads_cpu() -> collections.Counter[str]:
+    """The CPU seconds each thread of this process has used so far (Linux's ``/proc``; empty
+    elsewhere), threads of one name summed: ``main``, Python's threads by their name, the
+    others by the kernel's (gloo's ``gloo_tcp_loop``). A clock tick's resolution (10 ms)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    named = {t.native_id: t.name for t in threading.enumerate()}
+    used: collections.Counter[str] = collections.Counter()
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:  # (a thread that ended meanwhile)
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # (after the name, which may hold spaces)
+        name = "main" if int(tid) == os.getpid() else named.get(int(tid), comm)
+        used[name] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return used
+
+
 def run_system(group: Any, system: str, cfg: Config, layers: int) -> dict[str, Any]:
     """Time ``cfg.steps`` steps of one system on this rank (after ``cfg.warmup``)."""
     rank = group.rank()
@@ -169,6 +196,7 @@ def run_system(group: Any, system: str, cfg: Config, layers: int) -> dict[str, A
         k += 1
     _sync(cfg)
     after_warmup = _dynamo_counts() if cfg.compile else {}
+    threads_before, process_before = _threads_cpu(), time.process_time()
     for _ in range(cfg.steps):
         batch = _batch(cfg, k, rank)
         k += 1
@@ -179,7 +207,11 @@ def run_system(group: Any, system: str, cfg: Config, layers: int) -> dict[str, A
         _sync(cfg)
         times.append(time.perf_counter() - t0)
         cpus.append(time.thread_time() - c0)
+    threads = _threads_cpu()
+    threads.subtract(threads_before)
     out: dict[str, Any] = {"times": times, "cpus": cpus, "losses": losses}
+    out["threads_cpu"] = {name: 1e3 * t / cfg.steps for name, t in threads.items() if t > 0}
+    out["process_cpu"] = 1e3 * (time.process_time() - process_before) / cfg.steps
     if cfg.compile:
         now = _dynamo_counts()
         out["dynamo"] = {**now, "recompiles_after_warmup": now["recompiles"] - after_warmup["recompiles"]}
@@ -199,6 +231,44 @@ def run_system(group: Any, system: str, cfg: Config, layers: int) -> dict[str, A
         out["phase_calls"] = {name: clock.calls[name] / cfg.steps for name in PHASES}
         if cfg.check:
             out["check"] = _check_against_profiler(step, cfg, k, rank, group)
+    return out
+
+
+def run_interleaved(group: Any, systems: list[str], cfg: Config, layers: int, seed: int) -> dict[str, Any]:
+    """Every system built at once, then one step of each in turn (a new random order each
+    time), ``cfg.steps`` times: a machine whose speed changes from second to second weighs on
+    each system alike. Per system what ``run_system`` reports, but for the phase split."""
+    rank = group.rank()
+    steps = {system: _build(system, cfg, layers, group) for system in systems}
+    out: dict[str, dict[str, Any]] = {
+        s: {"times": [], "cpus": [], "losses": [], "threads_cpu": collections.Counter(), "process_cpu": 0.0}
+        for s in systems
+    }
+    k = 0
+    for _ in range(cfg.warmup):
+        for system in systems:
+            out[system]["losses"].append(float(steps[system](_batch(cfg, k, rank))))
+        k += 1
+    rng = random.Random(seed)  # (the same order on every rank)
+    for _ in range(cfg.steps):
+        batch = _batch(cfg, k, rank)
+        k += 1
+        for system in rng.sample(systems, len(systems)):
+            mine = out[system]
+            dist.barrier(group=group)
+            _sync(cfg)
+            threads, p0 = _threads_cpu(), time.process_time()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            mine["losses"].append(float(steps[system](batch)))
+            _sync(cfg)
+            mine["times"].append(time.perf_counter() - t0)
+            mine["cpus"].append(time.thread_time() - c0)
+            mine["process_cpu"] += time.process_time() - p0
+            mine["threads_cpu"].update(_threads_cpu())
+            mine["threads_cpu"].subtract(threads)
+    for mine in out.values():
+        mine["threads_cpu"] = {n: 1e3 * t / cfg.steps for n, t in mine["threads_cpu"].items() if t > 0}
+        mine["process_cpu"] *= 1e3 / cfg.steps
     return out
 
 
@@ -236,6 +306,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=pathlib.Path)
     p.add_argument("--peak-tflops", type=float, default=0.0, help="the device's peak TFLOP/s, to report MFU")
+    p.add_argument(
+        "--interleave", action="store_true", help="every system at once, one step of each in turn (no phase split)"
+    )
     for name, default in asdict(Config()).items():
         if isinstance(default, bool):
             p.add_argument(f"--{name.replace('_', '-')}", action="store_true")
@@ -251,6 +324,11 @@ def main() -> None:
     with RankPool(args.world, threads=args.threads, backend=backend, warnings_as_errors=False) as pool:
         for _ in range(args.reps):
             for layers in layer_counts:
+                if args.interleave:
+                    ranks = pool.run(run_interleaved, systems, cfg, layers, rng.randrange(1 << 30))
+                    for system in systems:
+                        results[(system, layers)].append([r[system] for r in ranks])
+                    continue
                 for system in rng.sample(systems, len(systems)):
                     results[(system, layers)].append(pool.run(run_system, system, cfg, layers))
     report = summarise(results, cfg, systems, layer_counts, args)
@@ -276,6 +354,13 @@ def summarise(
             "thread_cpu_ms": 1e3 * statistics.median(cpus),
             "loss_last": reps[-1][0]["losses"][-1],
         }
+        # Per thread (and the process): each repetition's slowest rank, the median over repetitions.
+        names = {name for ranks in reps for r in ranks for name in r["threads_cpu"]}
+        row["threads_cpu_ms"] = {
+            name: statistics.median(max(r["threads_cpu"].get(name, 0.0) for r in ranks) for ranks in reps)
+            for name in sorted(names)
+        }
+        row["process_cpu_ms"] = statistics.median(max(r["process_cpu"] for r in ranks) for ranks in reps)
         if "phases" in reps[-1][0]:
             row["phases_ms"] = {
                 name: statistics.median(max(r["phases"][name] for r in ranks) for ranks in reps) for name in PHASES
@@ -341,6 +426,13 @@ def print_report(report: dict[str, Any], cfg: Config, args: Any) -> None:
             print(f"{n} blocks: functional loop {functional['step_ms'] / ours['step_ms']:.2f}x train_step")
     if report["us_per_block"]:
         print("one more block, us per step: " + ", ".join(f"{s} {v:.0f}" for s, v in report["us_per_block"].items()))
+    for row in rows.values():
+        by_thread = sorted(row["threads_cpu_ms"].items(), key=lambda kv: -kv[1])
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in by_thread if v >= 0.05)
+        print(
+            f"{row['system']} @{row['layers']} blocks, CPU ms per step by thread: {parts}; "
+            f"the process {row['process_cpu_ms']:.1f} (a {row['step_ms']:.1f} ms step)"
+        )
     for row in rows.values():
         if "phases_ms" in row:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items() if v >= 0.005)

@@ -81,9 +81,11 @@ def test_alternate_runs_both_arms():
         assert re.search(rf"{arm}: median .* over 2 steps", done.stdout), done.stdout
 
 
-def test_overhead_runs_and_its_phase_clock_agrees_with_torchs_profiler():
+def test_overhead_runs_and_its_phase_clock_agrees_with_torchs_profiler(tmp_path):
     # The phases a step reports are the ranges a user's torch.profiler trace shows (fsdp_fn::<phase>),
-    # and the phase clock counts the same calls of each: two instruments over the same steps.
+    # and the phase clock counts the same calls of each: two instruments over the same steps. The
+    # CPU by thread adds up to no more than the process's.
+    report = tmp_path / "overhead.json"
     done = subprocess.run(
         [
             sys.executable,
@@ -97,6 +99,8 @@ def test_overhead_runs_and_its_phase_clock_agrees_with_torchs_profiler():
             "--warmup",
             "1",
             "--check",
+            "--json",
+            str(report),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -122,6 +126,32 @@ def test_overhead_runs_and_its_phase_clock_agrees_with_torchs_profiler():
     } <= phases, out
     for name, _, _, clock_calls, profiler_calls in rows:
         assert float(clock_calls) == float(profiler_calls) > 0, (name, out)
+    assert re.search(r"^fsdp_fn @2 blocks, CPU ms per step by thread: .*; the process [0-9.]+", out, re.M), out
+    for row in json.loads(report.read_text())["rows"].values():
+        # (each thread to a clock tick, 10 ms over two steps: the sum is no more than the process's and a tick a thread)
+        assert row["process_cpu_ms"] > 0 and sum(row["threads_cpu_ms"].values()) <= row["process_cpu_ms"] + 5.0 * (
+            len(row["threads_cpu_ms"]) + 1
+        ), row
+
+
+def test_overhead_interleaved_times_every_system_on_the_same_steps(tmp_path):
+    # Catches: ranks running the systems in different orders (a hang, here a timeout), a system's
+    # results not reaching the report, the per-thread CPU missing from it.
+    report = tmp_path / "interleaved.json"
+    args = ["--layers", "1", "--reps", "1", "--steps", "3", "--warmup", "1", "--interleave", "--json", str(report)]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "overhead.py"), *args, "--systems", "fsdp_fn,ddp"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    rows = json.loads(report.read_text())["rows"]
+    assert set(rows) == {"fsdp_fn@1", "ddp@1"}
+    for row in rows.values():
+        assert row["step_ms"] > 0 and row["process_cpu_ms"] > 0 and "phases_ms" not in row, row
+    assert re.search(r"^ddp @1 blocks, CPU ms per step by thread: .*; the process", done.stdout, re.M), done.stdout
 
 
 def test_tp_bench_fsdp_by_tp_trains_like_one_process_on_a_quarter_of_the_bytes(tmp_path):
