@@ -154,6 +154,21 @@ def test_overhead_interleaved_times_every_system_on_the_same_steps(tmp_path):
     assert re.search(r"^ddp @1 blocks, CPU ms per step by thread: .*; the process", done.stdout, re.M), done.stdout
 
 
+def test_transport_bench_delivers_through_both_ways():
+    # Catches: a way that delivers the wrong values (each rank checks it received its peer's, not
+    # its own or nothing), a report missing a way or a rank.
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "transport.py"), "--reps", "50", "--kilobytes", "8"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    rows = re.findall(r"^(gloo|shared memory)\s+(\d)\s+\d+\s+\d+\s+\d+$", done.stdout, re.M)
+    assert sorted(rows) == [("gloo", "0"), ("gloo", "1"), ("shared memory", "0"), ("shared memory", "1")], done.stdout
+
+
 def test_tp_bench_fsdp_by_tp_trains_like_one_process_on_a_quarter_of_the_bytes(tmp_path):
     # Catches: fsdp_fn's FSDP x TP, or FSDP2 + TP as the bench lays it out, drifting from one process
     # (a collective missing, a replicated parameter's gradient summed over tp); a rank holding more than
