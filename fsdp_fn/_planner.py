@@ -126,8 +126,14 @@ def measure_costs(
         The ``StepCosts``.
 
     Raises:
-        ValueError: if the plan has fewer than two units that can be merged.
+        ValueError: if the plan has fewer than two units that can be merged, ``steps`` is
+            below one or ``seconds`` negative.
     """
+    if steps < 1 or seconds < 0:
+        raise ValueError(
+            f"measure_costs times at least one step a configuration for a time of zero seconds or more: "
+            f"got steps={steps}, seconds={seconds}"
+        )
     blocks = _mergeable(plan)
     if blocks < 2:
         raise ValueError(f"measure_costs needs a plan with two or more blocks to merge, got {list(plan.unit_names)}")

@@ -89,6 +89,14 @@ def test_measuring_needs_blocks_to_merge():
         ff.measure_costs(fn, lm_loss, batch, ff.make_plan(fn.module), None)
 
 
+@pytest.mark.parametrize(("steps", "seconds"), [(0, 0.0), (2, -1.0)])
+def test_measuring_needs_a_step_and_a_time_of_zero_or_more(steps, seconds):
+    # Catches: no timed step at all (a median of nothing, statistics' words instead of ours).
+    fn, plan, batch = _setup(0)
+    with pytest.raises(ValueError, match=f"got steps={steps}, seconds={seconds}"):
+        ff.measure_costs(fn, lm_loss, batch, plan, None, steps=steps, seconds=seconds)
+
+
 def _measured_configs(group, seconds):
     """What measure_costs timed, in order: (units, remat, kept gathered, steps run) per configuration."""
     import time
