@@ -108,8 +108,9 @@ def measure_costs(
     measurement weighs on each alike; in each pass a configuration gets one step to warm up,
     then half its timed steps: ``steps`` in all, or as many more as last about ``seconds``
     (the same number on every rank). Each figure is the median of its timed steps, the
-    slowest rank's, so every rank holds the same costs. Memory: one more sharded state at a time (parameters,
-    optimizer state); communication: what those steps do, and the timed collectives.
+    slowest rank's, so every rank holds the same costs. Memory: one more sharded state at a
+    time (parameters, optimizer state); communication: what those steps do, and the timed
+    collectives.
 
     Args:
         fn: the model, from ``functionalize(module)``.
@@ -148,7 +149,7 @@ def measure_costs(
         state = step.init(shard(fn.params, p, group))
         start = time.perf_counter()
         state, _ = step(state, batch)
-        warm = _slowest(time.perf_counter() - start, shard_group)  # (every rank runs as many steps)
+        (warm,) = _slowest([time.perf_counter() - start], shard_group)  # (every rank runs as many steps)
         for _ in range(max(math.ceil(steps / 2), min(_MOST_STEPS, math.ceil(seconds / 2 / max(warm, 1e-9))))):
             start = time.perf_counter()
             state, _ = step(state, batch)
@@ -161,12 +162,7 @@ def measure_costs(
             timed(*configs[i], times[i])
     local = [statistics.median(t) for t in times]
     local += [_collective(op, n, shard_group) for op in ("all_gather", "reduce_scatter") for n in _SIZES]
-    mine = torch.tensor(local, dtype=torch.float64)
-    everyone = mine.new_empty(mine.numel() * shard_group.size())
-    all_gather_into(everyone, mine, shard_group, None)
-    one, all_in_one, one_remat, all_remat, one_kept, *collectives = (
-        everyone.view(shard_group.size(), -1).amax(0).tolist()
-    )
+    one, all_in_one, one_remat, all_remat, one_kept, *collectives = _slowest(local, shard_group)
     units = (len(ends[0].units), len(ends[1].units))
     return StepCosts(
         world=shard_group.size(),
@@ -187,12 +183,12 @@ def _mergeable(plan: Plan) -> int:
     return max((len(u.members) for u in merged.units if u.members), default=1)
 
 
-def _slowest(seconds: float, group: dist.ProcessGroup) -> float:
-    """The largest of every rank's ``seconds`` (one all-gather of one number)."""
-    mine = torch.tensor([seconds], dtype=torch.float64)
-    everyone = mine.new_empty(group.size())
+def _slowest(seconds: list[float], group: dist.ProcessGroup) -> list[float]:
+    """Each of ``seconds``, the largest any rank holds (one all-gather), the same on every rank."""
+    mine = torch.tensor(seconds, dtype=torch.float64)
+    everyone = mine.new_empty(mine.numel() * group.size())
     all_gather_into(everyone, mine, group, None)
-    return float(everyone.max())
+    return everyone.view(group.size(), -1).amax(0).tolist()
 
 
 def _collective(op: str, n: int, group: dist.ProcessGroup, reps: int = 5) -> float:
