@@ -93,6 +93,10 @@ def _build(system: str, cfg: Config, layers: int, group: Any) -> Any:
     """A function that runs one step on a batch and returns the loss."""
     model = _model(cfg, layers)
     system, _, k = system.partition("@")
+    system, _, via = system.partition("+")
+    if via == "shm":  # its own group, whose messages go through shared memory (ff.SharedMemoryComm)
+        group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+        ff.set_comm(group, ff.SharedMemoryComm(group))
     per_unit = int(k or 1)  # blocks per unit
     if system == "fsdp_fn":
         fn = ff.functionalize(model)

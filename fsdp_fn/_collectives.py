@@ -30,6 +30,7 @@ from torch.autograd.function import FunctionCtx
 
 from fsdp_fn import _guard
 from fsdp_fn._comm import Comm, default_comm
+from fsdp_fn._shm import SharedMemoryComm, same_host
 from fsdp_fn._labels import retag
 from fsdp_fn._phases import phased
 
@@ -200,7 +201,11 @@ def comm_of(group: dist.ProcessGroup) -> Comm:
     chosen = _chosen.get(group)
     if chosen is not None:
         return chosen[0]
-    comm = default_comm(group, pairwise(group))
+    comm: Comm
+    if pairwise(group) and os.environ.get("FSDP_FN_COLLECTIVES") == "shm" and same_host(group):
+        comm = SharedMemoryComm(group)
+    else:
+        comm = default_comm(group, pairwise(group))
     _chosen[group] = (comm, False)
     return comm
 

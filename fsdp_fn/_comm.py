@@ -86,9 +86,15 @@ class Exchanged(Pending):
 
     __slots__ = ("watched",)
 
-    def __init__(self, works: list[Any], what: Describe, keep: tuple[torch.Tensor, ...] = ()) -> None:
+    def __init__(
+        self, works: list[Any], what: Describe, keep: tuple[torch.Tensor, ...] = (), watched: Any = None
+    ) -> None:
         super().__init__(works, what, keep)
-        self.watched = _guard.watch(works) if works else None
+        if watched is None and works:
+            watched = _guard.watch(works)
+        self.watched = watched
+        if watched is not None:
+            self.works = [watched]  # (something to wait on: ``Pending.wait`` skips an empty list)
 
     def _wait(self) -> None:
         watched, self.watched = self.watched, None
