@@ -34,17 +34,18 @@ import torch
 import torch.distributed as dist
 
 from fsdp_fn import _guard
-from fsdp_fn._comm import Describe, Exchanged, Pending, PairwiseComm
+from fsdp_fn._comm import Describe, Exchanged, PairwiseComm, Pending
+from fsdp_fn._errors import RankFailure
 
 RING_BYTES = 4 << 20  # a ring's room (one per ordered pair of ranks): larger messages stream through it
 _HEAD = 128  # the ring's two counters: bytes written (at 0) and bytes read (at 64), on cache lines of their own
 _LIVENESS = 1.0  # seconds between looks at whether a peer's process is still there, while waiting
 
 
-def same_host(group: dist.ProcessGroup) -> bool:
-    """Whether shared memory can carry ``group``'s messages here: Linux on x86-64 (whose stores
+def shared_memory_here() -> bool:
+    """Whether shared memory can carry messages on this machine: Linux on x86-64 (whose stores
     are seen in order by other cores, which the rings' counters rely on) with ``/dev/shm``.
-    Whether the ranks share a host is agreed when a ``SharedMemoryComm`` is made."""
+    Whether a group's ranks share a host is agreed at its first exchange."""
     return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")
 
 
@@ -88,6 +89,13 @@ class _Ring:
         self.lock = threading.Lock()
         self.queued: collections.deque[_Message] = collections.deque()  # sends not yet all written
         self.posted: collections.deque[_Message] = collections.deque()  # receives not yet all read
+
+    def close(self) -> None:
+        """Unmap the ring (its file is unlinked already: the memory goes with the last mapping)."""
+        del self.data
+        self.counters.release()
+        with contextlib.suppress(BufferError):
+            self.mm.close()
 
     def put(self, src: torch.Tensor, at: int) -> int:
         """Copy as much of ``src[at:]`` as there is room for; the bytes copied."""
@@ -152,8 +160,10 @@ class _Ring:
                     m.part, m.at = m.part + 1, 0
                     if m.part == 1:  # the header: the sender's size must be the size expected
                         sent, expected = int(part.view(torch.int64)), m.parts[1].numel()
-                        if sent != expected:
+                        if sent != expected:  # the ring is out of step from here: nothing more is read
                             m.error = f"rank {self.peer} sent {sent} bytes where {expected} were expected"
+                            m.done = True
+                            return moved
             m.done = True
             self.posted.popleft()
         return moved
@@ -179,10 +189,10 @@ class _Exchange:
     ``wait(timeout)`` copies its receives out as they arrive, blocking on the comm's bell in
     between; ``result()`` raises what went wrong (a peer gone, a size that does not match)."""
 
-    __slots__ = ("comm", "done", "error", "receives", "sends", "works")
+    __slots__ = ("done", "error", "link", "receives", "sends", "works")
 
-    def __init__(self, comm: SharedMemoryComm, sends: list[_Message], receives: list[tuple[_Ring, _Message]]) -> None:
-        self.comm, self.sends, self.receives = comm, sends, receives
+    def __init__(self, link: _Link, sends: list[_Message], receives: list[tuple[_Ring, _Message]]) -> None:
+        self.link, self.sends, self.receives = link, sends, receives
         self.works: tuple[Any, ...] = ()
         self.error: BaseException | None = None
         self.done = False
@@ -195,7 +205,7 @@ class _Exchange:
             if not m.done:
                 with ring.lock:
                     if ring.receive(m):
-                        _ring_bell(self.comm.peer_space[ring.peer])
+                        _ring_bell(self.link.peer_space[ring.peer])
                 if not m.done:
                     return False
         if not all(m.done for m in self.sends):
@@ -212,16 +222,16 @@ class _Exchange:
         if self.done or self._finished():
             return True
         deadline = None if timeout < 0 else time.monotonic() + timeout
-        bell = self.comm.bell
+        bell = self.link.bell
         while True:
             left = _LIVENESS if deadline is None else min(_LIVENESS, deadline - time.monotonic())
             if left > 0 and select.select([bell], [], [], left)[0]:
                 _hear(bell)
             if self._finished():
                 return True
-            gone = self.comm.gone()
+            gone = self.link.gone()
             if gone is not None:
-                self.error, self.done = ConnectionError(gone), True
+                self.error, self.done = RuntimeError(gone), True
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
@@ -233,51 +243,83 @@ class _Exchange:
 
 class SharedMemoryComm(PairwiseComm):
     """``PairwiseComm`` for ranks on one host: every point-to-point message through shared
-    memory instead of gloo's sockets; all-reduces and broadcasts stay gloo's.
+    memory instead of gloo's sockets; all-reduces and broadcasts stay gloo's. The default
+    for a gloo group of two ranks or more on Linux x86-64 (``FSDP_FN_COLLECTIVES=pairwise``
+    keeps gloo's sockets).
 
-    Made on every rank of ``group`` at once (a collective: the ranks agree on their host and
-    on the rings' files, then the files are unlinked, so nothing is left behind). Memory:
-    ``ring_bytes`` of shared memory per ordered pair of ranks, ``2 (W-1) ring_bytes`` mapped
-    per rank, outside torch's allocator; no copy beyond the ring. Communication: the same
-    messages as ``PairwiseComm``; each one two copies and a bell, no thread of gloo's.
-
-    Raises ``ValueError`` (on every rank) when the ranks are not all on one host.
+    The ranks connect at the group's first exchange, through the process group's store: they
+    agree on their host and on the rings' files, then the files are unlinked (nothing is left
+    behind, whatever happens to the processes). Ranks on different hosts keep gloo's sockets.
+    Memory: ``ring_bytes`` of shared memory per ordered pair of ranks, ``2 (W-1) ring_bytes``
+    mapped per rank (touched as messages pass), outside torch's allocator; no copy beyond the
+    ring. Communication: the same messages as ``PairwiseComm``, each two copies and a bell.
     """
 
     def __init__(self, group: dist.ProcessGroup, ring_bytes: int = RING_BYTES) -> None:
         super().__init__(group)
-        world, rank = group.size(), group.rank()
-        base = f"/dev/shm/fsdp_fn-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        mine = [f"{base}-to{j}" for j in range(world)]
-        made: list[str] = []
-        try:
-            for j in range(world):
-                if j != rank:
-                    made.append(mine[j])
-            out = {j: _Ring(mine[j], ring_bytes, j, create=True) for j in range(world) if j != rank}
-            for kind in ("bell", "space"):
-                os.mkfifo(f"{base}-{kind}", 0o600)
-                made.append(f"{base}-{kind}")
-            self.bell, self.space = _bell(f"{base}-bell"), _bell(f"{base}-space")
-            everyone: list[Any] = [None] * world
-            dist.all_gather_object(everyone, (_host(), os.getpid(), base), group=group)
-            hosts = {host for host, _, _ in everyone}
-            if len(hosts) > 1:
-                dist.barrier(group=group)
-                raise ValueError(
-                    f"SharedMemoryComm needs every rank of group {group.group_name!r} on one host; they are on "
-                    + ", ".join(f"rank {r}: {h}" for r, (h, _, _) in enumerate(everyone))
-                )
-            self.pids = {j: pid for j, (_, pid, _) in enumerate(everyone) if j != rank}
-            self.out = out
-            self.into = {j: _Ring(f"{b}-to{rank}", ring_bytes, j, create=False) for j, (_, _, b) in enumerate(everyone) if j != rank}
-            self.peer_bell = {j: _bell(f"{b}-bell") for j, (_, _, b) in enumerate(everyone) if j != rank}
-            self.peer_space = {j: _bell(f"{b}-space") for j, (_, _, b) in enumerate(everyone) if j != rank}
-            dist.barrier(group=group)  # every rank has opened its peers' files
-        finally:
-            for path in made:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+        if ring_bytes < 4096 or ring_bytes % 8:
+            raise ValueError(f"ring_bytes must be a multiple of 8 of at least 4096, not {ring_bytes}")
+        self.ring_bytes = ring_bytes
+
+    @property
+    def link(self) -> _Link | None:
+        """The group's rings and bells (``None`` before its first exchange, or when its ranks are
+        on different hosts): made once per group and ring size, shared by every comm of it, as
+        gloo's sockets belong to the process group, not to a comm."""
+        return _links.get((self.group.group_name, self.ring_bytes))
+
+    def exchange(
+        self, sends: Sequence[torch.Tensor | None], recvs: Sequence[torch.Tensor | None], what: Describe
+    ) -> Pending:
+        """``PairwiseComm.exchange`` through the rings: each receive posted on its peer's ring,
+        each send copied into the ring to its peer (what does not fit: by the sender thread).
+        Memory: none (``sends`` and ``recvs`` stay alive until it is waited on). The group's
+        first one connects its ranks (a few round trips through the store)."""
+        key = (self.group.group_name, self.ring_bytes)
+        link = _links.get(key)
+        if link is None:
+            if key not in _links:
+                _close_gone()
+                _links[key] = _connect(self.group, self.ring_bytes, what)
+            link = _links[key]
+            if link is None:  # on different hosts
+                return super().exchange(sends, recvs, what)
+        receives: list[tuple[_Ring, _Message]] = []
+        for j, into in enumerate(recvs):
+            if into is not None:
+                ring = link.into[j]
+                m = _Message([torch.empty(8, dtype=torch.uint8), _bytes(into)])
+                with ring.lock:
+                    ring.posted.append(m)
+                receives.append((ring, m))
+        sent: list[_Message] = []
+        for j, out in enumerate(sends):
+            if out is not None:
+                payload = _bytes(out)
+                m = _Message([torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8), payload])
+                ring = link.out[j]
+                with ring.lock:
+                    ring.queued.append(m)
+                    ring.send()
+                _ring_bell(link.peer_bell[j])
+                if not m.done:
+                    _sender().hand(link, ring)
+                sent.append(m)
+        kept = tuple(t for t in (*sends, *recvs) if t is not None)
+        return Exchanged([], what, kept, watched=_Exchange(link, sent, receives))
+
+
+class _Link:
+    """This rank's side of the rings and bells of one group: what ``_connect`` set up."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.out: dict[int, _Ring] = {}
+        self.into: dict[int, _Ring] = {}
+        self.peer_bell: dict[int, int] = {}
+        self.peer_space: dict[int, int] = {}
+        self.pids: dict[int, int] = {}
+        self.bell = self.space = -1
         self._looked = 0.0
 
     def gone(self) -> str | None:
@@ -292,35 +334,101 @@ class SharedMemoryComm(PairwiseComm):
                 return f"rank {j}'s process ({pid}) exited (Connection closed by peer)"
         return None
 
-    def exchange(
-        self, sends: Sequence[torch.Tensor | None], recvs: Sequence[torch.Tensor | None], what: Describe
-    ) -> Pending:
-        """``PairwiseComm.exchange`` through the rings: each receive posted on its peer's ring,
-        each send copied into the ring to its peer (what does not fit: by the sender thread).
-        Memory: none (``sends`` and ``recvs`` stay alive until it is waited on)."""
-        receives: list[tuple[_Ring, _Message]] = []
-        for j, into in enumerate(recvs):
-            if into is not None:
-                ring = self.into[j]
-                m = _Message([torch.empty(8, dtype=torch.uint8), _bytes(into)])
-                with ring.lock:
-                    ring.posted.append(m)
-                receives.append((ring, m))
-        sent: list[_Message] = []
-        for j, out in enumerate(sends):
-            if out is not None:
-                payload = _bytes(out)
-                m = _Message([torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8), payload])
-                ring = self.out[j]
-                with ring.lock:
-                    ring.queued.append(m)
-                    ring.send()
-                _ring_bell(self.peer_bell[j])
-                if not m.done:
-                    _sender().hand(self, ring)
-                sent.append(m)
-        kept = tuple(t for t in (*sends, *recvs) if t is not None)
-        return Exchanged([], what, kept, watched=_Exchange(self, sent, receives))
+    def close(self) -> None:
+        for ring in (*self.out.values(), *self.into.values()):
+            ring.close()
+        for fd in (self.bell, self.space, *self.peer_bell.values(), *self.peer_space.values()):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.out, self.into, self.peer_bell, self.peer_space = {}, {}, {}, {}
+        self.bell = self.space = -1
+
+
+# (group name, ring bytes) -> the group's link; None: its ranks are on different hosts
+_links: dict[tuple[str, int], _Link | None] = {}
+_connections: dict[str, int] = {}  # group name -> the links made for it so far (the store's keys)
+
+
+def _close_gone() -> None:
+    """Close the links of groups destroyed since (their shared memory goes with them)."""
+    live = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
+    for key, link in list(_links.items()):
+        if link is not None and link.group not in live:
+            del _links[key]
+            link.close()
+
+
+def _connect(group: dist.ProcessGroup, ring_bytes: int, what: Describe) -> _Link | None:
+    """Set up this rank's rings and bells with every other rank of ``group`` through the
+    store: ``None`` (on every rank) when the ranks are not all on one host. Waits for the
+    others within the guard's timeout (else ``_CONNECT_TIMEOUT``), naming the ranks that did
+    not come (``RankFailure``). Leaves no file behind."""
+    store = _guard._store()
+    if store is None:
+        return None
+    world, rank = group.size(), group.rank()
+    name = group.group_name
+    count = _connections.get(name, 0) + 1  # (a name is used again once its group is destroyed)
+    key = f"fsdp_fn/shm/{name}/{ring_bytes}/{count}"
+    guard = _guard.current()
+    deadline = time.monotonic() + (guard.timeout if guard is not None else _CONNECT_TIMEOUT)
+    base = f"/dev/shm/fsdp_fn-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    made = [f"{base}-to{j}" for j in range(world) if j != rank] + [f"{base}-bell", f"{base}-space"]
+    link = _Link(group)
+    try:
+        link.out = {j: _Ring(f"{base}-to{j}", ring_bytes, j, create=True) for j in range(world) if j != rank}
+        for kind in ("bell", "space"):
+            os.mkfifo(f"{base}-{kind}", 0o600)
+        link.bell, link.space = _bell(f"{base}-bell"), _bell(f"{base}-space")
+        store.set(f"{key}/{rank}", f"{_host()}\n{os.getpid()}\n{base}")
+        peers = [j for j in range(world) if j != rank]
+        _wait_for(store, [f"{key}/{j}" for j in peers], peers, deadline, group, what, "to connect")
+        everyone = {j: store.get(f"{key}/{j}").decode().split("\n") for j in peers}
+        if any(host != _host() for host, _, _ in everyone.values()):
+            link.close()
+            return None
+        for j, (_, pid, theirs) in everyone.items():
+            link.pids[j] = int(pid)
+            link.into[j] = _Ring(f"{theirs}-to{rank}", ring_bytes, j, create=False)
+            link.peer_bell[j] = _bell(f"{theirs}-bell")
+            link.peer_space[j] = _bell(f"{theirs}-space")
+        store.set(f"{key}/{rank}/attached", "1")
+        _wait_for(store, [f"{key}/{j}/attached" for j in peers], peers, deadline, group, what, "to open the rings")
+    except BaseException as e:
+        link.close()
+        # The ranks that did connect would wait for this one forever: the group is out of step.
+        _guard._lost(group, [], f"its ranks did not all connect through shared memory ({type(e).__name__}: {e})")
+        raise
+    finally:
+        for path in made:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    _connections[name] = count
+    return link
+
+
+_CONNECT_TIMEOUT = 300.0
+
+
+def _wait_for(
+    store: Any, keys: list[str], ranks: list[int], deadline: float, group: dist.ProcessGroup, what: Describe, doing: str
+) -> None:
+    nap = 0.0005
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            missing = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
+            raise RankFailure(
+                f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of group "
+                f"{group.group_name!r} did not come {doing} through shared memory before the {what()}"
+            )
+        guard = _guard.current()
+        if guard is not None:
+            remote = guard._remote_error()
+            if remote is not None:
+                raise RankFailure(f"{remote}; rank {group.rank()} stopped waiting {doing} before the {what()}")
+        time.sleep(nap)
+        nap = min(2 * nap, 0.01)
 
 
 def _host() -> str:
@@ -345,14 +453,14 @@ class _Sender:
     """The thread that writes what did not fit in a ring when it was sent, as the peer frees room."""
 
     def __init__(self) -> None:
-        self.waiting: dict[int, tuple[SharedMemoryComm, _Ring]] = {}
+        self.waiting: dict[int, tuple[_Link, _Ring]] = {}
         self.lock = threading.Lock()
         self.work = threading.Event()
         threading.Thread(target=self._run, daemon=True, name="fsdp_fn-shm-send").start()
 
-    def hand(self, comm: SharedMemoryComm, ring: _Ring) -> None:
+    def hand(self, link: _Link, ring: _Ring) -> None:
         with self.lock:
-            self.waiting[id(ring)] = (comm, ring)
+            self.waiting[id(ring)] = (link, ring)
         self.work.set()
 
     def _run(self) -> None:
@@ -362,19 +470,19 @@ class _Sender:
                 rings = list(self.waiting.values())
                 self.work.clear()
             bells = set()
-            for comm, ring in rings:
+            for link, ring in rings:
                 with ring.lock:
                     moved = ring.send()
                     empty = not ring.queued
                 if moved:
-                    _ring_bell(comm.peer_bell[ring.peer])
-                    _ring_bell(comm.bell)  # a send done: this rank may be waiting on it
+                    _ring_bell(link.peer_bell[ring.peer])
+                    _ring_bell(link.bell)  # a send done: this rank may be waiting on it
                 if empty:
                     with self.lock:
                         if not ring.queued:
                             self.waiting.pop(id(ring), None)
                 else:
-                    bells.add(comm.space)
+                    bells.add(link.space)
             if bells:
                 self.work.set()
                 ready = select.select(list(bells), [], [], 0.05)[0]

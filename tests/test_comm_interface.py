@@ -16,6 +16,7 @@ import fsdp_fn as ff
 from examples.gpt import GPTConfig
 from fsdp_fn import _collectives as C
 from fsdp_fn import _comm, _guard
+from fsdp_fn._shm import SharedMemoryComm
 from tests.helpers import gpt_state, local_part, rows_fetched
 
 CFG = GPTConfig(vocab=50, seq=8, d_model=12, n_layers=2, n_heads=2)
@@ -125,7 +126,8 @@ def test_a_group_chooses_its_comm_once(pool):
     # Catches: the choice made again at every collective (the environment read per call), a
     # set_comm(None) that does not go back to the default, a comm set on a group it does not serve.
     assert pool.run(_chosen_once, world=1)[0] == ["NativeComm", False, True, True, "NativeComm", "NativeComm", True]
-    assert pool.run(_chosen_once, world=2)[0] == ["PairwiseComm", True, True, True, "NativeComm", "PairwiseComm", True]
+    two = ["SharedMemoryComm", True, True, True, "NativeComm", "SharedMemoryComm", True]
+    assert pool.run(_chosen_once, world=2)[0] == two
 
 
 def _waits_by_kind(group):
@@ -144,7 +146,7 @@ def _waits_by_kind(group):
     _guard.Guard.wait_watched, _guard.Guard.wait_polled = spy_watched, spy_polled
     results = []
     try:
-        for comm in (_comm.PairwiseComm(group), _comm.NativeComm(group)):
+        for comm in (_comm.PairwiseComm(group), _comm.NativeComm(group), SharedMemoryComm(group)):
             saved = ff.set_comm(group, comm)
             try:
                 firsts = []  # the first wait of each (a polled wait may hand over to a waiter after)
@@ -170,9 +172,10 @@ def test_each_comm_waits_under_the_guard(pool):
     # Catches: a wait that bypasses the guard (a rank that is gone would hang the others), a
     # pairwise exchange polled (gloo cannot say whether it is done), gloo's own collectives
     # not polled. The all-reduce is gloo's own on both.
-    for pairwise, native in pool.run(_waits_by_kind, world=2):
+    for pairwise, native, shared in pool.run(_waits_by_kind, world=2):
         assert pairwise == (True, [2.0, 2.0], ["watched", "polled"])
         assert native == (True, [2.0, 2.0], ["polled", "polled"])
+        assert shared == (True, [2.0, 2.0], ["watched", "polled"])
 
 
 def _steps(group, counting, steps=2):
