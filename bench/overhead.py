@@ -20,9 +20,13 @@ a machine whose speed changes from second to second weighs on each alike (no pha
     python bench/overhead.py --layers 16 --reps 3 --steps 20 --interleave   # a step of each in turn
     python bench/overhead.py --device cuda --world 8 --d-model 1024 --peak-tflops 989   # NCCL, MFU
     python bench/overhead.py --layers 16 --systems fsdp_fn,fsdp_fn@4,fsdp_fn@16,fsdp2@4,ddp  # K blocks a unit
+    python bench/overhead.py --layers 16 --systems fsdp_fn,fsdp_fn+sockets --interleave   # the transport
 
 ``SYSTEM@K`` groups K consecutive blocks into one unit: fsdp_fn's ``Plan.grouped(K)``,
 FSDP2's ``fully_shard(blocks[i:i+K])`` (a list of modules, one parameter group).
+``fsdp_fn+sockets`` runs fsdp_fn on a group of its own whose messages go through gloo's
+sockets (``PairwiseComm``) instead of shared memory (``SharedMemoryComm``, the default on
+one host): the transport's share of the step.
 
 With ``--compile`` each system's blocks are compiled the way torchtitan users do it
 (``block.compile()``; for fsdp_fn before ``functionalize``, for FSDP2 before ``fully_shard``),
@@ -52,6 +56,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import fsdp_fn as ff
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
+from fsdp_fn._comm import PairwiseComm
 from fsdp_fn._phases import PHASES, phase_clock
 from fsdp_fn.testing import RankPool
 
@@ -94,9 +99,9 @@ def _build(system: str, cfg: Config, layers: int, group: Any) -> Any:
     model = _model(cfg, layers)
     system, _, k = system.partition("@")
     system, _, via = system.partition("+")
-    if via == "shm":  # its own group, whose messages go through shared memory (ff.SharedMemoryComm)
+    if via == "sockets":  # a group of its own whose messages go through gloo's sockets, not shared memory
         group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
-        ff.set_comm(group, ff.SharedMemoryComm(group))
+        ff.set_comm(group, PairwiseComm(group))
     per_unit = int(k or 1)  # blocks per unit
     if system == "fsdp_fn":
         fn = ff.functionalize(model)

@@ -35,8 +35,8 @@ from fsdp_fn._planner import Candidate, PlanChoice, StepCosts, measure_costs, pl
 from fsdp_fn._policy import BackwardPrefetch, CPUOffload, MixedPrecision, Schedule
 from fsdp_fn._predict import predict_collectives
 from fsdp_fn._remat import Remat, RematError, SavePolicy, remat, route_torch_checkpoint, save_dots, save_nothing
-from fsdp_fn._shm import SharedMemoryComm
 from fsdp_fn._shard import NAMESPACE, Sharded, reduce_grads, shard, unshard
+from fsdp_fn._shm import SharedMemoryComm
 from fsdp_fn._step import TrainState, TrainStep, clip_grad_norm_, sync_buffers, train_step
 from fsdp_fn._tp_plan import TensorPlan
 from fsdp_fn._transforms import (

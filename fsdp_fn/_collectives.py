@@ -30,9 +30,9 @@ from torch.autograd.function import FunctionCtx
 
 from fsdp_fn import _guard
 from fsdp_fn._comm import Comm, default_comm
-from fsdp_fn._shm import SharedMemoryComm, shared_memory_here
 from fsdp_fn._labels import retag
 from fsdp_fn._phases import phased
+from fsdp_fn._shm import SharedMemoryComm, shared_memory_here
 
 
 @dataclass(frozen=True)

@@ -56,14 +56,15 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError("SharedMemoryComm sends and receives contiguous tensors only")
     size = t.element_size()
-    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), t.storage_offset() * size, (t.numel() * size,))
+    out = torch.empty(0, dtype=torch.uint8)
+    return out.set_(t.untyped_storage(), t.storage_offset() * size, (t.numel() * size,), (1,))
 
 
 class _Message:
     """One message on a ring: its parts (an 8-byte header with the payload's size, then the
     payload), and how far it has been copied."""
 
-    __slots__ = ("at", "done", "error", "parts", "part")
+    __slots__ = ("at", "done", "error", "part", "parts")
 
     def __init__(self, parts: list[torch.Tensor]) -> None:
         self.parts, self.part, self.at, self.done = parts, 0, 0, False
@@ -73,7 +74,7 @@ class _Message:
 class _Ring:
     """One direction between two ranks: ``cap`` bytes in a shared file, and two counters."""
 
-    __slots__ = ("cap", "counters", "data", "lock", "mm", "peer", "queued", "posted")
+    __slots__ = ("cap", "counters", "data", "lock", "mm", "peer", "posted", "queued")
 
     def __init__(self, path: str, cap: int, peer: int, create: bool) -> None:
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
@@ -134,12 +135,14 @@ class _Ring:
             m = self.queued[0]
             while m.part < len(m.parts):
                 part = m.parts[m.part]
-                n = self.put(part, m.at)
-                if n == 0:
-                    return moved
-                moved, m.at = True, m.at + n
-                if m.at == part.numel():
-                    m.part, m.at = m.part + 1, 0
+                if m.at < part.numel():  # (an empty payload: nothing to copy)
+                    n = self.put(part, m.at)
+                    if n == 0:
+                        return moved
+                    moved, m.at = True, m.at + n
+                    if m.at < part.numel():
+                        continue
+                m.part, m.at = m.part + 1, 0
             m.done = True
             self.queued.popleft()
         return moved
@@ -152,18 +155,21 @@ class _Ring:
             m = self.posted[0]
             while m.part < len(m.parts):
                 part = m.parts[m.part]
-                n = self.take(part, m.at)
-                if n == 0:
-                    return moved
-                moved, m.at = True, m.at + n
-                if m.at == part.numel():
-                    m.part, m.at = m.part + 1, 0
-                    if m.part == 1:  # the header: the sender's size must be the size expected
-                        sent, expected = int(part.view(torch.int64)), m.parts[1].numel()
-                        if sent != expected:  # the ring is out of step from here: nothing more is read
-                            m.error = f"rank {self.peer} sent {sent} bytes where {expected} were expected"
-                            m.done = True
-                            return moved
+                if m.at < part.numel():  # (an empty payload: nothing to copy)
+                    n = self.take(part, m.at)
+                    if n == 0:
+                        return moved
+                    moved, m.at = True, m.at + n
+                    if m.at < part.numel():
+                        continue
+                m.part, m.at = m.part + 1, 0
+                if m.part == 1:  # the header: the sender's size must be the size expected
+                    sent, expected = int(part.view(torch.int64)), m.parts[1].numel()
+                    if sent != expected:  # the ring is out of step from here: nothing more is read
+                        m.error = f"rank {self.peer} sent {sent} bytes where {expected} were expected"
+                        m.done = True
+                        self.posted.popleft()
+                        return moved
             m.done = True
             self.posted.popleft()
         return moved
@@ -503,8 +509,10 @@ def _sender() -> _Sender:
 
 
 def _forget_sender() -> None:
+    """A forked child has no sender thread, and must not use its parent's rings: it connects anew."""
     global _the_sender, _starting
     _the_sender, _starting = None, threading.Lock()
+    _links.clear()
 
 
 os.register_at_fork(after_in_child=_forget_sender)

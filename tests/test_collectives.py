@@ -118,6 +118,21 @@ def test_collective_records_count_ring_bytes():
 PG = torch._C._distributed_c10d.ProcessGroup  # every point-to-point send passes its send
 
 
+def _on_sockets(fn):
+    """Run ``fn(group)`` with the group's messages on gloo's sockets (``PairwiseComm``), not shared memory."""
+
+    def run(group):
+        saved = ff.set_comm(group, _comm.PairwiseComm(group))
+        try:
+            return fn(group)
+        finally:
+            ff.set_comm(group, saved)
+
+    run.__name__ = run.__qualname__ = fn.__name__  # (pickled by name to the ranks)
+    return run
+
+
+@_on_sockets
 def _sends_on_the_sender_thread(group):
     world, rank = group.size(), group.rank()
     seen = []
@@ -178,6 +193,7 @@ def _sends_on_the_sender_thread(group):
     )
 
 
+@_on_sockets
 def _large_sends_leave_from_the_sender_thread(group):
     world, rank = group.size(), group.rank()
     names = []

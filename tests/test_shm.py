@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import fsdp_fn as ff
-from fsdp_fn import _comm, _shm
 from fsdp_fn import _collectives as C
+from fsdp_fn import _comm, _shm
 
 pytestmark = pytest.mark.skipif(not _shm.shared_memory_here(), reason="shared memory rings need Linux x86-64")
 
@@ -39,7 +39,7 @@ def _gathered_and_reduced(comm, group, sizes, dtype):
 
 
 def _both_ways(group, ring_bytes):
-    sizes = [1, 7, 1000, 40_000, 3]  # 160 KB a message at the largest: forty rings of 4 KB
+    sizes = [1, 7, 0, 1000, 40_000, 3]  # 160 KB a message at the largest: forty rings of 4 KB; none at all
     out = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         got = _gathered_and_reduced(_shm.SharedMemoryComm(group, ring_bytes=ring_bytes), group, sizes, dtype)
@@ -52,7 +52,7 @@ def _both_ways(group, ring_bytes):
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("ring_bytes", [4096, _shm.RING_BYTES])
 def test_shared_memory_delivers_what_gloos_sockets_deliver(pool, world, ring_bytes):
-    # Catches: a message cut or wrapped wrongly at the ring's end, a send that never leaves
+    # Catches: a message cut or wrapped wrongly at the ring's end, an empty one never done, a send that never leaves
     # once the ring is full (4 KB rings: every large message streams through the sender
     # thread), messages matched out of order with many in flight, a dtype's bytes miscounted,
     # a sum that differs from the sockets' by a rounding, a ring file left behind.
