@@ -49,10 +49,17 @@ def shared_memory_here() -> bool:
     return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")
 
 
+# The rings and the messages' headers are no tensor memory of the step's: copies through
+# them run with dispatch modes off, so a memory meter (``MemoryMeter``) sees none of them.
+_quiet = torch._C._DisableTorchDispatch
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bytes as a flat uint8 tensor over its storage, with a version counter of its own:
     a receive copied into it later must not count as an in-place change of ``t`` (autograd may
     have saved views of a unit's buffer)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):  # (a tensor-parallel collective under torch.func)
+        t = torch._C._functorch.get_unwrapped(t)
     if not t.is_contiguous():
         raise ValueError("SharedMemoryComm sends and receives contiguous tensors only")
     size = t.element_size()
@@ -209,7 +216,7 @@ class _Exchange:
     def _finished(self) -> bool:
         for ring, m in self.receives:
             if not m.done:
-                with ring.lock:
+                with ring.lock, _quiet():
                     if ring.receive(m):
                         _ring_bell(self.link.peer_space[ring.peer])
                 if not m.done:
@@ -219,6 +226,7 @@ class _Exchange:
         bad = [m.error for _, m in self.receives if m.error is not None]
         if bad:
             self.error = RuntimeError(f"SharedMemoryComm: {bad[0]} (the ranks issued different exchanges)")
+        self.sends, self.receives = [], []  # (the guard keeps the exchange to the end of its call: not the tensors)
         self.done = True
         return True
 
@@ -238,6 +246,7 @@ class _Exchange:
             gone = self.link.gone()
             if gone is not None:
                 self.error, self.done = RuntimeError(gone), True
+                self.sends, self.receives = [], []
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
@@ -259,6 +268,15 @@ class SharedMemoryComm(PairwiseComm):
     Memory: ``ring_bytes`` of shared memory per ordered pair of ranks, ``2 (W-1) ring_bytes``
     mapped per rank (touched as messages pass), outside torch's allocator; no copy beyond the
     ring. Communication: the same messages as ``PairwiseComm``, each two copies and a bell.
+
+    Examples:
+        >>> import torch.distributed as dist
+        >>> comm = SharedMemoryComm(dist.group.WORLD)  # made on every rank; connects at its first exchange
+        >>> comm.pairwise, comm.ring_bytes, comm.link is None
+        (True, 4194304, True)
+        >>> SharedMemoryComm(dist.group.WORLD, ring_bytes=1000)
+        Traceback (most recent call last):
+        ValueError: ring_bytes must be a multiple of 8 of at least 4096, not 1000
     """
 
     def __init__(self, group: dist.ProcessGroup, ring_bytes: int = RING_BYTES) -> None:
@@ -290,6 +308,12 @@ class SharedMemoryComm(PairwiseComm):
             link = _links[key]
             if link is None:  # on different hosts
                 return super().exchange(sends, recvs, what)
+        with _quiet():
+            return self._exchange(link, sends, recvs, what)
+
+    def _exchange(
+        self, link: _Link, sends: Sequence[torch.Tensor | None], recvs: Sequence[torch.Tensor | None], what: Describe
+    ) -> Pending:
         receives: list[tuple[_Ring, _Message]] = []
         for j, into in enumerate(recvs):
             if into is not None:
@@ -477,7 +501,7 @@ class _Sender:
                 self.work.clear()
             bells = set()
             for link, ring in rings:
-                with ring.lock:
+                with ring.lock, _quiet():
                     moved = ring.send()
                     empty = not ring.queued
                 if moved:

@@ -141,7 +141,8 @@ def test_ranks_on_different_hosts_keep_gloos_sockets(pool):
 
 
 def _chosen(group):
-    before = os.environ.get("FSDP_FN_COLLECTIVES")
+    before = os.environ.pop("FSDP_FN_COLLECTIVES", None)
+    saved = ff.set_comm(group, None)  # the default choice, whatever an earlier test set
     kinds = [type(ff.comm_of(group)).__name__]
     try:
         for value in ("pairwise", "native"):
@@ -154,6 +155,7 @@ def _chosen(group):
         else:
             os.environ["FSDP_FN_COLLECTIVES"] = before
         C.choose_again()
+        ff.set_comm(group, saved)
     return kinds
 
 
