@@ -160,7 +160,9 @@ class Config:
     steps: int = 8  # timed steps per repetition
     warmup: int = 2
     lr: float = 3e-4
-    collectives: str = "pairwise"  # fsdp_fn on gloo: "pairwise" sends/receives, or "native" (gloo's own)
+    # fsdp_fn on gloo: "pairwise" (sends and receives through gloo's sockets, the default),
+    # "shared" (the same through shared memory: SharedMemoryComm), or "native" (gloo's own collectives)
+    collectives: str = "pairwise"
     device: str = "cpu"  # "cuda": NCCL, one GPU per rank, MFU reported
     freeze: str = ""  # comma-separated parameter name prefixes frozen in every system (fine-tuning)
 
@@ -502,7 +504,7 @@ def _sync(cfg: Config) -> None:
 def run_system(group: Any, name: str, cfg: Config, world: int, measure: bool) -> dict[str, Any]:
     rank, system = group.rank(), SYSTEMS[name]  # by name: a row's options need not pickle
     text = stdlib_text()
-    # fsdp_fn/_collectives.py reads this at every collective: rows can differ within one rank pool.
+    # fsdp_fn/_collectives.py reads this when a group chooses its comm (at its first collective).
     os.environ["FSDP_FN_COLLECTIVES"] = cfg.collectives
     built = BUILDERS[system.kind](cfg, group, **system.options)
     whole = system.kind == "single"
@@ -579,8 +581,8 @@ def main() -> None:
         p.set_defaults(seq=256, batch=8)  # an explicit --seq / --batch still wins
     args = p.parse_args()
     cfg = Config(**{f: getattr(args, f) for f in asdict(Config())})
-    if cfg.collectives not in ("pairwise", "native"):
-        p.error("--collectives is pairwise or native")
+    if cfg.collectives not in ("shared", "pairwise", "native"):
+        p.error("--collectives is shared, pairwise or native")
     if cfg.warmup < 1 or cfg.steps < 1:
         p.error("at least one warm-up and one timed step")
     systems = [s for s in args.systems.split(",") if s] or list(TABLES[args.table])

@@ -20,13 +20,12 @@ a machine whose speed changes from second to second weighs on each alike (no pha
     python bench/overhead.py --layers 16 --reps 3 --steps 20 --interleave   # a step of each in turn
     python bench/overhead.py --device cuda --world 8 --d-model 1024 --peak-tflops 989   # NCCL, MFU
     python bench/overhead.py --layers 16 --systems fsdp_fn,fsdp_fn@4,fsdp_fn@16,fsdp2@4,ddp  # K blocks a unit
-    python bench/overhead.py --layers 16 --systems fsdp_fn,fsdp_fn+sockets --interleave   # the transport
+    python bench/overhead.py --layers 16 --systems fsdp_fn,fsdp_fn+shm --interleave   # the transport
 
 ``SYSTEM@K`` groups K consecutive blocks into one unit: fsdp_fn's ``Plan.grouped(K)``,
 FSDP2's ``fully_shard(blocks[i:i+K])`` (a list of modules, one parameter group).
-``fsdp_fn+sockets`` runs fsdp_fn on a group of its own whose messages go through gloo's
-sockets (``PairwiseComm``) instead of shared memory (``SharedMemoryComm``, the default on
-one host): the transport's share of the step.
+``fsdp_fn+shm`` runs fsdp_fn on a group of its own whose messages go through shared memory
+(``ff.SharedMemoryComm``, opt-in) instead of gloo's sockets: the transport's share of the step.
 
 With ``--compile`` each system's blocks are compiled the way torchtitan users do it
 (``block.compile()``; for fsdp_fn before ``functionalize``, for FSDP2 before ``fully_shard``),
@@ -56,7 +55,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import fsdp_fn as ff
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
-from fsdp_fn._comm import PairwiseComm
 from fsdp_fn._phases import PHASES, phase_clock
 from fsdp_fn.testing import RankPool
 
@@ -99,9 +97,9 @@ def _build(system: str, cfg: Config, layers: int, group: Any) -> Any:
     model = _model(cfg, layers)
     system, _, k = system.partition("@")
     system, _, via = system.partition("+")
-    if via == "sockets":  # a group of its own whose messages go through gloo's sockets, not shared memory
+    if via == "shm":  # a group of its own whose messages go through shared memory (ff.SharedMemoryComm)
         group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
-        ff.set_comm(group, PairwiseComm(group))
+        ff.set_comm(group, ff.SharedMemoryComm(group))
     per_unit = int(k or 1)  # blocks per unit
     if system == "fsdp_fn":
         fn = ff.functionalize(model)

@@ -182,10 +182,10 @@ def comm_of(group: dist.ProcessGroup) -> Comm:
     """The ``Comm`` every collective fsdp_fn issues on ``group`` goes through.
 
     Chosen at the group's first use and kept (one dict lookup per call afterwards): the one
-    ``set_comm`` gave the group, else on gloo ``SharedMemoryComm`` (Linux x86-64; its ranks
-    connect at the first exchange, and keep gloo's sockets when they are not on one host),
-    ``PairwiseComm`` elsewhere or with ``FSDP_FN_COLLECTIVES=pairwise``, ``NativeComm`` with
-    ``FSDP_FN_COLLECTIVES=native``; ``CudaComm`` on NCCL, ``NativeComm`` on other backends.
+    ``set_comm`` gave the group, else on gloo ``PairwiseComm`` (``SharedMemoryComm`` with
+    ``FSDP_FN_COLLECTIVES=shared`` on Linux x86-64: its ranks connect at the first exchange,
+    and keep gloo's sockets when they are not on one host; ``NativeComm`` with
+    ``FSDP_FN_COLLECTIVES=native``), ``CudaComm`` on NCCL, ``NativeComm`` on other backends.
     Allocates nothing; communicates nothing.
 
     Args:
@@ -204,7 +204,7 @@ def comm_of(group: dist.ProcessGroup) -> Comm:
     if chosen is not None:
         return chosen[0]
     comm: Comm
-    if pairwise(group) and os.environ.get("FSDP_FN_COLLECTIVES") != "pairwise" and shared_memory_here():
+    if pairwise(group) and os.environ.get("FSDP_FN_COLLECTIVES") == "shared" and shared_memory_here():
         comm = SharedMemoryComm(group)
     else:
         comm = default_comm(group, pairwise(group))

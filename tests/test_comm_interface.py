@@ -126,8 +126,7 @@ def test_a_group_chooses_its_comm_once(pool):
     # Catches: the choice made again at every collective (the environment read per call), a
     # set_comm(None) that does not go back to the default, a comm set on a group it does not serve.
     assert pool.run(_chosen_once, world=1)[0] == ["NativeComm", False, True, True, "NativeComm", "NativeComm", True]
-    two = ["SharedMemoryComm", True, True, True, "NativeComm", "SharedMemoryComm", True]
-    assert pool.run(_chosen_once, world=2)[0] == two
+    assert pool.run(_chosen_once, world=2)[0] == ["PairwiseComm", True, True, True, "NativeComm", "PairwiseComm", True]
 
 
 def _waits_by_kind(group):

@@ -145,7 +145,7 @@ def _chosen(group):
     saved = ff.set_comm(group, None)  # the default choice, whatever an earlier test set
     kinds = [type(ff.comm_of(group)).__name__]
     try:
-        for value in ("pairwise", "native"):
+        for value in ("shared", "pairwise", "native"):
             os.environ["FSDP_FN_COLLECTIVES"] = value
             C.choose_again()
             kinds.append(type(ff.comm_of(group)).__name__)
@@ -159,9 +159,10 @@ def _chosen(group):
     return kinds
 
 
-def test_gloo_on_one_host_defaults_to_shared_memory(pool):
-    # Catches: the sockets kept by default, or an environment variable that cannot go back to them.
-    assert pool.run(_chosen, world=2)[0] == ["SharedMemoryComm", "PairwiseComm", "NativeComm"]
+def test_shared_memory_is_chosen_by_the_environment(pool):
+    # Catches: FSDP_FN_COLLECTIVES=shared not reaching the choice, or a choice that cannot go back.
+    kinds = ["PairwiseComm", "SharedMemoryComm", "PairwiseComm", "NativeComm"]
+    assert pool.run(_chosen, world=2)[0] == kinds
 
 
 def _train(group, sockets, steps=3):
