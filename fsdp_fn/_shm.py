@@ -195,6 +195,15 @@ def _ring_bell(fd: int) -> None:
         os.write(fd, b"\0")
 
 
+def _ready(fds: list[int], seconds: float) -> list[int]:
+    """The bells among ``fds`` that rang, waiting up to ``seconds`` for one (``poll``: a process
+    with many groups holds bells numbered past ``select``'s 1024)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return [fd for fd, _ in poller.poll(max(0, int(seconds * 1000)) or 1)]
+
+
 def _hear(fd: int) -> None:
     with contextlib.suppress(BlockingIOError):
         os.read(fd, 1 << 16)
@@ -242,7 +251,7 @@ class _Exchange:
         bell = self.link.bell
         while True:
             left = _LIVENESS if deadline is None else min(_LIVENESS, deadline - time.monotonic())
-            if left > 0 and select.select([bell], [], [], left)[0]:
+            if left > 0 and _ready([bell], left):
                 _hear(bell)
             if self._finished():
                 return True
@@ -521,8 +530,7 @@ class _Sender:
                     bells.add(link.space)
             if bells:
                 self.work.set()
-                ready = select.select(list(bells), [], [], 0.05)[0]
-                for fd in ready:
+                for fd in _ready(list(bells), 0.05):
                     _hear(fd)
 
 

@@ -196,3 +196,24 @@ def test_a_train_step_through_shared_memory_equals_one_through_the_sockets(pool,
         assert losses == losses_s
         assert params.keys() == params_s.keys()
         assert all(torch.equal(params[k], params_s[k]) for k in params)
+
+
+def _past_select(group):
+    rank = group.rank()
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # the bells come after them
+    try:
+        comm = _shm.SharedMemoryComm(group, ring_bytes=4096 + 40)
+        out = torch.empty(2 * group.size())
+        comm.all_gather(out, torch.full((2,), float(rank)), _what).wait()
+        assert comm.link is not None
+        return comm.link.bell > 1024, out.tolist()
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def test_bells_numbered_past_1024_are_waited_on(pool):
+    # Catches: a wait through select(), which refuses descriptors from 1024 on: a process that
+    # made many groups (a mesh per test) failed every exchange of the next one.
+    for high, values in pool.run(_past_select, world=2):
+        assert high and values == [0.0, 0.0, 1.0, 1.0]
