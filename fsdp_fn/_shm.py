@@ -40,6 +40,7 @@ from fsdp_fn._errors import RankFailure
 RING_BYTES = 4 << 20  # a ring's room (one per ordered pair of ranks): larger messages stream through it
 _HEAD = 128  # the ring's two counters: bytes written (at 0) and bytes read (at 64), on cache lines of their own
 _LIVENESS = 1.0  # seconds between looks at whether a peer's process is still there, while waiting
+_CONNECT_TIMEOUT = 300.0  # seconds a rank waits for the others to connect, outside a guarded call
 
 
 def shared_memory_here() -> bool:
@@ -142,18 +143,9 @@ class _Ring:
         """Write queued sends, in order, as far as there is room; whether any bytes moved. Under ``lock``."""
         moved = False
         while self.queued:
-            m = self.queued[0]
-            while m.part < len(m.parts):
-                part = m.parts[m.part]
-                if m.at < part.numel():  # (an empty payload: nothing to copy)
-                    n = self.put(part, m.at)
-                    if n == 0:
-                        return moved
-                    moved, m.at = True, m.at + n
-                    if m.at < part.numel():
-                        continue
-                m.part, m.at = m.part + 1, 0
-            m.done = True
+            moved |= self._move(self.queued[0], incoming=False)
+            if not self.queued[0].done:
+                return moved
             self.queued.popleft()
         return moved
 
@@ -162,26 +154,34 @@ class _Ring:
         whether any bytes moved. Under ``lock``."""
         moved = False
         while self.posted and not upto.done:
-            m = self.posted[0]
-            while m.part < len(m.parts):
-                part = m.parts[m.part]
-                if m.at < part.numel():  # (an empty payload: nothing to copy)
-                    n = self.take(part, m.at)
-                    if n == 0:
-                        return moved
-                    moved, m.at = True, m.at + n
-                    if m.at < part.numel():
-                        continue
-                m.part, m.at = m.part + 1, 0
-                if m.part == 1:  # the header: the sender's size must be the size expected
-                    sent, expected = int(part.view(torch.int64)), m.parts[1].numel()
-                    if sent != expected:  # the ring is out of step from here: nothing more is read
-                        m.error = f"rank {self.peer} sent {sent} bytes where {expected} were expected"
-                        m.done = True
-                        self.posted.popleft()
-                        return moved
-            m.done = True
+            moved |= self._move(self.posted[0], incoming=True)
+            if not self.posted[0].done:
+                return moved
             self.posted.popleft()
+        return moved
+
+    def _move(self, m: _Message, incoming: bool) -> bool:
+        """Copy ``m``'s parts on from where they stopped (out of the ring if ``incoming``, else
+        into it), as far as it goes; whether any bytes moved. A received header whose size is
+        not the receive's ends the message with an error (the ring is out of step from there)."""
+        copy = self.take if incoming else self.put
+        moved = False
+        while m.part < len(m.parts):
+            part = m.parts[m.part]
+            if m.at < part.numel():  # (an empty payload: nothing to copy)
+                n = copy(part, m.at)
+                if n == 0:
+                    return moved
+                moved, m.at = True, m.at + n
+                if m.at < part.numel():
+                    continue
+            m.part, m.at = m.part + 1, 0
+            if m.part == 1 and incoming:  # the header: the sender's size must be the size expected
+                sent, expected = int(part.view(torch.int64)), m.parts[1].numel()
+                if sent != expected:
+                    m.error = f"rank {self.peer} sent {sent} bytes where {expected} were expected"
+                    break
+        m.done = True
         return moved
 
 
@@ -449,9 +449,6 @@ def _connect(group: dist.ProcessGroup, ring_bytes: int, what: Describe) -> _Link
                 os.unlink(path)
     _connections[name] = count
     return link
-
-
-_CONNECT_TIMEOUT = 300.0
 
 
 def _wait_for(
