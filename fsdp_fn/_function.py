@@ -1,4 +1,5 @@
-"""``autograd.Function.apply`` without its Python preamble, for the train step's own pass."""
+"""``autograd.Function.apply`` without its Python preamble, for the train step's own pass; a
+tensor under ``torch.func``'s wrappers."""
 
 from __future__ import annotations
 
@@ -6,6 +7,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor under any ``torch.func`` wrappers (shares storage with ``t``).
+
+    >>> x = torch.ones(2)
+    >>> plain(x) is x
+    True
+    """
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
 
 
 def plain_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:

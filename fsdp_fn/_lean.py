@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fsdp_fn._frozen import InputsWatch, needing_grad
+from fsdp_fn._function import plain
 from fsdp_fn._functional import Functional
 from fsdp_fn._lookup import RowFetch, check_indices, row_lookup
 from fsdp_fn._phases import phased
@@ -33,7 +34,7 @@ from fsdp_fn._remat import Remat
 from fsdp_fn._runtime import Phase, Runtime, indices_of
 from fsdp_fn._shard import Sharded, check_shard, shards_of
 from fsdp_fn._sink import GradSink
-from fsdp_fn._unit import FlatPart, ForwardSpans, GatheredUnit, UnitState, gather_unit, plain
+from fsdp_fn._unit import FlatPart, ForwardSpans, GatheredUnit, UnitState, gather_unit
 
 
 class LeanRuntime(Runtime):

@@ -31,6 +31,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from fsdp_fn._function import plain
 from fsdp_fn._functional import Functional, parameters_restored, requires_grad_tolerated
 from fsdp_fn._lookup import LookupChoice
 from fsdp_fn._phases import phased
@@ -42,7 +43,7 @@ from fsdp_fn._remat._routing import handling_regions
 from fsdp_fn._remat._state import _installed, _state_slots
 from fsdp_fn._shard import Sharded, check_shard, ensure_live
 from fsdp_fn._tp import FIXED_HEADS, split_modules
-from fsdp_fn._unit import GatheredUnit, plain
+from fsdp_fn._unit import GatheredUnit
 from fsdp_fn._wiring import Wiring, check_rematerialisable
 
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from fsdp_fn import _guard
 from fsdp_fn._comm import Describe, Exchanged, PairwiseComm, Pending
 from fsdp_fn._errors import RankFailure
+from fsdp_fn._function import plain
 
 RING_BYTES = 4 << 20  # a ring's room (one per ordered pair of ranks): larger messages stream through it
 _HEAD = 128  # the ring's two counters: bytes written (at 0) and bytes read (at 64), on cache lines of their own
@@ -59,8 +60,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bytes as a flat uint8 tensor over its storage, with a version counter of its own:
     a receive copied into it later must not count as an in-place change of ``t`` (autograd may
     have saved views of a unit's buffer)."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(t):  # (a tensor-parallel collective under torch.func)
-        t = torch._C._functorch.get_unwrapped(t)
+    t = plain(t)  # (a tensor-parallel collective under torch.func)
     if not t.is_contiguous():
         raise ValueError("SharedMemoryComm sends and receives contiguous tensors only")
     size = t.element_size()

@@ -35,7 +35,7 @@ from torch.autograd.function import FunctionCtx
 from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
 
 from fsdp_fn._collectives import all_gather_into, comm_of
-from fsdp_fn._function import plain_apply
+from fsdp_fn._function import plain, plain_apply
 from fsdp_fn._labels import label, retag
 from fsdp_fn._phases import phased
 from fsdp_fn._plan import ROOT, Unit
@@ -59,13 +59,6 @@ class UnitState(enum.Enum):
     """The flat buffer holds (or, while its all-gather is in flight, will hold) the full parameters."""
     FREED = "freed"
     """Forward is done and the buffer's storage is released; backward will refill it."""
-
-
-def plain(t: torch.Tensor) -> torch.Tensor:
-    """The tensor under any functorch wrappers (shares storage with ``t``)."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(t):
-        t = torch._C._functorch.get_unwrapped(t)
-    return t
 
 
 class FlatPart:

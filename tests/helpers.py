@@ -331,14 +331,14 @@ def tiny_hugging_face(
 
 
 @contextlib.contextmanager
-def native_collectives(on: bool = True) -> Iterator[None]:
-    """The backend's own all-gather and reduce-scatter instead of the pairwise exchanges (gloo has
-    both): ``FSDP_FN_COLLECTIVES=native``, each group's comm chosen again, then as before."""
+def collectives(value: str | None) -> Iterator[None]:
+    """``FSDP_FN_COLLECTIVES=value`` (``""``: the default choice; ``None``: as it is), each
+    group's comm chosen again, then as before."""
     from fsdp_fn import _collectives
 
     before = os.environ.get("FSDP_FN_COLLECTIVES")
-    if on:
-        os.environ["FSDP_FN_COLLECTIVES"] = "native"
+    if value is not None:
+        os.environ["FSDP_FN_COLLECTIVES"] = value
         _collectives.choose_again()
     try:
         yield
@@ -348,3 +348,9 @@ def native_collectives(on: bool = True) -> Iterator[None]:
         else:
             os.environ["FSDP_FN_COLLECTIVES"] = before
         _collectives.choose_again()
+
+
+def native_collectives(on: bool = True) -> contextlib.AbstractContextManager[None]:
+    """The backend's own all-gather and reduce-scatter instead of the pairwise exchanges (gloo has
+    both): ``FSDP_FN_COLLECTIVES=native`` (``collectives``)."""
+    return collectives("native" if on else None)

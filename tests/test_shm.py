@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import fsdp_fn as ff
-from fsdp_fn import _collectives as C
 from fsdp_fn import _comm, _shm
 
 pytestmark = pytest.mark.skipif(not _shm.shared_memory_here(), reason="shared memory rings need Linux x86-64")
@@ -141,20 +140,15 @@ def test_ranks_on_different_hosts_keep_gloos_sockets(pool):
 
 
 def _chosen(group):
-    before = os.environ.pop("FSDP_FN_COLLECTIVES", None)
+    from tests.helpers import collectives
+
     saved = ff.set_comm(group, None)  # the default choice, whatever an earlier test set
-    kinds = [type(ff.comm_of(group)).__name__]
+    kinds = []
     try:
-        for value in ("shared", "pairwise", "native"):
-            os.environ["FSDP_FN_COLLECTIVES"] = value
-            C.choose_again()
-            kinds.append(type(ff.comm_of(group)).__name__)
+        for value in ("", "shared", "pairwise", "native"):
+            with collectives(value):
+                kinds.append(type(ff.comm_of(group)).__name__)
     finally:
-        if before is None:
-            os.environ.pop("FSDP_FN_COLLECTIVES", None)
-        else:
-            os.environ["FSDP_FN_COLLECTIVES"] = before
-        C.choose_again()
         ff.set_comm(group, saved)
     return kinds
 
@@ -217,3 +211,31 @@ def test_bells_numbered_past_1024_are_waited_on(pool):
     # made many groups (a mesh per test) failed every exchange of the next one.
     for high, values in pool.run(_past_select, world=2):
         assert high and values == [0.0, 0.0, 1.0, 1.0]
+
+
+def _into_a_released_buffer(group):
+    rank = group.rank()
+    peer = 1 - rank
+    comm = _shm.SharedMemoryComm(group, ring_bytes=4096 + 48)
+
+    def swap(value: float, into: torch.Tensor):
+        sends: list = [None, None]
+        recvs: list = [None, None]
+        sends[peer], recvs[peer] = torch.full((4,), value), into
+        return comm.exchange(sends, recvs, _what)
+
+    released = torch.empty(4)
+    first = swap(float(rank), released)  # not waited on before its buffer goes
+    released.untyped_storage().resize_(0)
+    kept = torch.empty(4)
+    swap(10.0 + rank, kept).wait()  # reads the first message on the way (the ring is in order)
+    first.wait()
+    return released.untyped_storage().nbytes(), kept.tolist()
+
+
+def test_a_receive_into_a_released_buffer_writes_nothing(pool):
+    # Catches: a message copied into a buffer whose storage was released before its receive was
+    # waited on (a write past the end of freed memory), or the ring left out of step by skipping it.
+    for rank, (nbytes, kept) in enumerate(pool.run(_into_a_released_buffer, world=2)):
+        assert nbytes == 0
+        assert kept == [10.0 + (1 - rank)] * 4
