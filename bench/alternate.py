@@ -11,7 +11,8 @@ over ranks, after a barrier) of each arm, over the timed steps.
 Changes:
 
 - ``sender``: the pairwise exchanges' sends leave from fsdp_fn's sender thread (on) or
-  from the step's own thread (off), see ``fsdp_fn/_comm.py``.
+  from the step's own thread (off), see ``fsdp_fn/_comm.py``; the group on gloo's sockets
+  (``PairwiseComm``), not the default shared memory, whose sends have a thread of their own.
 - ``pieces``: the optimizer steps each shard in cache-sized pieces (on) or whole (off),
   see ``fsdp_fn/_optim.py``.
 - ``tail``: the units that ran last stay gathered for backward while they fit the in-flight
@@ -73,6 +74,8 @@ CHANGES: dict[str, Callable[[bool], None]] = {"sender": _sender, "pieces": _piec
 
 def run(group: Any, change: str, steps: int, warmup: int, cfg: GPTConfig) -> dict[str, list[float]]:
     rank = group.rank()
+    if change == "sender":  # (the lever of gloo's sockets)
+        ff.set_comm(group, ff.PairwiseComm(group))
     torch.manual_seed(0)
     full = GPT(cfg)
     with torch.device("meta"):

@@ -160,9 +160,9 @@ class Config:
     steps: int = 8  # timed steps per repetition
     warmup: int = 2
     lr: float = 3e-4
-    # fsdp_fn on gloo: "pairwise" (sends and receives through gloo's sockets, the default),
-    # "shared" (the same through shared memory: SharedMemoryComm), or "native" (gloo's own collectives)
-    collectives: str = "pairwise"
+    # fsdp_fn on gloo: "shared" (sends and receives through shared memory: SharedMemoryComm, the
+    # default), "sockets" (the same through gloo's sockets), or "native" (gloo's own collectives)
+    collectives: str = "shared"
     device: str = "cpu"  # "cuda": NCCL, one GPU per rank, MFU reported
     freeze: str = ""  # comma-separated parameter name prefixes frozen in every system (fine-tuning)
 
@@ -581,8 +581,8 @@ def main() -> None:
         p.set_defaults(seq=256, batch=8)  # an explicit --seq / --batch still wins
     args = p.parse_args()
     cfg = Config(**{f: getattr(args, f) for f in asdict(Config())})
-    if cfg.collectives not in ("shared", "pairwise", "native"):
-        p.error("--collectives is shared, pairwise or native")
+    if cfg.collectives not in ("shared", "sockets", "native"):
+        p.error("--collectives is shared, sockets or native")
     if cfg.warmup < 1 or cfg.steps < 1:
         p.error("at least one warm-up and one timed step")
     systems = [s for s in args.systems.split(",") if s] or list(TABLES[args.table])

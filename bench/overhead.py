@@ -20,12 +20,13 @@ a machine whose speed changes from second to second weighs on each alike (no pha
     python bench/overhead.py --layers 16 --reps 3 --steps 20 --interleave   # a step of each in turn
     python bench/overhead.py --device cuda --world 8 --d-model 1024 --peak-tflops 989   # NCCL, MFU
     python bench/overhead.py --layers 16 --systems fsdp_fn,fsdp_fn@4,fsdp_fn@16,fsdp2@4,ddp  # K blocks a unit
-    python bench/overhead.py --layers 16 --systems fsdp_fn,fsdp_fn+shm --interleave   # the transport
+    python bench/overhead.py --layers 16 --systems fsdp_fn,fsdp_fn+sockets --interleave   # the transport
 
 ``SYSTEM@K`` groups K consecutive blocks into one unit: fsdp_fn's ``Plan.grouped(K)``,
 FSDP2's ``fully_shard(blocks[i:i+K])`` (a list of modules, one parameter group).
-``fsdp_fn+shm`` runs fsdp_fn on a group of its own whose messages go through shared memory
-(``ff.SharedMemoryComm``, opt-in) instead of gloo's sockets: the transport's share of the step.
+``fsdp_fn+sockets`` runs fsdp_fn on a group of its own whose messages go through gloo's
+sockets (``ff.PairwiseComm``) instead of shared memory (``ff.SharedMemoryComm``, the default
+on one host; ``fsdp_fn+shm`` asks for it on a group of its own): the transport's share of the step.
 
 With ``--compile`` each system's blocks are compiled the way torchtitan users do it
 (``block.compile()``; for fsdp_fn before ``functionalize``, for FSDP2 before ``fully_shard``),
@@ -97,9 +98,9 @@ def _build(system: str, cfg: Config, layers: int, group: Any) -> Any:
     model = _model(cfg, layers)
     system, _, k = system.partition("@")
     system, _, via = system.partition("+")
-    if via == "shm":  # a group of its own whose messages go through shared memory (ff.SharedMemoryComm)
+    if via:  # a group of its own whose messages go through shared memory, or gloo's sockets
         group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
-        ff.set_comm(group, ff.SharedMemoryComm(group))
+        ff.set_comm(group, ff.SharedMemoryComm(group) if via == "shm" else ff.PairwiseComm(group))
     per_unit = int(k or 1)  # blocks per unit
     if system == "fsdp_fn":
         fn = ff.functionalize(model)

@@ -97,7 +97,7 @@ def main() -> None:
         cfg = report["config"]
         print(
             f"\n{path}: W={report['world']}, {cfg['batch']}x{cfg['seq']} tokens per rank, "
-            f"{cfg['reps']} reps x {cfg['steps']} timed steps, collectives {cfg.get('collectives', 'pairwise')}\n"
+            f"{cfg['reps']} reps x {cfg['steps']} timed steps, collectives {cfg.get('collectives', 'sockets')}\n"
         )
         print(memory_table(report) if args.memory else speed_table(report))
 

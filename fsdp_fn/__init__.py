@@ -20,7 +20,7 @@ from fsdp_fn._base import (
     update_in_place,
 )
 from fsdp_fn._collectives import Collective, CommLog, all_gather, comm_log, comm_of, reduce_scatter_sum, set_comm
-from fsdp_fn._comm import Comm
+from fsdp_fn._comm import Comm, PairwiseComm
 from fsdp_fn._composable import apply_sharded
 from fsdp_fn._errors import DivergenceError, RankFailure
 from fsdp_fn._functional import Functional, functionalize
@@ -120,6 +120,7 @@ __all__ = [
     "CPUOffload",
     "Collective",
     "Comm",
+    "PairwiseComm",
     "SharedMemoryComm",
     "CommLog",
     "DivergenceError",

@@ -160,11 +160,20 @@ def pairwise(group: dist.ProcessGroup) -> bool:
     environment variable ``FSDP_FN_COLLECTIVES=native`` asks for gloo's own collectives
     (``bench/compare.py --collectives native``). Asked once per group, by ``comm_of``; NCCL
     and other backends use their own all-gather and reduce-scatter."""
-    return (
-        str(dist.get_backend(group)) == "gloo"
-        and group.size() > 1
-        and os.environ.get("FSDP_FN_COLLECTIVES") != "native"
-    )
+    return str(dist.get_backend(group)) == "gloo" and group.size() > 1 and _transport() != "native"
+
+
+_TRANSPORTS = ("shared", "sockets", "native")
+
+
+def _transport() -> str:
+    """What ``FSDP_FN_COLLECTIVES`` asks of a gloo group: ``shared`` (the default: shared memory
+    between ranks of one host), ``sockets`` (gloo's own point-to-point messages) or ``native``
+    (gloo's own all-gather and reduce-scatter)."""
+    value = os.environ.get("FSDP_FN_COLLECTIVES") or "shared"
+    if value not in _TRANSPORTS:
+        raise ValueError(f"FSDP_FN_COLLECTIVES must be one of {', '.join(_TRANSPORTS)}, not {value!r}")
+    return value
 
 
 # group -> (its comm, whether set_comm gave it)
@@ -182,11 +191,11 @@ def comm_of(group: dist.ProcessGroup) -> Comm:
     """The ``Comm`` every collective fsdp_fn issues on ``group`` goes through.
 
     Chosen at the group's first use and kept (one dict lookup per call afterwards): the one
-    ``set_comm`` gave the group, else on gloo ``PairwiseComm`` (``SharedMemoryComm`` with
-    ``FSDP_FN_COLLECTIVES=shared`` on Linux x86-64: its ranks connect at the first exchange,
-    and keep gloo's sockets when they are not on one host; ``NativeComm`` with
-    ``FSDP_FN_COLLECTIVES=native``), ``CudaComm`` on NCCL, ``NativeComm`` on other backends.
-    Allocates nothing; communicates nothing.
+    ``set_comm`` gave the group, else on gloo with two ranks or more ``SharedMemoryComm`` on
+    Linux x86-64 (its ranks connect at the first exchange, and keep gloo's sockets when they
+    are not on one host or ``/dev/shm`` has no room for the rings), ``PairwiseComm`` elsewhere
+    or with ``FSDP_FN_COLLECTIVES=sockets``, ``NativeComm`` with ``FSDP_FN_COLLECTIVES=native``;
+    ``CudaComm`` on NCCL, ``NativeComm`` on other backends. Allocates nothing; communicates nothing.
 
     Args:
         group: the process group.
@@ -204,7 +213,7 @@ def comm_of(group: dist.ProcessGroup) -> Comm:
     if chosen is not None:
         return chosen[0]
     comm: Comm
-    if pairwise(group) and os.environ.get("FSDP_FN_COLLECTIVES") == "shared" and shared_memory_here():
+    if pairwise(group) and _transport() == "shared" and shared_memory_here():
         comm = SharedMemoryComm(group)
     else:
         comm = default_comm(group, pairwise(group))

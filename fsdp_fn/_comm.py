@@ -259,7 +259,10 @@ class PairwiseComm(NativeComm):
     ms): all_gather 18.1 / 24.8, as isend/irecv 6.4 / 13.2; reduce_scatter 21.8 / 30.8 (gloo
     copies the buffer and runs a full all-reduce), as isend/irecv and a sum 10.7 / 16.6.
     Each rank still sends exactly ``(W-1)/W`` of the buffer. Every exchange is watched by a
-    waiter thread from the moment it is issued (``Exchanged``)."""
+    waiter thread from the moment it is issued (``Exchanged``). The default of a gloo group
+    whose ranks are not on one host (on one host: ``SharedMemoryComm``), or with
+    ``FSDP_FN_COLLECTIVES=sockets``; ``set_comm(group, PairwiseComm(group))`` on every rank
+    chooses it for one group."""
 
     pairwise = True
 

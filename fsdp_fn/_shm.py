@@ -270,14 +270,15 @@ class _Exchange:
 
 class SharedMemoryComm(PairwiseComm):
     """``PairwiseComm`` for ranks on one host: every point-to-point message through shared
-    memory instead of gloo's sockets; all-reduces and broadcasts stay gloo's. Opt-in, on
-    Linux x86-64: ``fsdp_fn.set_comm(group, SharedMemoryComm(group))`` on every rank, or
-    ``FSDP_FN_COLLECTIVES=shared`` for every gloo group (the test suite passes under it). Not
-    the default yet: it has had one clean run of the suite, the sockets many.
+    memory instead of gloo's sockets; all-reduces and broadcasts stay gloo's. The default of
+    every gloo group of two ranks or more on Linux x86-64 (``comm_of``);
+    ``FSDP_FN_COLLECTIVES=sockets`` keeps gloo's sockets (``PairwiseComm``) instead.
 
     The ranks connect at the group's first exchange, through the process group's store: they
     agree on their host and on the rings' files, then the files are unlinked (nothing is left
-    behind, whatever happens to the processes). Ranks on different hosts keep gloo's sockets.
+    behind, whatever happens to the processes). Ranks on different hosts keep gloo's sockets,
+    and so do ranks of which one cannot make its rings (``/dev/shm`` without room for twice
+    their size, or not writable).
     Memory: ``ring_bytes`` of shared memory per ordered pair of ranks, ``2 (W-1) ring_bytes``
     mapped per rank (touched as messages pass), outside torch's allocator; no copy beyond the
     ring. Communication: the same messages as ``PairwiseComm``, each two copies and a bell.
@@ -420,15 +421,23 @@ def _connect(group: dist.ProcessGroup, ring_bytes: int, what: Describe) -> _Link
     made = [f"{base}-to{j}" for j in range(world) if j != rank] + [f"{base}-bell", f"{base}-space"]
     link = _Link(group)
     try:
-        link.out = {j: _Ring(f"{base}-to{j}", ring_bytes, j, create=True) for j in range(world) if j != rank}
-        for kind in ("bell", "space"):
-            os.mkfifo(f"{base}-{kind}", 0o600)
-        link.bell, link.space = _bell(f"{base}-bell"), _bell(f"{base}-space")
-        store.set(f"{key}/{rank}", f"{_host()}\n{os.getpid()}\n{base}")
+        # A rank that cannot make its rings (no room in /dev/shm, no permission) says so in place
+        # of its host: then every rank keeps the sockets, as on different hosts.
+        host = _host()
+        try:
+            if not _room_for((world - 1) * (_HEAD + ring_bytes)):
+                raise OSError(f"/dev/shm has no room for {world - 1} rings of {ring_bytes} bytes")
+            link.out = {j: _Ring(f"{base}-to{j}", ring_bytes, j, create=True) for j in range(world) if j != rank}
+            for kind in ("bell", "space"):
+                os.mkfifo(f"{base}-{kind}", 0o600)
+            link.bell, link.space = _bell(f"{base}-bell"), _bell(f"{base}-space")
+        except OSError:
+            host = ""
+        store.set(f"{key}/{rank}", f"{host}\n{os.getpid()}\n{base}")
         peers = [j for j in range(world) if j != rank]
         _wait_for(store, [f"{key}/{j}" for j in peers], peers, deadline, group, what, "to connect")
         everyone = {j: store.get(f"{key}/{j}").decode().split("\n") for j in peers}
-        if any(host != _host() for host, _, _ in everyone.values()):
+        if not host or any(theirs != host for theirs, _, _ in everyone.values()):
             link.close()
             return None
         for j, (_, pid, theirs) in everyone.items():
@@ -469,6 +478,16 @@ def _wait_for(
                 raise RankFailure(f"{remote}; rank {group.rank()} stopped waiting {doing} before the {what()}")
         time.sleep(nap)
         nap = min(2 * nap, 0.01)
+
+
+def _room_for(nbytes: int) -> bool:
+    """Whether ``/dev/shm`` has room for ``nbytes`` more, twice over (its pages are taken as
+    messages pass: a ring that outgrew a full ``/dev/shm`` would end the process)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= 2 * nbytes
 
 
 def _host() -> str:

@@ -141,7 +141,7 @@ def test_overhead_interleaved_times_every_system_on_the_same_steps(tmp_path):
     report = tmp_path / "interleaved.json"
     args = ["--layers", "1", "--reps", "1", "--steps", "3", "--warmup", "1", "--interleave", "--json", str(report)]
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "overhead.py"), *args, "--systems", "fsdp_fn,fsdp_fn+shm,ddp"],
+        [sys.executable, str(ROOT / "bench" / "overhead.py"), *args, "--systems", "fsdp_fn,fsdp_fn+sockets,ddp"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -149,9 +149,9 @@ def test_overhead_interleaved_times_every_system_on_the_same_steps(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     rows = json.loads(report.read_text())["rows"]
-    assert set(rows) == {"fsdp_fn@1", "fsdp_fn+shm@1", "ddp@1"}
+    assert set(rows) == {"fsdp_fn@1", "fsdp_fn+sockets@1", "ddp@1"}
     # the same model and batches through either transport: the same losses, bit for bit
-    assert rows["fsdp_fn@1"]["loss_last"] == rows["fsdp_fn+shm@1"]["loss_last"]
+    assert rows["fsdp_fn@1"]["loss_last"] == rows["fsdp_fn+sockets@1"]["loss_last"]
     for row in rows.values():
         assert row["step_ms"] > 0 and row["process_cpu_ms"] > 0 and "phases_ms" not in row, row
     assert re.search(r"^ddp @1 blocks, CPU ms per step by thread: .*; the process", done.stdout, re.M), done.stdout

@@ -116,27 +116,38 @@ def test_a_peer_whose_process_is_gone_is_named(pool):
     assert "rank 1's process" in mine and "exited" in mine
 
 
-def _hosts_apart(group, monkeypatch_host):
+def _kept_apart(group, why):
+    """An all-gather over shared memory where ``why`` is "hosts" (each rank on a host of its
+    own), "room" (the last rank's /dev/shm without room for its rings) or None."""
     rank = group.rank()
-    real = _shm._host
-    if monkeypatch_host:
+    real_host, real_room = _shm._host, _shm._room_for
+    if why == "hosts":
         _shm._host = lambda: f"host-{rank}"
+    if why == "room" and rank == group.size() - 1:
+        _shm._room_for = lambda nbytes: False
     try:
-        comm = _shm.SharedMemoryComm(group, ring_bytes=4096 + 24 + 8 * monkeypatch_host)
+        sizes = {None: 0, "hosts": 1, "room": 2}  # (a link of its own each time)
+        comm = _shm.SharedMemoryComm(group, ring_bytes=4096 + 24 + 8 * sizes[why])
         out = torch.empty(2 * group.size())
         comm.all_gather(out, torch.full((2,), float(rank)), _what).wait()
         return comm.link is None, out.tolist()
     finally:
-        _shm._host = real
+        _shm._host, _shm._room_for = real_host, real_room
 
 
-def test_ranks_on_different_hosts_keep_gloos_sockets(pool):
+@pytest.mark.parametrize("why", ["hosts", "room", None])
+def test_ranks_on_different_hosts_or_without_room_keep_gloos_sockets(pool, why):
     # Catches: rings set up between ranks that cannot share memory (each would read a file of
-    # its own host), or a choice that differs between ranks (a hang).
-    for sockets, values in pool.run(_hosts_apart, True, world=3):
-        assert (sockets, values) == (True, [0.0, 0.0, 1.0, 1.0, 2.0, 2.0])
-    for sockets, values in pool.run(_hosts_apart, False, world=3):
-        assert (sockets, values) == (False, [0.0, 0.0, 1.0, 1.0, 2.0, 2.0])
+    # its own host), rings in a /dev/shm too full for them (a SIGBUS when a page is touched),
+    # or a choice that differs between ranks (a hang).
+    for sockets, values in pool.run(_kept_apart, why, world=3):
+        assert (sockets, values) == (why is not None, [0.0, 0.0, 1.0, 1.0, 2.0, 2.0])
+
+
+def test_room_is_asked_of_dev_shm():
+    # Catches: a check that always says yes (or no) whatever /dev/shm holds.
+    free = os.statvfs("/dev/shm")
+    assert _shm._room_for(1) and not _shm._room_for(free.f_blocks * free.f_frsize)
 
 
 def _chosen(group):
@@ -145,17 +156,24 @@ def _chosen(group):
     saved = ff.set_comm(group, None)  # the default choice, whatever an earlier test set
     kinds = []
     try:
-        for value in ("", "shared", "pairwise", "native"):
+        for value in ("", "shared", "sockets", "native"):
             with collectives(value):
                 kinds.append(type(ff.comm_of(group)).__name__)
+        with collectives("pairwise"):
+            try:
+                ff.comm_of(group)
+            except ValueError as e:
+                kinds.append(str(e))
     finally:
         ff.set_comm(group, saved)
     return kinds
 
 
-def test_shared_memory_is_chosen_by_the_environment(pool):
-    # Catches: FSDP_FN_COLLECTIVES=shared not reaching the choice, or a choice that cannot go back.
-    kinds = ["PairwiseComm", "SharedMemoryComm", "PairwiseComm", "NativeComm"]
+def test_shared_memory_is_the_default_and_the_environment_chooses(pool):
+    # Catches: shared memory not the default on one host, FSDP_FN_COLLECTIVES not reaching the
+    # choice, a choice that cannot go back, a misspelt value taken silently for the default.
+    kinds = ["SharedMemoryComm", "SharedMemoryComm", "PairwiseComm", "NativeComm"]
+    kinds.append("FSDP_FN_COLLECTIVES must be one of shared, sockets, native, not 'pairwise'")
     assert pool.run(_chosen, world=2)[0] == kinds
 
 
