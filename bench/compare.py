@@ -54,6 +54,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import fsdp_fn as ff
 from examples.gpt import GPT, Block, GPTConfig, lm_loss, lm_loss_chunked, stdlib_text, token_batches
+from fsdp_fn import _shm
 from fsdp_fn.testing import RankPool
 
 CORES = len(os.sched_getaffinity(0))  # the cores every rank of a run shares (one machine)
@@ -200,7 +201,8 @@ class CommMeter(TorchDispatchMode):
 
     # fsdp_fn's sends leave from the step's thread or its sender thread, through the process
     # group's own send, out of this dispatch mode's sight: they are counted where every
-    # point-to-point send passes, ``ProcessGroup.send``, on whichever thread.
+    # point-to-point send passes, ``ProcessGroup.send``, on whichever thread; or, through
+    # shared memory (``SharedMemoryComm``, the default on one host), where each exchange is issued.
     def __enter__(self) -> CommMeter:
         group_class = torch._C._distributed_c10d.ProcessGroup
         self._send = group_class.__dict__["send"]  # (the descriptor: put back as it was, it binds again)
@@ -212,10 +214,18 @@ class CommMeter(TorchDispatchMode):
             return call(group, tensors, *args, **kwargs)
 
         group_class.send = send
+        exchange = self._exchange = _shm.SharedMemoryComm._exchange
+
+        def through_rings(comm: Any, link: Any, sends: Any, recvs: Any, what: Any) -> Any:
+            self.sent_bytes += self._nbytes([t for t in sends if t is not None])
+            return exchange(comm, link, sends, recvs, what)
+
+        _shm.SharedMemoryComm._exchange = through_rings  # type: ignore[method-assign]
         return cast(CommMeter, super().__enter__())
 
     def __exit__(self, *exc: Any) -> None:
         torch._C._distributed_c10d.ProcessGroup.send = self._send
+        _shm.SharedMemoryComm._exchange = self._exchange  # type: ignore[method-assign]
         super().__exit__(*exc)
 
     @staticmethod

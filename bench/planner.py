@@ -8,8 +8,9 @@ block; the embedding and head units of their own, ``split_root="auto"``). Then e
 unit, without and with remat) is timed and metered, and DDP timed beside them, so the
 report says how close the prediction came (step and peak), whether the choice fits the
 budget, and how far the chosen plan is from the fastest measured one that fits. Every row
-is timed in two passes over the rows, the second in the reverse order (``--steps`` timed
-steps a row in each), and reports the median of both.
+is timed one step of each in turn (DDP's and FSDP2's with them, twice ``--steps`` timed
+steps a row; for the bench GPT, whose rows hold hundreds of MB each, in two passes over the rows,
+the second in the reverse order, ``--steps`` a row in each), and reports the median.
 
     python bench/planner.py                     # W=2, 16 blocks, CPU, gloo
     python bench/planner.py --layers 8 --steps 10 --json out/planner.json
@@ -109,8 +110,19 @@ def _times(run: Any, rank: int, steps: int) -> list[float]:
     return times
 
 
-def _timed(run: Any, rank: int, steps: int) -> float:
-    return statistics.median(_times(run, rank, steps))
+def _interleaved(runs: dict[Any, Any], rank: int, steps: int) -> dict[Any, list[float]]:
+    """``steps`` timed steps of every run, one step of each in turn (every other round in
+    the reverse order), after one untimed step each."""
+    for run in runs.values():
+        run(_batch(rank, 0))
+    times: dict[Any, list[float]] = {key: [] for key in runs}
+    keys = list(runs)
+    for k in range(steps):
+        for key in keys if k % 2 == 0 else keys[::-1]:
+            start = time.perf_counter()
+            runs[key](_batch(rank, k + 1))
+            times[key].append(time.perf_counter() - start)
+    return times
 
 
 def _metered(run: Any, rank: int, rule: Any = None) -> tuple[int, int]:
@@ -204,7 +216,6 @@ def bench(group: Any, layers: int, steps: int, sizes: list[int], kind: str = "ti
     metered, tracked = _metered(_torch_system("fsdp2", layers, group, ac), rank, fsdp2_rule)
     budget = int(_slowest(metered, group))
     apart = [abs(metered - tracked)]  # the two instruments on every metered step, bytes
-    fsdp2_ms = 1e3 * _slowest(_timed(_torch_system("fsdp2", layers, group, ac), rank, steps), group)
     fn = ff.functionalize(_model(layers))
     base = ff.make_plan(fn.module, ff.layer_policy([_block()]))  # the default plan: the root split (embedding, head)
     start = time.perf_counter()
@@ -226,13 +237,24 @@ def bench(group: Any, layers: int, steps: int, sizes: list[int], kind: str = "ti
         for remat, kept in ((False, False), (True, False), (False, True))
     ]
     configs += [chosen] if chosen not in configs else []
-    # Each row timed in two passes, the second in the reverse order, as measure_costs times
-    # its own: a machine whose speed drifts over the run weighs on every row alike.
-    times: dict[tuple[int, bool, bool], list[float]] = {c: [] for c in configs}
-    for order in (configs, configs[::-1]):
-        for per_unit, remat, kept in order:
-            run = _fsdp_fn(base.grouped(per_unit), remat, kept, layers, group)
-            times[per_unit, remat, kept] += _times(run, rank, steps)
+    # A machine whose speed drifts over the run must weigh on every row alike. The small
+    # models' rows (DDP's and FSDP2's too) are all built at once and run one step of each in
+    # turn; the bench GPT's (hundreds of MB of state each) in two passes over the rows, the
+    # second in the reverse order, as measure_costs times its own.
+    times: dict[Any, list[float]] = {c: [] for c in configs}
+    if kind != "bench":
+        runs = {c: _fsdp_fn(base.grouped(c[0]), c[1], c[2], layers, group) for c in configs}
+        runs["ddp"] = _torch_system("ddp", layers, group)
+        runs["fsdp2"] = _torch_system("fsdp2", layers, group)
+        times = _interleaved(runs, rank, 2 * steps)  # (as many steps as the two passes time)
+    else:
+        for order in (configs, configs[::-1]):
+            for per_unit, remat, kept in order:
+                run = _fsdp_fn(base.grouped(per_unit), remat, kept, layers, group)
+                times[per_unit, remat, kept] += _times(run, rank, steps)
+        times["ddp"] = _times(_torch_system("ddp", layers, group), rank, steps)
+        times["fsdp2"] = _times(_torch_system("fsdp2", layers, group, ac), rank, steps)
+    ddp_ms, fsdp2_ms = (1e3 * _slowest(statistics.median(times[k]), group) for k in ("ddp", "fsdp2"))
     for per_unit, remat, kept in configs:
         plan = base.grouped(per_unit)
         step_s = _slowest(statistics.median(times[per_unit, remat, kept]), group)
@@ -254,7 +276,6 @@ def bench(group: Any, layers: int, steps: int, sizes: list[int], kind: str = "ti
                 "predicted_peak": predicted.peak_bytes if predicted else None,
             }
         )
-    ddp_ms = 1e3 * _slowest(_timed(_torch_system("ddp", layers, group), rank, steps), group)
     return {
         "meter_vs_tracker_max_abs": int(_slowest(max(apart), group)),
         "budget": budget,

@@ -69,20 +69,24 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Message:
-    """One message on a ring: its parts (an 8-byte header with the payload's size, then the
-    payload), and how far it has been copied."""
+    """One message on a ring: an 8-byte header with the payload's size, then the payload,
+    padded to a multiple of 8 bytes (so every header is aligned and never wraps around the
+    ring's end); and how far it has been copied."""
 
-    __slots__ = ("at", "done", "error", "part", "parts")
+    __slots__ = ("at", "done", "error", "padded", "payload", "size")
 
-    def __init__(self, parts: list[torch.Tensor]) -> None:
-        self.parts, self.part, self.at, self.done = parts, 0, 0, False
+    def __init__(self, payload: torch.Tensor) -> None:
+        self.payload, self.size = payload, payload.numel()
+        self.padded = (self.size + 7) & ~7
+        self.at = -1  # -1: the header is still to go; then the payload's bytes (and padding) moved
+        self.done = False
         self.error: str | None = None
 
 
 class _Ring:
     """One direction between two ranks: ``cap`` bytes in a shared file, and two counters."""
 
-    __slots__ = ("cap", "counters", "data", "lock", "mm", "peer", "posted", "queued")
+    __slots__ = ("cap", "counters", "data", "lock", "mm", "peer", "posted", "queued", "words")
 
     def __init__(self, path: str, cap: int, peer: int, create: bool) -> None:
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
@@ -94,6 +98,7 @@ class _Ring:
             os.close(fd)
         self.cap, self.peer = cap, peer
         self.counters = memoryview(self.mm)[:_HEAD].cast("q")  # [0]: written, [8]: read
+        self.words = memoryview(self.mm)[_HEAD:].cast("q")  # the headers, at multiples of 8
         self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=_HEAD, count=cap)
         self.lock = threading.Lock()
         self.queued: collections.deque[_Message] = collections.deque()  # sends not yet all written
@@ -103,39 +108,46 @@ class _Ring:
         """Unmap the ring (its file is unlinked already: the memory goes with the last mapping)."""
         del self.data
         self.counters.release()
+        self.words.release()
         with contextlib.suppress(BufferError):
             self.mm.close()
 
-    def put(self, src: torch.Tensor, at: int) -> int:
-        """Copy as much of ``src[at:]`` as there is room for; the bytes copied."""
+    def put(self, m: _Message) -> int:
+        """Copy as much of ``m``'s payload (from ``m.at``) as there is room for; the bytes
+        the ring advanced (the padding after the payload included)."""
         c = self.counters
         written = c[0]
-        n = min(self.cap - (written - c[8]), src.numel() - at)
+        n = min(self.cap - (written - c[8]), m.padded - m.at)
         if n <= 0:
             return 0
-        pos = written % self.cap
-        first = min(n, self.cap - pos)
-        self.data[pos : pos + first].copy_(src[at : at + first])
-        if n > first:
-            self.data[: n - first].copy_(src[at + first : at + n])
+        real = min(n, m.size - m.at)
+        if real > 0:
+            pos = written % self.cap
+            first = min(real, self.cap - pos)
+            src, at = m.payload, m.at
+            self.data[pos : pos + first].copy_(src[at : at + first])
+            if real > first:
+                self.data[: real - first].copy_(src[at + first : at + real])
         c[0] = written + n  # after the bytes: x86-64 keeps the order of stores
         return n
 
-    def take(self, dst: torch.Tensor, at: int) -> int:
-        """Copy as much of ``dst[at:]`` as has arrived; the bytes copied. Into a buffer whose
-        storage was released meanwhile (a receive nobody waited for), nothing is copied: the
-        bytes are read and dropped."""
+    def take(self, m: _Message) -> int:
+        """Copy as much of ``m``'s payload (from ``m.at``) as has arrived; the bytes the ring
+        advanced. Into a buffer whose storage was released meanwhile (a receive nobody waited
+        for), nothing is copied: the bytes are read and dropped."""
         c = self.counters
         read = c[8]
-        n = min(c[0] - read, dst.numel() - at)
+        n = min(c[0] - read, m.padded - m.at)
         if n <= 0:
             return 0
-        if dst.untyped_storage().nbytes() >= dst.storage_offset() + dst.numel():
+        real = min(n, m.size - m.at)
+        dst, at = m.payload, m.at
+        if real > 0 and dst.untyped_storage().nbytes() >= dst.storage_offset() + dst.numel():
             pos = read % self.cap
-            first = min(n, self.cap - pos)
+            first = min(real, self.cap - pos)
             dst[at : at + first].copy_(self.data[pos : pos + first])
-            if n > first:
-                dst[at + first : at + n].copy_(self.data[: n - first])
+            if real > first:
+                dst[at + first : at + real].copy_(self.data[: real - first])
         c[8] = read + n
         return n
 
@@ -161,26 +173,36 @@ class _Ring:
         return moved
 
     def _move(self, m: _Message, incoming: bool) -> bool:
-        """Copy ``m``'s parts on from where they stopped (out of the ring if ``incoming``, else
-        into it), as far as it goes; whether any bytes moved. A received header whose size is
-        not the receive's ends the message with an error (the ring is out of step from there)."""
-        copy = self.take if incoming else self.put
+        """Copy ``m`` on from where it stopped (out of the ring if ``incoming``, else into it),
+        as far as it goes; whether any bytes moved. A received header whose size is not the
+        receive's ends the message with an error (the ring is out of step from there)."""
         moved = False
-        while m.part < len(m.parts):
-            part = m.parts[m.part]
-            if m.at < part.numel():  # (an empty payload: nothing to copy)
-                n = copy(part, m.at)
-                if n == 0:
-                    return moved
-                moved, m.at = True, m.at + n
-                if m.at < part.numel():
-                    continue
-            m.part, m.at = m.part + 1, 0
-            if m.part == 1 and incoming:  # the header: the sender's size must be the size expected
-                sent, expected = int(part.view(torch.int64)), m.parts[1].numel()
-                if sent != expected:
-                    m.error = f"rank {self.peer} sent {sent} bytes where {expected} were expected"
-                    break
+        if m.at < 0:  # the header: one aligned word
+            c = self.counters
+            if incoming:
+                read = c[8]
+                if c[0] - read < 8:
+                    return False
+                sent = self.words[(read % self.cap) >> 3]
+                c[8] = read + 8
+                if sent != m.size:
+                    m.error = f"rank {self.peer} sent {sent} bytes where {m.size} were expected"
+                    m.done = True
+                    return True
+            else:
+                written = c[0]
+                if self.cap - (written - c[8]) < 8:
+                    return False
+                self.words[(written % self.cap) >> 3] = m.size
+                c[0] = written + 8
+            m.at, moved = 0, True
+        copy = self.take if incoming else self.put
+        while m.at < m.padded:
+            n = copy(m)
+            if n == 0:
+                return moved
+            m.at += n
+            moved = True
         m.done = True
         return moved
 
@@ -332,15 +354,14 @@ class SharedMemoryComm(PairwiseComm):
         for j, into in enumerate(recvs):
             if into is not None:
                 ring = link.into[j]
-                m = _Message([torch.empty(8, dtype=torch.uint8), _bytes(into)])
+                m = _Message(_bytes(into))
                 with ring.lock:
                     ring.posted.append(m)
                 receives.append((ring, m))
         sent: list[_Message] = []
         for j, out in enumerate(sends):
             if out is not None:
-                payload = _bytes(out)
-                m = _Message([torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8), payload])
+                m = _Message(_bytes(out))
                 ring = link.out[j]
                 with ring.lock:
                     ring.queued.append(m)

@@ -138,7 +138,9 @@ def test_costs_are_timed_in_two_passes_the_second_reversed_as_long_as_asked(pool
     assert short[0] == short[1]
     assert [r[:3] for r in short[0]] == first + first[::-1]
     assert all(r[3] == 1 + 1 for r in short[0])  # a step to warm up, then half of ``steps``
-    long = pool.run(_measured_configs, 0.5, world=2)
+    # (a warm-up step slower than half of ``seconds`` times one step: 0.75 s leaves room for a
+    # machine that stalls a step under load)
+    long = pool.run(_measured_configs, 1.5, world=2)
     assert long[0] == long[1]  # every rank ran as many steps
     assert [r[:3] for r in long[0]] == first + first[::-1]
     assert all(r[3] > 1 + 1 for r in long[0])  # more steps, to last about ``seconds``
