@@ -203,3 +203,25 @@ def test_tp_bench_fsdp_by_tp_trains_like_one_process_on_a_quarter_of_the_bytes(t
         assert row["meter_vs_tracker_max_abs_bytes"] <= 0.1 * 2**20, (name, row)
         for kind, held in row["held_bytes_max_over_ranks"].items():
             assert 0 < held < 0.3 * whole[kind], (name, kind, held, whole[kind])
+
+
+def test_planner_bench_times_every_row_and_predicts_it(tmp_path):
+    # Catches: rows timed one step of each in turn that lose a row or a system (DDP, FSDP2), a
+    # prediction that no longer reaches its row, a peak outside the meter's reach.
+    report = tmp_path / "planner.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "planner.py"), "--layers", "2", "--steps", "1", "--json", str(report)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    out = json.loads(report.read_text())
+    configs = {(r["per_unit"], r["remat"], r["kept"]) for r in out["rows"]}
+    modes = ((False, False), (True, False), (False, True))  # (remat, kept gathered)
+    assert {(k, remat, kept) for k in (1, 2) for remat, kept in modes} <= configs
+    assert all(r["step_ms"] > 0 and r["peak"] > 0 for r in out["rows"]), out["rows"]
+    assert all(r["predicted_peak"] == r["peak"] for r in out["rows"] if not r["remat"]), out["rows"]
+    assert out["ddp_ms"] > 0 and out["fsdp2_ms"] > 0 and out["meter_vs_tracker_max_abs"] < 4096
+    assert re.search(r"^chosen: \d+ blocks a unit, .* predicted .* the budget$", done.stdout, re.M), done.stdout
