@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import mmap
 import os
 import platform
@@ -68,16 +69,35 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return out.set_(t.untyped_storage(), t.storage_offset() * size, (t.numel() * size,), (1,))
 
 
+_HEADER = 64  # a message's header: its payload's size (one word), then what the sender was doing
+
+
+def _label(what: Describe) -> bytes:
+    """``what`` as a header carries it: its first ``_HEADER - 8`` bytes of UTF-8, padded with
+    zeros; made once per operation and unit (``_guard.describe``'s arguments)."""
+    key = what.args if isinstance(what, functools.partial) and what.func is _guard.describe else None
+    label = _labels.get(key) if key is not None else None
+    if label is None:
+        label = what().encode()[: _HEADER - 8].ljust(_HEADER - 8, b"\0")
+        if key is not None:
+            _labels[key] = label
+    return label
+
+
+_labels: dict[Any, bytes] = {}
+
+
 class _Message:
-    """One message on a ring: an 8-byte header with the payload's size, then the payload,
-    padded to a multiple of 8 bytes (so every header is aligned and never wraps around the
-    ring's end); and how far it has been copied."""
+    """One message on a ring: a header of ``_HEADER`` bytes (the payload's size, and the
+    sender's description of the exchange, read only when the size is not the one expected),
+    then the payload, padded to a multiple of ``_HEADER`` bytes, so that every header is
+    aligned and never wraps around the ring's end; and how far it has been copied."""
 
-    __slots__ = ("at", "done", "error", "padded", "payload", "size")
+    __slots__ = ("at", "done", "error", "label", "padded", "payload", "size")
 
-    def __init__(self, payload: torch.Tensor) -> None:
-        self.payload, self.size = payload, payload.numel()
-        self.padded = (self.size + 7) & ~7
+    def __init__(self, payload: torch.Tensor, label: bytes = b"") -> None:
+        self.payload, self.size, self.label = payload, payload.numel(), label
+        self.padded = (self.size + _HEADER - 1) & -_HEADER
         self.at = -1  # -1: the header is still to go; then the payload's bytes (and padding) moved
         self.done = False
         self.error: str | None = None
@@ -86,7 +106,7 @@ class _Message:
 class _Ring:
     """One direction between two ranks: ``cap`` bytes in a shared file, and two counters."""
 
-    __slots__ = ("cap", "counters", "data", "lock", "mm", "peer", "posted", "queued", "words")
+    __slots__ = ("cap", "counters", "data", "lock", "mm", "peer", "posted", "queued", "raw", "words")
 
     def __init__(self, path: str, cap: int, peer: int, create: bool) -> None:
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
@@ -98,7 +118,8 @@ class _Ring:
             os.close(fd)
         self.cap, self.peer = cap, peer
         self.counters = memoryview(self.mm)[:_HEAD].cast("q")  # [0]: written, [8]: read
-        self.words = memoryview(self.mm)[_HEAD:].cast("q")  # the headers, at multiples of 8
+        self.raw = memoryview(self.mm)[_HEAD:]  # the headers, at multiples of _HEADER
+        self.words = self.raw.cast("q")
         self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=_HEAD, count=cap)
         self.lock = threading.Lock()
         self.queued: collections.deque[_Message] = collections.deque()  # sends not yet all written
@@ -109,6 +130,7 @@ class _Ring:
         del self.data
         self.counters.release()
         self.words.release()
+        self.raw.release()
         with contextlib.suppress(BufferError):
             self.mm.close()
 
@@ -177,24 +199,29 @@ class _Ring:
         as far as it goes; whether any bytes moved. A received header whose size is not the
         receive's ends the message with an error (the ring is out of step from there)."""
         moved = False
-        if m.at < 0:  # the header: one aligned word
+        if m.at < 0:  # the header, aligned: it never wraps
             c = self.counters
             if incoming:
                 read = c[8]
-                if c[0] - read < 8:
+                if c[0] - read < _HEADER:
                     return False
-                sent = self.words[(read % self.cap) >> 3]
-                c[8] = read + 8
+                pos = read % self.cap
+                sent = self.words[pos >> 3]
                 if sent != m.size:
-                    m.error = f"rank {self.peer} sent {sent} bytes where {m.size} were expected"
+                    theirs = bytes(self.raw[pos + 8 : pos + _HEADER]).rstrip(b"\0").decode(errors="replace")
+                    m.error = f"rank {self.peer} sent {sent} bytes for the {theirs} where {m.size} were expected"
                     m.done = True
+                c[8] = read + _HEADER
+                if m.done:
                     return True
             else:
                 written = c[0]
-                if self.cap - (written - c[8]) < 8:
+                if self.cap - (written - c[8]) < _HEADER:
                     return False
-                self.words[(written % self.cap) >> 3] = m.size
-                c[0] = written + 8
+                pos = written % self.cap
+                self.words[pos >> 3] = m.size
+                self.raw[pos + 8 : pos + _HEADER] = m.label
+                c[0] = written + _HEADER
             m.at, moved = 0, True
         copy = self.take if incoming else self.put
         while m.at < m.padded:
@@ -312,13 +339,13 @@ class SharedMemoryComm(PairwiseComm):
         (True, 4194304, True)
         >>> SharedMemoryComm(dist.group.WORLD, ring_bytes=1000)
         Traceback (most recent call last):
-        ValueError: ring_bytes must be a multiple of 8 of at least 4096, not 1000
+        ValueError: ring_bytes must be a multiple of 64 of at least 4096, not 1000
     """
 
     def __init__(self, group: dist.ProcessGroup, ring_bytes: int = RING_BYTES) -> None:
         super().__init__(group)
-        if ring_bytes < 4096 or ring_bytes % 8:
-            raise ValueError(f"ring_bytes must be a multiple of 8 of at least 4096, not {ring_bytes}")
+        if ring_bytes < 4096 or ring_bytes % _HEADER:
+            raise ValueError(f"ring_bytes must be a multiple of {_HEADER} of at least 4096, not {ring_bytes}")
         self.ring_bytes = ring_bytes
 
     @property
@@ -361,7 +388,7 @@ class SharedMemoryComm(PairwiseComm):
         sent: list[_Message] = []
         for j, out in enumerate(sends):
             if out is not None:
-                m = _Message(_bytes(out))
+                m = _Message(_bytes(out), _label(what))
                 ring = link.out[j]
                 with ring.lock:
                     ring.queued.append(m)

@@ -1040,6 +1040,62 @@ MUTANTS = [
             "tests/test_remat_units.py::test_blocks_sharing_a_module_rematerialised_train_like_torch"
         ),
     ),
+    (
+        "shm_payload_not_padded",
+        "fsdp_fn/_shm.py",
+        "        self.padded = (self.size + _HEADER - 1) & -_HEADER",
+        "        self.padded = self.size",
+        "tests/test_shm.py::test_shared_memory_delivers_what_gloos_sockets_deliver",
+    ),
+    (
+        "shm_size_not_checked",
+        "fsdp_fn/_shm.py",
+        "                if sent != m.size:",
+        "                if False:",
+        "tests/test_shm.py::test_a_message_of_another_size_is_named",
+    ),
+    (
+        "shm_sender_not_described",
+        "fsdp_fn/_shm.py",
+        "                self.raw[pos + 8 : pos + _HEADER] = m.label",
+        "                pass",
+        "tests/test_shm.py::test_a_message_of_another_size_is_named",
+    ),
+    (
+        "shm_room_not_asked",
+        "fsdp_fn/_shm.py",
+        "            if not _room_for((world - 1) * (_HEAD + ring_bytes)):",
+        "            if False:",
+        "tests/test_shm.py::test_ranks_on_different_hosts_or_without_room_keep_gloos_sockets",
+    ),
+    (
+        "shm_hosts_not_compared",
+        "fsdp_fn/_shm.py",
+        "        if not host or any(theirs != host for theirs, _, _ in everyone.values()):",
+        "        if not host:",
+        "tests/test_shm.py::test_ranks_on_different_hosts_or_without_room_keep_gloos_sockets",
+    ),
+    (
+        "shm_released_buffer_written",
+        "fsdp_fn/_shm.py",
+        "        if real > 0 and dst.untyped_storage().nbytes() >= dst.storage_offset() + dst.numel():",
+        "        if real > 0:",
+        "tests/test_shm.py::test_a_receive_into_a_released_buffer_writes_nothing",
+    ),
+    (
+        "shm_wrapped_part_not_sent",
+        "fsdp_fn/_shm.py",
+        "            if real > first:\n                self.data[: real - first].copy_(src[at + first : at + real])",
+        "            if False:\n                self.data[: real - first].copy_(src[at + first : at + real])",
+        "tests/test_shm.py::test_shared_memory_delivers_what_gloos_sockets_deliver",
+    ),
+    (
+        "sockets_by_default",
+        "fsdp_fn/_collectives.py",
+        '    if pairwise(group) and _transport() == "shared" and shared_memory_here():',
+        '    if pairwise(group) and _transport() == "shared" and False:',
+        "tests/test_shm.py::test_shared_memory_is_the_default_and_the_environment_chooses",
+    ),
 ]
 
 

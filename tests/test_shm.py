@@ -5,6 +5,7 @@ no file left in ``/dev/shm``."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import fsdp_fn as ff
-from fsdp_fn import _comm, _shm
+from fsdp_fn import _comm, _guard, _shm
 
 pytestmark = pytest.mark.skipif(not _shm.shared_memory_here(), reason="shared memory rings need Linux x86-64")
 
@@ -61,7 +62,7 @@ def test_shared_memory_delivers_what_gloos_sockets_deliver(pool, world, ring_byt
 
 
 # Rings of their own (a ring size no other test uses): these tests leave theirs out of step.
-MISMATCHED, GONE = 4096 + 8, 4096 + 16
+MISMATCHED, GONE = 4096 + 64, 4096 + 128
 
 
 def _mismatched(group):
@@ -72,8 +73,9 @@ def _mismatched(group):
     recvs: list = [None, None]
     sends[peer] = torch.ones(10 if rank == 0 else 12)
     recvs[peer] = torch.empty(10 if rank == 0 else 12)
+    unit = f"blocks.{rank}"  # (what each rank was doing: the other names it)
     try:
-        comm.exchange(sends, recvs, _what).wait()
+        comm.exchange(sends, recvs, functools.partial(_guard.describe, "all_gather", unit)).wait()
     except RuntimeError as e:
         return str(e)
     return "no error"
@@ -81,10 +83,11 @@ def _mismatched(group):
 
 def test_a_message_of_another_size_is_named(pool):
     # Catches: a receive that reads the peer's message into a buffer of another size (values
-    # silently shifted: every later message read from the wrong place).
+    # silently shifted: every later message read from the wrong place), an error that does not
+    # say what the sender was doing (the unit where the ranks parted).
     messages = pool.run(_mismatched, world=2)
-    assert "rank 1 sent 48 bytes where 40 were expected" in messages[0]
-    assert "rank 0 sent 40 bytes where 48 were expected" in messages[1]
+    assert "rank 1 sent 48 bytes for the all-gather of unit 'blocks.1' where 40 were expected" in messages[0]
+    assert "rank 0 sent 40 bytes for the all-gather of unit 'blocks.0' where 48 were expected" in messages[1]
 
 
 def _peer_gone(group):
@@ -127,7 +130,7 @@ def _kept_apart(group, why):
         _shm._room_for = lambda nbytes: False
     try:
         sizes = {None: 0, "hosts": 1, "room": 2}  # (a link of its own each time)
-        comm = _shm.SharedMemoryComm(group, ring_bytes=4096 + 24 + 8 * sizes[why])
+        comm = _shm.SharedMemoryComm(group, ring_bytes=4096 + 192 + 64 * sizes[why])
         out = torch.empty(2 * group.size())
         comm.all_gather(out, torch.full((2,), float(rank)), _what).wait()
         return comm.link is None, out.tolist()
@@ -214,7 +217,7 @@ def _past_select(group):
     rank = group.rank()
     held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # the bells come after them
     try:
-        comm = _shm.SharedMemoryComm(group, ring_bytes=4096 + 40)
+        comm = _shm.SharedMemoryComm(group, ring_bytes=4096 + 448)
         out = torch.empty(2 * group.size())
         comm.all_gather(out, torch.full((2,), float(rank)), _what).wait()
         assert comm.link is not None
@@ -234,7 +237,7 @@ def test_bells_numbered_past_1024_are_waited_on(pool):
 def _into_a_released_buffer(group):
     rank = group.rank()
     peer = 1 - rank
-    comm = _shm.SharedMemoryComm(group, ring_bytes=4096 + 48)
+    comm = _shm.SharedMemoryComm(group, ring_bytes=4096 + 512)
 
     def swap(value: float, into: torch.Tensor):
         sends: list = [None, None]
