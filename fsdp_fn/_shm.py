@@ -488,13 +488,22 @@ def _connect(group: dist.ProcessGroup, ring_bytes: int, what: Describe) -> _Link
         if not host or any(theirs != host for theirs, _, _ in everyone.values()):
             link.close()
             return None
-        for j, (_, pid, theirs) in everyone.items():
-            link.pids[j] = int(pid)
-            link.into[j] = _Ring(f"{theirs}-to{rank}", ring_bytes, j, create=False)
-            link.peer_bell[j] = _bell(f"{theirs}-bell")
-            link.peer_space[j] = _bell(f"{theirs}-space")
-        store.set(f"{key}/{rank}/attached", "1")
+        # A rank that cannot open its peers' files (a /dev/shm of its own that the host check
+        # did not tell apart) says so: then every rank keeps the sockets.
+        attached = "1"
+        try:
+            for j, (_, pid, theirs) in everyone.items():
+                link.pids[j] = int(pid)
+                link.into[j] = _Ring(f"{theirs}-to{rank}", ring_bytes, j, create=False)
+                link.peer_bell[j] = _bell(f"{theirs}-bell")
+                link.peer_space[j] = _bell(f"{theirs}-space")
+        except OSError:
+            attached = "0"
+        store.set(f"{key}/{rank}/attached", attached)
         _wait_for(store, [f"{key}/{j}/attached" for j in peers], peers, deadline, group, what, "to open the rings")
+        if attached == "0" or any(store.get(f"{key}/{j}/attached") != b"1" for j in peers):
+            link.close()
+            return None
     except BaseException as e:
         link.close()
         # The ranks that did connect would wait for this one forever: the group is out of step.
@@ -539,13 +548,15 @@ def _room_for(nbytes: int) -> bool:
 
 
 def _host() -> str:
-    """This host, as the ranks compare it: its name and this boot's id."""
+    """This host, as the ranks compare it: its name, this boot's id, and which ``/dev/shm``
+    this process sees (containers on one host may each mount their own)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
+        shm = os.stat("/dev/shm")
     except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+        return ""
+    return f"{socket.gethostname()}/{boot}/{shm.st_dev}:{shm.st_ino}"
 
 
 def _alive(pid: int) -> bool:

@@ -1062,6 +1062,13 @@ MUTANTS = [
         "tests/test_shm.py::test_a_message_of_another_size_is_named",
     ),
     (
+        "shm_open_failure_fails_the_group",
+        "fsdp_fn/_shm.py",
+        '        except OSError:\n            attached = "0"',
+        '        except ValueError:\n            attached = "0"',
+        "tests/test_shm.py::test_ranks_on_different_hosts_or_without_room_keep_gloos_sockets",
+    ),
+    (
         "shm_room_not_asked",
         "fsdp_fn/_shm.py",
         "            if not _room_for((world - 1) * (_HEAD + ring_bytes)):",

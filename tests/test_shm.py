@@ -121,36 +121,50 @@ def test_a_peer_whose_process_is_gone_is_named(pool):
 
 def _kept_apart(group, why):
     """An all-gather over shared memory where ``why`` is "hosts" (each rank on a host of its
-    own), "room" (the last rank's /dev/shm without room for its rings) or None."""
+    own), "room" (the last rank's /dev/shm without room for its rings), "open" (the last rank
+    cannot open its peers' rings: a /dev/shm of its own) or None."""
     rank = group.rank()
-    real_host, real_room = _shm._host, _shm._room_for
+    real_host, real_room, real_ring = _shm._host, _shm._room_for, _shm._Ring
+    last = rank == group.size() - 1
     if why == "hosts":
         _shm._host = lambda: f"host-{rank}"
-    if why == "room" and rank == group.size() - 1:
+    if why == "room" and last:
         _shm._room_for = lambda nbytes: False
+    if why == "open" and last:
+
+        def ring(path, cap, peer, create):
+            if not create:
+                raise FileNotFoundError(path)
+            return real_ring(path, cap, peer, create)
+
+        _shm._Ring = ring
     try:
-        sizes = {None: 0, "hosts": 1, "room": 2}  # (a link of its own each time)
+        sizes = {None: 0, "hosts": 1, "room": 2, "open": 3}  # (a link of its own each time)
         comm = _shm.SharedMemoryComm(group, ring_bytes=4096 + 192 + 64 * sizes[why])
         out = torch.empty(2 * group.size())
         comm.all_gather(out, torch.full((2,), float(rank)), _what).wait()
         return comm.link is None, out.tolist()
     finally:
-        _shm._host, _shm._room_for = real_host, real_room
+        _shm._host, _shm._room_for, _shm._Ring = real_host, real_room, real_ring
 
 
-@pytest.mark.parametrize("why", ["hosts", "room", None])
+@pytest.mark.parametrize("why", ["hosts", "room", "open", None])
 def test_ranks_on_different_hosts_or_without_room_keep_gloos_sockets(pool, why):
     # Catches: rings set up between ranks that cannot share memory (each would read a file of
-    # its own host), rings in a /dev/shm too full for them (a SIGBUS when a page is touched),
+    # its own host), rings in a /dev/shm too full for them (a SIGBUS when a page is touched), a
+    # rank that cannot open its peers' rings failing the group instead of keeping the sockets,
     # or a choice that differs between ranks (a hang).
     for sockets, values in pool.run(_kept_apart, why, world=3):
         assert (sockets, values) == (why is not None, [0.0, 0.0, 1.0, 1.0, 2.0, 2.0])
 
 
-def test_room_is_asked_of_dev_shm():
-    # Catches: a check that always says yes (or no) whatever /dev/shm holds.
+def test_room_is_asked_of_dev_shm_and_the_host_names_its_mount():
+    # Catches: a check that always says yes (or no) whatever /dev/shm holds; a host that two
+    # containers with a /dev/shm each would share.
     free = os.statvfs("/dev/shm")
     assert _shm._room_for(1) and not _shm._room_for(free.f_blocks * free.f_frsize)
+    mount = os.stat("/dev/shm")
+    assert _shm._host().endswith(f"/{mount.st_dev}:{mount.st_ino}")
 
 
 def _chosen(group):
