@@ -327,7 +327,7 @@ class SharedMemoryComm(PairwiseComm):
     agree on their host and on the rings' files, then the files are unlinked (nothing is left
     behind, whatever happens to the processes). Ranks on different hosts keep gloo's sockets,
     and so do ranks of which one cannot make its rings (``/dev/shm`` without room for twice
-    their size, or not writable).
+    their size, or not writable) or open its peers'.
     Memory: ``ring_bytes`` of shared memory per ordered pair of ranks, ``2 (W-1) ring_bytes``
     mapped per rank (touched as messages pass), outside torch's allocator; no copy beyond the
     ring. Communication: the same messages as ``PairwiseComm``, each two copies and a bell.
@@ -453,7 +453,8 @@ def _close_gone() -> None:
 
 def _connect(group: dist.ProcessGroup, ring_bytes: int, what: Describe) -> _Link | None:
     """Set up this rank's rings and bells with every other rank of ``group`` through the
-    store: ``None`` (on every rank) when the ranks are not all on one host. Waits for the
+    store: ``None`` (on every rank) when the ranks are not all on one host, or one of them
+    cannot make its rings or open its peers' (then they keep gloo's sockets). Waits for the
     others within the guard's timeout (else ``_CONNECT_TIMEOUT``), naming the ranks that did
     not come (``RankFailure``). Leaves no file behind."""
     store = _guard._store()
