@@ -245,7 +245,7 @@ def bench(group: Any, layers: int, steps: int, sizes: list[int], kind: str = "ti
     if kind != "bench":
         runs = {c: _fsdp_fn(base.grouped(c[0]), c[1], c[2], layers, group) for c in configs}
         runs["ddp"] = _torch_system("ddp", layers, group)
-        runs["fsdp2"] = _torch_system("fsdp2", layers, group)
+        runs["fsdp2"] = _torch_system("fsdp2", layers, group, ac)
         times = _interleaved(runs, rank, 2 * steps)  # (as many steps as the two passes time)
     else:
         for order in (configs, configs[::-1]):

@@ -207,12 +207,12 @@ class _Ring:
                     return False
                 pos = read % self.cap
                 sent = self.words[pos >> 3]
-                if sent != m.size:
+                if sent != m.size:  # (read before the counter below hands the header's room back)
                     theirs = bytes(self.raw[pos + 8 : pos + _HEADER]).rstrip(b"\0").decode(errors="replace")
                     m.error = f"rank {self.peer} sent {sent} bytes for the {theirs} where {m.size} were expected"
-                    m.done = True
                 c[8] = read + _HEADER
-                if m.done:
+                if m.error is not None:
+                    m.done = True
                     return True
             else:
                 written = c[0]
