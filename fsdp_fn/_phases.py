@@ -42,7 +42,11 @@ _profiling = torch._C._autograd._profiler_enabled
 class PhaseClock:
     """Host time per phase while open: ``seconds`` exclusive (a phase nested in another counts
     once, in the inner one), ``inclusive`` with the phases nested in it, and ``cpu_seconds``
-    the thread's CPU time in it, exclusive (what the phase computes, not what it waits for)."""
+    the thread's CPU time in it, exclusive (what the phase computes, not what it waits for).
+
+    The clock's own bookkeeping is charged to no phase: each phase's count starts after the
+    clock is done entering it and stops before the clock starts leaving it (two clock reads
+    at each edge, one closing the span before it and one opening the span after)."""
 
     def __init__(self) -> None:
         self.seconds: collections.Counter[str] = collections.Counter()
@@ -67,8 +71,11 @@ class PhaseClock:
             outer = stack[-1]
             self.seconds[outer[0]] += now - outer[1]
             self.cpu_seconds[outer[0]] += cpu - outer[3]
-        stack.append([name, now, now, cpu])
         self.calls[name] += 1
+        entry = [name, 0.0, 0.0, 0.0]
+        stack.append(entry)
+        entry[1] = entry[2] = time.perf_counter()
+        entry[3] = time.thread_time()
 
     def _exit(self) -> None:
         now, cpu = time.perf_counter(), time.thread_time()
@@ -78,8 +85,9 @@ class PhaseClock:
         self.cpu_seconds[name] += cpu - cpu_counting
         self.inclusive[name] += now - started
         if stack:
-            stack[-1][1] = now
-            stack[-1][3] = cpu
+            outer = stack[-1]
+            outer[1] = time.perf_counter()
+            outer[3] = time.thread_time()
 
 
 class _Phase:

@@ -80,19 +80,11 @@ class FlatPart:
         # gather copies into its own slot of the buffer only the pieces of the parameters that cross
         # the slot's edges (at most two), not the whole shard: one copy of the shard (and the first
         # touch of its pages) less per gather. Not when the gather casts or moves the shard.
-        world, self.offsets = group.size(), part.offsets
-        self.in_shard = [False] * len(part.params)
-        self.own_pieces: list[tuple[int, int]] | None = None
-        if not self.in_place and world > 1 and shard.dtype == dtype and shard.device == device:
-            self.own_pieces = []
-            for i, lo, hi in part.local_ranges(world, group.rank()):
-                numel = part.params[i].numel
-                if numel and hi - lo == numel:
-                    self.in_shard[i] = True
-                elif hi > lo:
-                    self.own_pieces.append((lo, hi))
+        world = group.size()
+        own = not self.in_place and world > 1 and shard.dtype == dtype and shard.device == device
+        self.offsets = part.offsets
+        self.in_shard, self.own_pieces, self.slots, self._start = _layout_of(part, world, group.rank() if own else -1)
         self._detached = shard.detach()
-        self._start = part.shard_numel(world) * group.rank() if world > 1 else 0
 
     def start(self) -> None:
         """Allocate (or regrow) the gathered buffer through the comm and issue its all-gather;
@@ -138,6 +130,39 @@ class FlatPart:
         self.wait()
         if not self.in_place and self.buffer is not None:
             self.comm.free(self.buffer)
+
+
+def _layout_of(
+    part: Unit, world: int, rank: int
+) -> tuple[
+    list[bool], tuple[tuple[int, int], ...] | None, tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...], int
+]:
+    """What ``FlatPart`` reads of ``part``'s layout on ``rank`` of ``world``, made once per part
+    (a step makes a ``FlatPart`` per unit): which parameters lie wholly in this rank's shard,
+    the pieces of its slot to copy from the shard (``None``: all of it), each parameter's
+    ``as_strided`` view (shape, strides, offset in the flat buffer), and where this rank's slot
+    starts. ``rank`` -1: no parameter is read from the shard."""
+    memo: dict[tuple[int, int], Any] = part.__dict__.setdefault("_view_layouts", {})  # (as Unit.held keeps its own)
+    known = memo.get((world, rank))
+    if known is not None:
+        return known  # type: ignore[no-any-return]
+    in_shard = [False] * len(part.params)
+    own_pieces: list[tuple[int, int]] | None = None
+    start = part.shard_numel(world) * rank if rank > 0 else 0
+    if rank >= 0:
+        own_pieces = []
+        for i, lo, hi in part.local_ranges(world, rank):
+            numel = part.params[i].numel
+            if numel and hi - lo == numel:
+                in_shard[i] = True
+            elif hi > lo:
+                own_pieces.append((lo, hi))
+    slots = [
+        (spec.shape, torch.empty(spec.shape, device="meta").stride(), at)
+        for spec, at in zip(part.params, part.offsets, strict=True)
+    ]
+    layout = memo[world, rank] = (in_shard, None if own_pieces is None else tuple(own_pieces), tuple(slots), start)
+    return layout
 
 
 class Owner(Protocol):
@@ -290,10 +315,10 @@ class GatheredUnit:
             self._copy(index, grad)
 
     def _copy(self, index: int, grad: torch.Tensor) -> None:
-        assert self.grad is not None
-        spec = self.unit.params[index]
-        at = self.offsets[index]
-        into = self.grad[at : at + spec.numel].view(spec.shape)
+        flat = self.grad
+        assert flat is not None
+        shape, strides, at = self.parts[0].slots[index]
+        into = flat.as_strided(shape, strides, at + flat.storage_offset())
         if grad.layout == torch.strided:
             into.copy_(grad)
         else:  # nn.Embedding(sparse=True): its rows added in place, never a dense copy of its own
@@ -359,14 +384,22 @@ class GatheredUnit:
         written into the flat gradient by its own backward; frozen ones from their buffer."""
         if torch.is_grad_enabled():
             out = {}
-            for i, spec in enumerate(self.unit.params):
-                view = out[spec.name] = _param_view(trainable, self, i)
-                if view.grad_fn is not None:
-                    # Run as soon as the gradient is ready, as autograd runs AccumulateGrad: created
-                    # before the unit's ops, the node would otherwise wait for the unit's whole
-                    # backward (the engine runs ready nodes latest-created first), holding every
-                    # parameter's gradient until then.
-                    view.grad_fn._set_sequence_nr(_AS_SOON_AS_READY)
+            params = self.unit.params
+            if _transforms_active():
+                for i, spec in enumerate(params):
+                    view = out[spec.name] = _ParamView.apply(trainable, self, i)
+                    if view.grad_fn is not None:
+                        view.grad_fn._set_sequence_nr(_AS_SOON_AS_READY)
+            else:  # (one C++ call a parameter: a step makes one per parameter of every unit)
+                part = self.parts[0]
+                shard, in_shard = part._detached, part.in_shard
+                start, shard_start = trainable.storage_offset(), shard.storage_offset() - part._start
+                for i, (shape, strides, at) in enumerate(part.slots):
+                    out[params[i].name] = (
+                        _plain_param_view(trainable, self, i, shape, strides, at + shard_start, shard)
+                        if in_shard[i]
+                        else _plain_param_view(trainable, self, i, shape, strides, at + start, None)
+                    )
         else:
             out = self.parts[0].views(trainable)
         for part in self.parts[1:]:
@@ -483,6 +516,10 @@ class _ParamView(torch.autograd.Function):
     def setup_context(ctx: FunctionCtx, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
         ctx.rec, ctx.index = inputs[1], inputs[2]  # type: ignore[attr-defined]
         ctx.set_materialize_grads(False)
+        # Run as soon as the gradient is ready, as autograd runs AccumulateGrad: created before
+        # the unit's ops, the node would otherwise wait for the unit's whole backward (the
+        # engine runs ready nodes latest-created first), holding every parameter's gradient until then.
+        ctx._set_sequence_nr(_AS_SOON_AS_READY)  # type: ignore[attr-defined]
 
     @staticmethod
     @phased("post_backward")
@@ -492,4 +529,37 @@ class _ParamView(torch.autograd.Function):
         return None, None, None
 
 
-_param_view = plain_apply(_ParamView)
+def _plain_forward(
+    ctx: Any,
+    flat: torch.Tensor,
+    rec: GatheredUnit,
+    index: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    at: int,
+    base: torch.Tensor | None,
+) -> torch.Tensor:
+    ctx.rec, ctx.index = rec, index
+    ctx.set_materialize_grads(False)
+    ctx._set_sequence_nr(_AS_SOON_AS_READY)
+    return (flat if base is None else base).as_strided(shape, strides, at)
+
+
+@phased("post_backward")
+def _plain_backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, ...]:
+    if grad is not None:
+        ctx.rec.add_grad(ctx.index, grad)  # (made outside every transform: a plain tensor)
+    return _NONES
+
+
+_NONES = (None,) * 7
+
+
+# ``_ParamView`` outside every transform (where a step makes one a parameter): an old-style twin
+# whose forward is one ``as_strided`` of ``FlatPart.slots`` (``base``: the shard; else ``flat``).
+_PlainParamView = type(
+    "_ParamView",
+    (torch.autograd.Function,),
+    {"forward": staticmethod(_plain_forward), "backward": staticmethod(_plain_backward)},
+)
+_plain_param_view = super(torch.autograd.Function, _PlainParamView).apply  # type: ignore[misc]
