@@ -5,8 +5,9 @@ on one host that costs more CPU per message than the copy it carries (``python
 bench/transport.py``: 161-172 us of a process's CPU for a 100 KB exchange, against 35 us
 through shared memory). Here every ordered pair of ranks has a ring of bytes in a file of
 ``/dev/shm``, mapped by both: the sender copies a message in, the receiver copies it out,
-and a byte written to a named pipe (a bell) wakes a rank that waits for it. Messages on a
-ring are matched in order, as gloo matches its sends and receives.
+and a byte written to a named pipe (a bell) wakes a rank that sleeps waiting for it (only
+then: a flag in the ring says it sleeps). Messages on a ring are matched in order, as gloo
+matches its sends and receives.
 
 A send is copied into the ring when it is issued; what does not fit (the peer has not read
 enough yet) leaves from a sender thread as the peer frees room, so no send waits for its
@@ -40,7 +41,13 @@ from fsdp_fn._errors import RankFailure
 from fsdp_fn._function import plain
 
 RING_BYTES = 4 << 20  # a ring's room (one per ordered pair of ranks): larger messages stream through it
-_HEAD = 128  # the ring's two counters: bytes written (at 0) and bytes read (at 64), on cache lines of their own
+_HEAD = 128  # the ring's counters and flags: the sender's cache line (at 0), the receiver's (at 64)
+# Words of a ring's head (``_Ring.counters``). A bell is rung only when its flag says someone
+# sleeps on it. Each side writes its flag, then (through a lock's release, a full barrier on
+# x86-64) reads the other's counter, and the other writes its counter, then reads the flag:
+# one of the two always sees the other's write, so no wake-up is lost.
+_WRITTEN, _ROOM_WANTED = 0, 1  # (the sender's) bytes written; its sender thread waits for room
+_READ, _ASLEEP = 8, 9  # (the receiver's) bytes read; a thread of the receiver waits for bytes
 _LIVENESS = 1.0  # seconds between looks at whether a peer's process is still there, while waiting
 _CONNECT_TIMEOUT = 300.0  # seconds a rank waits for the others to connect, outside a guarded call
 
@@ -104,9 +111,9 @@ class _Message:
 
 
 class _Ring:
-    """One direction between two ranks: ``cap`` bytes in a shared file, and two counters."""
+    """One direction between two ranks: ``cap`` bytes in a shared file, two counters and two flags."""
 
-    __slots__ = ("cap", "counters", "data", "lock", "mm", "peer", "posted", "queued", "raw", "words")
+    __slots__ = ("cap", "counters", "data", "lock", "mm", "peer", "posted", "queued", "raw", "sleepers", "words")
 
     def __init__(self, path: str, cap: int, peer: int, create: bool) -> None:
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
@@ -117,13 +124,20 @@ class _Ring:
         finally:
             os.close(fd)
         self.cap, self.peer = cap, peer
-        self.counters = memoryview(self.mm)[:_HEAD].cast("q")  # [0]: written, [8]: read
+        self.counters = memoryview(self.mm)[:_HEAD].cast("q")  # _WRITTEN, _ROOM_WANTED, _READ, _ASLEEP
         self.raw = memoryview(self.mm)[_HEAD:]  # the headers, at multiples of _HEADER
         self.words = self.raw.cast("q")
         self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=_HEAD, count=cap)
         self.lock = threading.Lock()
         self.queued: collections.deque[_Message] = collections.deque()  # sends not yet all written
         self.posted: collections.deque[_Message] = collections.deque()  # receives not yet all read
+        self.sleepers = 0  # this process's threads asleep on bytes of this ring (under ``lock``)
+
+    def sleep(self, asleep: bool) -> None:
+        """Say (in ``_ASLEEP``) that a thread of this process sleeps on the ring's bytes, or no longer."""
+        with self.lock:  # (its release: the barrier before the caller looks at the written counter)
+            self.sleepers += 1 if asleep else -1
+            self.counters[_ASLEEP] = int(self.sleepers > 0)
 
     def close(self) -> None:
         """Unmap the ring (its file is unlinked already: the memory goes with the last mapping)."""
@@ -278,8 +292,9 @@ class _Exchange:
         for ring, m in self.receives:
             if not m.done:
                 with ring.lock, _quiet():
-                    if ring.receive(m):
-                        _ring_bell(self.link.peer_space[ring.peer])
+                    moved = ring.receive(m)
+                if moved and ring.counters[_ROOM_WANTED]:  # (read after the lock's release)
+                    _ring_bell(self.link.peer_space[ring.peer])
                 if not m.done:
                     return False
         if not all(m.done for m in self.sends):
@@ -300,8 +315,16 @@ class _Exchange:
         bell = self.link.bell
         while True:
             left = _LIVENESS if deadline is None else min(_LIVENESS, deadline - time.monotonic())
-            if left > 0 and _ready([bell], left):
-                _hear(bell)
+            if left > 0:
+                rings = [ring for ring, m in self.receives if not m.done]
+                for ring in rings:  # (then look once more: bytes written before the flag rang no bell)
+                    ring.sleep(True)
+                try:
+                    if not self._finished() and _ready([bell], left):
+                        _hear(bell)
+                finally:
+                    for ring in rings:
+                        ring.sleep(False)
             if self._finished():
                 return True
             gone = self.link.gone()
@@ -393,7 +416,8 @@ class SharedMemoryComm(PairwiseComm):
                 with ring.lock:
                     ring.queued.append(m)
                     ring.send()
-                _ring_bell(link.peer_bell[j])
+                if ring.counters[_ASLEEP]:  # (read after the lock's release)
+                    _ring_bell(link.peer_bell[j])
                 if not m.done:
                     _sender().hand(link, ring)
                 sent.append(m)
@@ -590,11 +614,16 @@ class _Sender:
                 self.work.clear()
             bells = set()
             for link, ring in rings:
+                with ring.lock:  # (its release: the barrier before looking for room)
+                    ring.counters[_ROOM_WANTED] = 1
                 with ring.lock, _quiet():
                     moved = ring.send()
                     empty = not ring.queued
+                    if empty:
+                        ring.counters[_ROOM_WANTED] = 0
                 if moved:
-                    _ring_bell(link.peer_bell[ring.peer])
+                    if ring.counters[_ASLEEP]:
+                        _ring_bell(link.peer_bell[ring.peer])
                     _ring_bell(link.bell)  # a send done: this rank may be waiting on it
                 if empty:
                     with self.lock:

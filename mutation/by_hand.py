@@ -1055,6 +1055,20 @@ MUTANTS = [
         "tests/test_shm.py::test_a_message_of_another_size_is_named",
     ),
     (
+        "shm_asleep_not_said",
+        "fsdp_fn/_shm.py",
+        "            self.counters[_ASLEEP] = int(self.sleepers > 0)",
+        "            self.counters[_ASLEEP] = 0",
+        "tests/test_shm.py::test_every_sleep_ends_with_a_bell",
+    ),
+    (
+        "shm_room_wanted_not_said",
+        "fsdp_fn/_shm.py",
+        "                    ring.counters[_ROOM_WANTED] = 1",
+        "                    ring.counters[_ROOM_WANTED] = 0",
+        "tests/test_shm.py::test_every_sleep_ends_with_a_bell",
+    ),
+    (
         "shm_sender_not_described",
         "fsdp_fn/_shm.py",
         "                self.raw[pos + 8 : pos + _HEADER] = m.label",

@@ -9,6 +9,8 @@ import functools
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -274,3 +276,46 @@ def test_a_receive_into_a_released_buffer_writes_nothing(pool):
     for rank, (nbytes, kept) in enumerate(pool.run(_into_a_released_buffer, world=2)):
         assert nbytes == 0
         assert kept == [10.0 + (1 - rank)] * 4
+
+
+def _sleeps(group):
+    """Exchanges where one rank or the other comes late (its peer sleeps on its bell), some
+    larger than the ring (the sender thread sleeps on room): how many sleeps each kind of
+    thread had, and how many ended by the poll's timeout instead of a bell."""
+    rank = group.rank()
+    comm = _shm.SharedMemoryComm(group, ring_bytes=4096 + 512)
+    real = _shm._ready
+    counts = {"main": [0, 0], "sender": [0, 0]}
+
+    def ready(fds, seconds):
+        got = real(fds, seconds)
+        kind = counts["main" if threading.current_thread() is threading.main_thread() else "sender"]
+        kind[0] += 1
+        kind[1] += not got
+        return got
+
+    _shm._ready = ready
+    try:
+        values = []
+        for k in range(60):
+            if (k + rank) % 2:
+                time.sleep(0.002)
+            n = 4000 if k % 6 == 0 else 8  # 16 KB: four rings' worth, through the sender thread
+            out = torch.empty(2 * n)
+            comm.all_gather(out, torch.full((n,), float(k + rank)), _what).wait()
+            values.append(out[:: n].tolist() == [float(k), float(k + 1)])
+    finally:
+        _shm._ready = real
+    return all(values), counts
+
+
+def test_every_sleep_ends_with_a_bell(pool):
+    # Catches: a bell skipped while its peer sleeps (the flag that says so not set, set after
+    # the last look at the ring, or not read after the send): a wake-up lost, the exchange
+    # late by the poll's timeout (a second on the step's thread, 50 ms on the sender's).
+    for same, counts in pool.run(_sleeps, world=2):
+        assert same
+        slept, timed_out = counts["main"]
+        assert slept > 0 and timed_out == 0, counts
+        slept, timed_out = counts["sender"]
+        assert slept > 0 and timed_out <= slept // 4, counts
