@@ -30,6 +30,7 @@ from torch.autograd.function import FunctionCtx
 
 from fsdp_fn import _guard
 from fsdp_fn._comm import Comm, default_comm
+from fsdp_fn._function import plain_mode
 from fsdp_fn._labels import retag
 from fsdp_fn._phases import phased
 from fsdp_fn._shm import SharedMemoryComm, shared_memory_here
@@ -280,7 +281,7 @@ def all_gather_into(
     record(op, unit, out.numel(), out.dtype, group)
     # A unit's buffer is gathered again for its backward, into tensors autograd saved in
     # forward: the same values, so the write must not count as an in-place change of them.
-    with torch._C._DisableFuncTorch(), torch.no_grad(), torch.autograd.grad_mode._unsafe_preserve_version_counter(out):
+    with plain_mode(), torch.autograd.grad_mode._unsafe_preserve_version_counter(out):
         if group.size() == 1:
             out.copy_(shard)
             return None
@@ -311,7 +312,7 @@ def reduce_scatter_start(
     scaled copy of ``full`` instead (``divides_first``). The sum comes out alike on every rank.
     """
     record("reduce_scatter", unit, full.numel(), full.dtype, group)
-    with torch._C._DisableFuncTorch(), torch.no_grad():
+    with plain_mode():
         full = full.contiguous()
         if scale != 1.0 and group.size() > 1 and divides_first(full.dtype):
             full, scale = full * scale, 1.0
@@ -323,7 +324,7 @@ def reduce_scatter_start(
         @phased("reduce_scatter")
         def finish() -> torch.Tensor:
             out = taken()
-            with torch._C._DisableFuncTorch(), torch.no_grad():
+            with plain_mode():
                 retag(out, "grads")
                 return out.mul_(scale) if scale != 1.0 else out
 
@@ -361,7 +362,7 @@ def all_reduce_start(
     get the sum (a new tensor). On ``PairwiseComm`` it waits on nothing but the peers' messages,
     not on collectives queued before it (``Comm.all_reduce_apart``)."""
     record("all_reduce", unit, tensor.numel(), tensor.dtype, group)
-    with torch._C._DisableFuncTorch(), torch.no_grad():
+    with plain_mode():
         if group.size() == 1:
             mine = tensor.clone()
             return lambda: mine

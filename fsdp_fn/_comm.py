@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_fn import _guard
+from fsdp_fn._function import plain_mode
 from fsdp_fn._labels import label
 from fsdp_fn._phases import phased
 
@@ -316,7 +317,7 @@ class PairwiseComm(NativeComm):
 
         def finish() -> torch.Tensor:
             pending.wait()
-            with torch._C._DisableFuncTorch(), torch.no_grad():
+            with plain_mode():
                 parts = [chunks[rank] if t is None else t for t in into]  # in rank order: every rank sums alike
                 into.clear()
                 # The first sum goes into whichever of the two is a received buffer (a + b is b + a

@@ -17,6 +17,7 @@ import torch
 
 from fsdp_fn import _reached as reached
 from fsdp_fn._collectives import all_reduce_over_, divides_first, reduce_scatter_start
+from fsdp_fn._function import plain_mode
 from fsdp_fn._labels import label
 from fsdp_fn._plan import Unit
 from fsdp_fn._policy import Schedule
@@ -88,7 +89,7 @@ class GradSink:
 
     def push(self, unit: Unit, full: torch.Tensor, received: Sequence[bool], reusable: bool = False) -> None:
         self._mark(unit, received, full.device)
-        with torch._C._DisableFuncTorch(), torch.no_grad():
+        with plain_mode():
             if self.deferred is not None:  # summed in the reduce dtype, as FSDP2 accumulates
                 total = self.deferred.get(unit.name)
                 if total is None:
@@ -114,7 +115,7 @@ class GradSink:
         """Wait for reduce-scatters (oldest first) until ``keep`` are left in flight."""
         while len(self.pending) > keep:
             unit, finish, full = self.pending.popleft()
-            with torch._C._DisableFuncTorch(), torch.no_grad():
+            with plain_mode():
                 shard = finish()
                 # The reduction's closure holds the full gradient and the received shards: let them
                 # go before delivering (with update_in_backward the optimizer steps the unit now).
@@ -131,7 +132,7 @@ class GradSink:
         """After a failed backward: wait for the reduce-scatters (and mask merges) in flight and drop their results."""
         while self.pending:
             _, finish, _ = self.pending.popleft()
-            with torch._C._DisableFuncTorch(), torch.no_grad():
+            with plain_mode():
                 finish()
         while self.reached:  # and the masks' messages: their buffers stay alive until they land
             self.reached.popitem()[1]()
@@ -156,7 +157,7 @@ class GradSink:
         assert self.deferred is not None
         plan = self.params.plan
         for name in list(self.deferred):
-            with torch._C._DisableFuncTorch(), torch.no_grad():
+            with plain_mode():
                 shard = reduce_unit(self.params, plan.unit(name), self.deferred.pop(name), self.schedule)()
                 self._deliver(name, shard)
 

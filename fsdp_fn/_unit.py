@@ -35,7 +35,7 @@ from torch.autograd.function import FunctionCtx
 from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
 
 from fsdp_fn._collectives import all_gather_into, comm_of
-from fsdp_fn._function import plain, plain_apply
+from fsdp_fn._function import plain, plain_apply, plain_mode
 from fsdp_fn._labels import label, retag
 from fsdp_fn._phases import phased
 from fsdp_fn._plan import ROOT, Unit
@@ -301,7 +301,7 @@ class GatheredUnit:
         if self.grad is not None and not (torch.is_grad_enabled() or _transforms_active()):
             self._copy(index, grad)
             return
-        with torch._C._DisableFuncTorch(), torch.no_grad():
+        with plain_mode():
             if self.grad is None:
                 self.owner.before_grad(self)
                 if self._may_take(grad):
@@ -347,7 +347,7 @@ class GatheredUnit:
         while self.held:
             index = next(iter(self.held))
             self._write(index, self.held.pop(index))
-        with torch._C._DisableFuncTorch(), torch.no_grad():
+        with plain_mode():
             flat = self.grad
             if flat is None:  # the backward reached no parameter of this use
                 flat = self._new_grad().zero_()
@@ -563,3 +563,7 @@ _PlainParamView = type(
     {"forward": staticmethod(_plain_forward), "backward": staticmethod(_plain_backward)},
 )
 _plain_param_view = super(torch.autograd.Function, _PlainParamView).apply  # type: ignore[misc]
+# The graph walk (``LeanRuntime.finish_forward``) asks every Python node for the use it gathers:
+# a parameter's view gathers none, and answers without raising an AttributeError first.
+_PlainParamView._backward_cls.fsdp_fn_use = None  # type: ignore[attr-defined]
+_ParamView._backward_cls.fsdp_fn_use = None  # type: ignore[attr-defined]
