@@ -245,7 +245,13 @@ class GatheredUnit:
         # last, shared by leaves' accumulators and parameter views, whose backward reads no
         # gathered buffer: a use that only they reach can go.
         self.outputs = frozenset(get_gradient_edge(t).node._sequence_nr() for t in outputs)
-        register_multi_grad_hook(outputs, lambda _grad: self.pre_backward(), mode="any")
+        if len(outputs) == 1:  # (a hook of the one tensor runs once a backward, as "any" would)
+            outputs[0].register_hook(self._refill_hook)
+        else:
+            register_multi_grad_hook(outputs, self._refill_hook, mode="any")
+
+    def _refill_hook(self, _grad: Any) -> None:
+        self.pre_backward()
 
     def refill_on_entry(self, nodes: Sequence[Any]) -> None:
         """Also refill before any of ``nodes`` runs: nodes of its forward that the loss's backward
@@ -547,8 +553,20 @@ def _plain_forward(
 
 @phased("post_backward")
 def _plain_backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, ...]:
-    if grad is not None:
-        ctx.rec.add_grad(ctx.index, grad)  # (made outside every transform: a plain tensor)
+    if grad is None:
+        return _NONES
+    rec, index = ctx.rec, ctx.index  # (made outside every transform: a plain tensor)
+    if (
+        rec.grad is None
+        or not rec.write_at_once
+        or rec.received[index]
+        or torch.is_grad_enabled()
+        or _transforms_active()
+    ):
+        rec.add_grad(index, grad)
+    else:  # add_grad's common case, in one frame: a parameter's gradient into its slice of the flat one
+        rec.received[index] = True
+        rec._copy(index, grad)
     return _NONES
 
 
