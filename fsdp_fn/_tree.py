@@ -98,4 +98,6 @@ def unflatten(leaves: list[Any], spec: torch_pytree.TreeSpec) -> Any:
 
 def tensors_in(tree: Any) -> list[torch.Tensor]:
     """Every tensor in ``tree``: torch's pytree nodes and dataclass instances are opened."""
+    if type(tree) is torch.Tensor:  # (a unit's usual output: no flatten)
+        return [tree]
     return [x for x in flatten(tree)[0] if isinstance(x, torch.Tensor)]
