@@ -3,7 +3,9 @@
 Separate runs drift more than most changes move a step, so this runs the same step (the
 GPT of ``bench/overhead.py``: d 64, vocab 512, 2x32 tokens per rank) from checkout A, then
 from checkout B, ``--runs`` times, each in a fresh pool of ranks, and prints each run's median
-step (slowest rank), the step thread's CPU time and the process's (every thread).
+step (slowest rank), the step thread's CPU time and the process's (every thread), and, over
+as many steps again with a phase clock open, fsdp_fn's own phases' CPU time (the sum of
+``overhead.py``'s phase split; each checkout's own clock).
 
     git worktree add /tmp/before <commit>
     python bench/ab_checkouts.py /tmp/before . --layers 16 --runs 3      # CPU, gloo, W=2
@@ -25,6 +27,7 @@ import torch, torch.distributed as dist
 import fsdp_fn as ff
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
 from fsdp_fn.testing import RankPool
+from fsdp_fn._phases import phase_clock
 
 
 def run(group, layers, steps):
@@ -35,7 +38,7 @@ def run(group, layers, steps):
     fn = ff.functionalize(model)
     step = ff.train_step(fn, lm_loss, ff.adamw(lr=1e-3))
     state = step.init(ff.shard(fn.params, ff.make_plan(model, ff.layer_policy([Block])), group))
-    wall, thread, process = [], [], []
+    wall, thread, process, own = [], [], [], []
     for i in range(steps + 5):
         batch = torch.randint(0, 512, (2, 33), generator=g)
         dist.barrier(group=group)
@@ -45,13 +48,19 @@ def run(group, layers, steps):
             wall.append(time.perf_counter() - t0)
             thread.append(time.thread_time() - c0)
             process.append(time.process_time() - p0)
-    return [statistics.median(x) for x in (wall, thread, process)]
+    for i in range(steps):  # the same steps again, each with a phase clock open: fsdp_fn's own phases
+        batch = torch.randint(0, 512, (2, 33), generator=g)
+        dist.barrier(group=group)
+        with phase_clock() as clock:
+            state, _ = step(state, batch)
+        own.append(sum(clock.cpu_seconds.values()))
+    return [statistics.median(x) for x in (wall, thread, process, own)]
 
 
 if __name__ == "__main__":
     with RankPool({world}, warnings_as_errors=False) as pool:
         ranks = pool.run(run, {layers}, {steps})
-        print(json.dumps([max(r[k] for r in ranks) for k in range(3)]))
+        print(json.dumps([max(r[k] for r in ranks) for k in range(4)]))
 """
 
 
@@ -79,9 +88,10 @@ def main() -> None:
             results[repo].append(once(repo.resolve(), args.layers, args.steps, args.world))
     print(f"# tiny GPT, {args.layers} blocks, CPU, gloo, W={args.world}: each run's median, ms")
     for repo, runs in results.items():
-        wall, thread, process = ([f"{1e3 * r[k]:.1f}" for r in runs] for k in range(3))
+        wall, thread, process, own = ([f"{1e3 * r[k]:.1f}" for r in runs] for k in range(4))
         print(
-            f"{repo}: step {', '.join(wall)}; step thread's CPU {', '.join(thread)}; process CPU {', '.join(process)}"
+            f"{repo}: step {', '.join(wall)}; step thread's CPU {', '.join(thread)}; process CPU {', '.join(process)}; "
+            f"own phases' CPU {', '.join(own)} (a phase clock open, the step thread's CPU in fsdp_fn's phases)"
         )
 
 
