@@ -135,7 +135,7 @@ class FlatPart:
 def _layout_of(
     part: Unit, world: int, rank: int
 ) -> tuple[
-    list[bool], tuple[tuple[int, int], ...] | None, tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...], int
+    tuple[bool, ...], tuple[tuple[int, int], ...] | None, tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...], int
 ]:
     """What ``FlatPart`` reads of ``part``'s layout on ``rank`` of ``world``, made once per part
     (a step makes a ``FlatPart`` per unit): which parameters lie wholly in this rank's shard,
@@ -161,7 +161,8 @@ def _layout_of(
         (spec.shape, torch.empty(spec.shape, device="meta").stride(), at)
         for spec, at in zip(part.params, part.offsets, strict=True)
     ]
-    layout = memo[world, rank] = (in_shard, None if own_pieces is None else tuple(own_pieces), tuple(slots), start)
+    pieces = None if own_pieces is None else tuple(own_pieces)
+    layout = memo[world, rank] = (tuple(in_shard), pieces, tuple(slots), start)
     return layout
 
 
