@@ -17,6 +17,7 @@ a machine whose speed changes from second to second weighs on each alike (no pha
     python bench/overhead.py --layers 2,8,16 --reps 3 --json out/overhead.json
     python bench/overhead.py --compile                         # every block compiled (block.compile())
     python bench/overhead.py --check                           # phase clock against torch.profiler
+    python bench/overhead.py --clock-cost                      # the phase clock's own cost on an empty phase
     python bench/overhead.py --layers 16 --reps 3 --steps 20 --interleave   # a step of each in turn
     python bench/overhead.py --device cuda --world 8 --d-model 1024 --peak-tflops 989   # NCCL, MFU
     python bench/overhead.py --layers 16 --systems fsdp_fn,fsdp_fn@4,fsdp_fn@16,fsdp2@4,ddp  # K blocks a unit
@@ -56,7 +57,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import fsdp_fn as ff
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
-from fsdp_fn._phases import PHASES, phase_clock
+from fsdp_fn._phases import PHASES, phase_clock, phased
 from fsdp_fn.testing import RankPool
 
 
@@ -304,6 +305,31 @@ def _check_against_profiler(step: Any, cfg: Config, k: int, rank: int, group: An
     }
 
 
+def clock_cost(n: int = 20_000) -> dict[str, float]:
+    """What the phase clock charges to the phases it times of its own work, in µs of the
+    thread's CPU: empty phases timed in a loop, one alone, and one nested in another (the pair)."""
+
+    @phased("wait")
+    def inner() -> None:
+        pass
+
+    @phased("post_backward")
+    def outer() -> None:
+        inner()
+
+    @phased("post_backward")
+    def alone() -> None:
+        pass
+
+    out = {}
+    for name, fn in (("alone", alone), ("nested pair", outer)):
+        with phase_clock() as clock:
+            for _ in range(n):
+                fn()
+        out[name] = 1e6 * sum(clock.cpu_seconds.values()) / n
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2)
@@ -322,7 +348,13 @@ def main() -> None:
             p.add_argument(f"--{name.replace('_', '-')}", action="store_true")
         else:
             p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    p.add_argument("--clock-cost", action="store_true", help="only what the phase clock charges to an empty phase")
     args = p.parse_args()
+    if args.clock_cost:
+        costs = clock_cost()
+        print("phase clock, its own work charged to empty phases (µs of the thread's CPU):", end=" ")
+        print(", ".join(f"{name} {us:.2f}" for name, us in costs.items()))
+        return
     cfg = Config(**{k: getattr(args, k) for k in asdict(Config())})
     systems = args.systems.split(",")
     layer_counts = [int(x) for x in args.layers.split(",")]
@@ -447,6 +479,11 @@ def print_report(report: dict[str, Any], cfg: Config, args: Any) -> None:
             print(f"{row['system']} @{row['layers']} blocks, host ms per step by phase (exclusive): {parts}")
             parts = ", ".join(f"{k} {v:.2f}" for k, v in row["phases_cpu_ms"].items() if v >= 0.005)
             print(f"{row['system']} @{row['layers']} blocks, the step thread's CPU ms per step by phase: {parts}")
+            own = sum(v for k, v in row["phases_cpu_ms"].items() if k in PHASES)
+            print(
+                f"{row['system']} @{row['layers']} blocks, own phases: {own:.2f} ms of the step thread's CPU a step, "
+                f"{own / row['layers']:.3f} ms a block (each phase the slowest rank's)"
+            )
         if "dynamo" in row:
             print(f"{row['system']} @{row['layers']} blocks, Dynamo: {row['dynamo']}")
         if "check" in row:

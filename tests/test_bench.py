@@ -127,11 +127,30 @@ def test_overhead_runs_and_its_phase_clock_agrees_with_torchs_profiler(tmp_path)
     for name, _, _, clock_calls, profiler_calls in rows:
         assert float(clock_calls) == float(profiler_calls) > 0, (name, out)
     assert re.search(r"^fsdp_fn @2 blocks, CPU ms per step by thread: .*; the process [0-9.]+", out, re.M), out
+    own = re.search(
+        r"^fsdp_fn @2 blocks, own phases: ([0-9.]+) ms of the step thread's CPU a step, ([0-9.]+)", out, re.M
+    )
+    assert own is not None and float(own.group(1)) > 0 and abs(float(own.group(2)) - float(own.group(1)) / 2) < 0.002
     for row in json.loads(report.read_text())["rows"].values():
         # (each thread to a clock tick, 10 ms over two steps: the sum is no more than the process's and a tick a thread)
         assert row["process_cpu_ms"] > 0 and sum(row["threads_cpu_ms"].values()) <= row["process_cpu_ms"] + 5.0 * (
             len(row["threads_cpu_ms"]) + 1
         ), row
+
+
+def test_the_phase_clocks_own_cost_is_measured():
+    # Catches: the clock's charge to an empty phase not reported, or a nested pair charged less than one phase.
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "overhead.py"), "--clock-cost"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    costs = re.search(r"alone ([0-9.]+), nested pair ([0-9.]+)", done.stdout)
+    assert costs is not None, done.stdout
+    assert 0 < float(costs.group(1)) < float(costs.group(2)), done.stdout
 
 
 def test_overhead_interleaved_times_every_system_on_the_same_steps(tmp_path):
