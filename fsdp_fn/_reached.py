@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fsdp_fn._collectives import all_reduce_, all_reduce_over_, all_reduce_start
+from fsdp_fn._collectives import all_reduce_over_, all_reduce_start
 from fsdp_fn._plan import Plan
 from fsdp_fn._shard import Layout
 
@@ -91,11 +91,12 @@ def over_replicas(
 
 def merge(masks: Masks, layout: Layout) -> dict[str, tuple[bool, ...]]:
     """Which parameters any rank reached: one all-reduce of a flag per parameter (and one over
-    the replicas)."""
+    the replicas). Over the group, as the peers' messages (``all_reduce_start``: through the
+    group's rings on one host), not one of gloo's own all-reduces over TCP."""
     plan = layout.plan
     flat = torch.tensor([float(b) for b in flags(masks, plan)], dtype=torch.float32)
     if flat.numel() and layout.world > 1:
-        all_reduce_(flat, layout.group)
+        flat = all_reduce_start(flat, layout.group)()
     if flat.numel():
         all_reduce_over_(flat, layout.replica_groups)
     return from_flags((flat > 0).tolist(), plan)
