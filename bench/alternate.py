@@ -7,6 +7,11 @@ steps, so both arms see the same drift. Reported: the median and mean step time 
 over ranks, after a barrier) of each arm, over the timed steps.
 
     python bench/alternate.py sender --world 2 --steps 60
+    python bench/alternate.py views --d-model 64 --layers 16 --vocab 512 --seq 32 --heads 2 --phases
+
+``--phases`` also reports each arm's step-thread CPU and fsdp_fn's own phases' CPU (a phase
+clock open every step, as ``bench/overhead.py``'s split: the median over the arm's steps, the
+slowest rank's).
 
 Changes:
 
@@ -18,11 +23,17 @@ Changes:
 - ``tail``: the units that ran last stay gathered for backward while they fit the in-flight
   cap (on, ``Schedule.keep_tail_gathered``) or the last unit alone (off), see
   ``fsdp_fn/_prefetch.py``.
+- ``views``: a parameter's view outside transforms is one C++ call, an ``as_strided`` of the
+  unit part's layout (on), or ``_ParamView`` through ``plain_apply`` each (off, as before), see
+  ``fsdp_fn/_unit.py``.
+- ``refill``: a unit's one output is hooked for its refill on the tensor itself (on) or
+  through ``register_multi_grad_hook`` (off, as before), see ``fsdp_fn/_unit.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -34,12 +45,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import fsdp_fn as ff
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
-from fsdp_fn import _comm, _optim, _prefetch
+from fsdp_fn import _comm, _optim, _prefetch, _unit
+from fsdp_fn._function import plain_apply
+from fsdp_fn._phases import phase_clock
 from fsdp_fn.testing import RankPool
 
 QUEUED = _comm._QueuedSend
@@ -69,10 +83,45 @@ def _tail(on: bool) -> None:
     _prefetch.kept_tail = KEPT_TAIL if on else last_only
 
 
-CHANGES: dict[str, Callable[[bool], None]] = {"sender": _sender, "pieces": _pieces, "tail": _tail}
+VIEWS = _unit.GatheredUnit.views
+EACH_APPLIED = plain_apply(_unit._ParamView)  # (autograd's C++ entry, as before: no inspect.signature a call)
 
 
-def run(group: Any, change: str, steps: int, warmup: int, cfg: GPTConfig) -> dict[str, list[float]]:
+def _views_each_applied(self: Any, trainable: torch.Tensor) -> dict[str, torch.Tensor]:
+    if not torch.is_grad_enabled():
+        return VIEWS(self, trainable)
+    out = {spec.name: EACH_APPLIED(trainable, self, i) for i, spec in enumerate(self.unit.params)}
+    for part in self.parts[1:]:
+        out.update(part.views(part.buffer))
+    return out
+
+
+def _views(on: bool) -> None:
+    _unit.GatheredUnit.views = VIEWS if on else _views_each_applied  # type: ignore[method-assign]
+
+
+REFILL = _unit.GatheredUnit.refill_on_backward
+
+
+def _refill_multi_hooked(self: Any, outputs: list[torch.Tensor]) -> None:
+    self.outputs = frozenset(get_gradient_edge(t).node._sequence_nr() for t in outputs)
+    register_multi_grad_hook(outputs, lambda _grad: self.pre_backward(), mode="any")
+
+
+def _refill(on: bool) -> None:
+    _unit.GatheredUnit.refill_on_backward = REFILL if on else _refill_multi_hooked  # type: ignore[method-assign]
+
+
+CHANGES: dict[str, Callable[[bool], None]] = {
+    "sender": _sender,
+    "pieces": _pieces,
+    "tail": _tail,
+    "views": _views,
+    "refill": _refill,
+}
+
+
+def run(group: Any, change: str, steps: int, warmup: int, cfg: GPTConfig, phases: bool = False) -> dict[str, Any]:
     rank = group.rank()
     if change == "sender":  # (the lever of gloo's sockets)
         ff.set_comm(group, ff.PairwiseComm(group))
@@ -84,20 +133,29 @@ def run(group: Any, change: str, steps: int, warmup: int, cfg: GPTConfig) -> dic
     train = ff.train_step(ff.functionalize(model), lm_loss, ff.adamw(lr=3e-4))
     state = train.init(ff.shard(dict(full.named_parameters()), plan, group), dict(full.named_buffers()))
     generator = torch.Generator().manual_seed(rank)
+    batch_size = 2
     times: dict[str, list[float]] = {"on": [], "off": []}
+    cpus: dict[str, list[float]] = {"on": [], "off": []}
+    owns: dict[str, list[float]] = {"on": [], "off": []}
     for k in range(warmup + steps):
         on = (k // 2) % 2 == 0
         CHANGES[change](on)
-        batch = torch.randint(0, cfg.vocab, (2, cfg.seq + 1), generator=generator)
+        batch = torch.randint(0, cfg.vocab, (batch_size, cfg.seq + 1), generator=generator)
         dist.barrier(group=group)
-        t0 = time.perf_counter()
-        state, _ = train(state, batch)
-        took = torch.tensor([time.perf_counter() - t0])
+        with phase_clock() if phases else contextlib.nullcontext() as clock:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            state, _ = train(state, batch)
+            took = torch.tensor([time.perf_counter() - t0, time.thread_time() - c0, 0.0])
+        if clock is not None:
+            took[2] = sum(clock.cpu_seconds.values())
         dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
         if k >= warmup:
-            times["on" if on else "off"].append(took.item())
+            arm = "on" if on else "off"
+            times[arm].append(took[0].item())
+            cpus[arm].append(took[1].item())
+            owns[arm].append(took[2].item())
     CHANGES[change](True)
-    return times
+    return {"times": times, "cpus": cpus, "owns": owns}
 
 
 def main() -> None:
@@ -109,16 +167,24 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--phases", action="store_true", help="each arm's step-thread CPU and own phases' CPU too")
     args = parser.parse_args()
-    cfg = GPTConfig(vocab=args.vocab, seq=128, d_model=args.d_model, n_layers=args.layers, n_heads=8)
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with RankPool(args.world, threads=1, timeout=3600, warnings_as_errors=False) as pool:
-        times = pool.run(run, args.change, args.steps, args.warmup, cfg, world=args.world)[0]
-    size = f"d_model {cfg.d_model}, {cfg.n_layers} layers, vocab {cfg.vocab}"
+        out = pool.run(run, args.change, args.steps, args.warmup, cfg, args.phases, world=args.world)[0]
+    times = out["times"]
+    size = f"d_model {cfg.d_model}, {cfg.n_layers} layers, vocab {cfg.vocab}, seq {cfg.seq}"
     print(f"[CPU, gloo] {args.change}, W={args.world}, {size}: alternating every two steps, {args.steps} timed steps")
     for arm in ("on", "off"):
         t = times[arm]
-        print(f"  {arm:3s}: median {statistics.median(t):.4f} s, mean {statistics.mean(t):.4f} s over {len(t)} steps")
+        line = f"  {arm:3s}: median {statistics.median(t):.4f} s, mean {statistics.mean(t):.4f} s over {len(t)} steps"
+        if args.phases:
+            cpu, own = statistics.median(out["cpus"][arm]), statistics.median(out["owns"][arm])
+            line += f"; the step thread's CPU {1e3 * cpu:.2f} ms, own phases {1e3 * own:.2f} ms"
+        print(line)
     print(f"  on / off: {statistics.median(times['on']) / statistics.median(times['off']):.3f} (medians)")
 
 

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--d-model", "64", "--layers", "2", "--vocab", "128", "--reps", "1"]
 
@@ -136,6 +138,34 @@ def test_overhead_runs_and_its_phase_clock_agrees_with_torchs_profiler(tmp_path)
         assert row["process_cpu_ms"] > 0 and sum(row["threads_cpu_ms"].values()) <= row["process_cpu_ms"] + 5.0 * (
             len(row["threads_cpu_ms"]) + 1
         ), row
+
+
+@pytest.mark.parametrize("change", ["views", "refill"])
+def test_alternate_switches_a_cut_and_times_its_phases(change):
+    # Catches: an arm that restores the earlier code wrongly (a step that fails or trains
+    # differently: the run would raise), the phase split per arm missing from the report.
+    tiny = ["--d-model", "32", "--layers", "2", "--vocab", "64", "--seq", "8", "--heads", "2"]
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "alternate.py"),
+            change,
+            "--steps",
+            "4",
+            "--warmup",
+            "2",
+            "--phases",
+            *tiny,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    for arm in ("on ", "off"):
+        own = re.search(rf"{arm}: median .* own phases ([0-9.]+) ms", done.stdout)
+        assert own is not None and float(own.group(1)) > 0, done.stdout
 
 
 def test_the_phase_clocks_own_cost_is_measured():
