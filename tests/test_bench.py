@@ -69,18 +69,22 @@ def test_checkpoint_bench_runs():
     assert "| fsdp_fn |" in out and "| fsdp2 |" in out, out
 
 
-def test_alternate_runs_both_arms():
-    sizes = ["--d-model", "64", "--layers", "2", "--vocab", "128"]
+def _alternate(change: str, *args: str) -> str:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "alternate.py"), "sender", "--steps", "4", "--warmup", "0", *sizes],
+        [sys.executable, str(ROOT / "bench" / "alternate.py"), change, "--steps", "4", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout
+
+
+def test_alternate_runs_both_arms():
+    out = _alternate("sender", "--warmup", "0", "--d-model", "64", "--layers", "2", "--vocab", "128")
     for arm in ("on ", "off"):
-        assert re.search(rf"{arm}: median .* over 2 steps", done.stdout), done.stdout
+        assert re.search(rf"{arm}: median .* over 2 steps", out), out
 
 
 def test_overhead_runs_and_its_phase_clock_agrees_with_torchs_profiler(tmp_path):
@@ -142,30 +146,13 @@ def test_overhead_runs_and_its_phase_clock_agrees_with_torchs_profiler(tmp_path)
 
 @pytest.mark.parametrize("change", ["views", "refill"])
 def test_alternate_switches_a_cut_and_times_its_phases(change):
-    # Catches: an arm that restores the earlier code wrongly (a step that fails or trains
-    # differently: the run would raise), the phase split per arm missing from the report.
+    # Catches: an arm that cannot put the earlier code back (a step that fails), the phase
+    # split per arm missing from the report.
     tiny = ["--d-model", "32", "--layers", "2", "--vocab", "64", "--seq", "8", "--heads", "2"]
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "alternate.py"),
-            change,
-            "--steps",
-            "4",
-            "--warmup",
-            "2",
-            "--phases",
-            *tiny,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    out = _alternate(change, "--warmup", "2", "--phases", *tiny)
     for arm in ("on ", "off"):
-        own = re.search(rf"{arm}: median .* own phases ([0-9.]+) ms", done.stdout)
-        assert own is not None and float(own.group(1)) > 0, done.stdout
+        own = re.search(rf"{arm}: median .* own phases ([0-9.]+) ms", out)
+        assert own is not None and float(own.group(1)) > 0, out
 
 
 def test_the_phase_clocks_own_cost_is_measured():
