@@ -136,7 +136,9 @@ def test_overhead_runs_and_its_phase_clock_agrees_with_torchs_profiler(tmp_path)
     own = re.search(
         r"^fsdp_fn @2 blocks, own phases: ([0-9.]+) ms of the step thread's CPU a step, ([0-9.]+)", out, re.M
     )
-    assert own is not None and float(own.group(1)) > 0 and abs(float(own.group(2)) - float(own.group(1)) / 2) < 0.002
+    assert (
+        own is not None and float(own.group(1)) > 0 and abs(float(own.group(2)) - float(own.group(1)) / 2) < 0.005
+    )  # (printed to 0.01 ms and 0.001)
     for row in json.loads(report.read_text())["rows"].values():
         # (each thread to a clock tick, 10 ms over two steps: the sum is no more than the process's and a tick a thread)
         assert row["process_cpu_ms"] > 0 and sum(row["threads_cpu_ms"].values()) <= row["process_cpu_ms"] + 5.0 * (
