@@ -152,8 +152,8 @@ class _Ring:
         """Copy as much of ``m``'s payload (from ``m.at``) as there is room for; the bytes
         the ring advanced (the padding after the payload included)."""
         c = self.counters
-        written = c[0]
-        n = min(self.cap - (written - c[8]), m.padded - m.at)
+        written = c[_WRITTEN]
+        n = min(self.cap - (written - c[_READ]), m.padded - m.at)
         if n <= 0:
             return 0
         real = min(n, m.size - m.at)
@@ -164,7 +164,7 @@ class _Ring:
             self.data[pos : pos + first].copy_(src[at : at + first])
             if real > first:
                 self.data[: real - first].copy_(src[at + first : at + real])
-        c[0] = written + n  # after the bytes: x86-64 keeps the order of stores
+        c[_WRITTEN] = written + n  # after the bytes: x86-64 keeps the order of stores
         return n
 
     def take(self, m: _Message) -> int:
@@ -172,8 +172,8 @@ class _Ring:
         advanced. Into a buffer whose storage was released meanwhile (a receive nobody waited
         for), nothing is copied: the bytes are read and dropped."""
         c = self.counters
-        read = c[8]
-        n = min(c[0] - read, m.padded - m.at)
+        read = c[_READ]
+        n = min(c[_WRITTEN] - read, m.padded - m.at)
         if n <= 0:
             return 0
         real = min(n, m.size - m.at)
@@ -184,7 +184,7 @@ class _Ring:
             dst[at : at + first].copy_(self.data[pos : pos + first])
             if real > first:
                 dst[at + first : at + real].copy_(self.data[: real - first])
-        c[8] = read + n
+        c[_READ] = read + n
         return n
 
     def send(self) -> bool:
@@ -216,26 +216,26 @@ class _Ring:
         if m.at < 0:  # the header, aligned: it never wraps
             c = self.counters
             if incoming:
-                read = c[8]
-                if c[0] - read < _HEADER:
+                read = c[_READ]
+                if c[_WRITTEN] - read < _HEADER:
                     return False
                 pos = read % self.cap
                 sent = self.words[pos >> 3]
                 if sent != m.size:  # (read before the counter below hands the header's room back)
                     theirs = bytes(self.raw[pos + 8 : pos + _HEADER]).rstrip(b"\0").decode(errors="replace")
                     m.error = f"rank {self.peer} sent {sent} bytes for the {theirs} where {m.size} were expected"
-                c[8] = read + _HEADER
+                c[_READ] = read + _HEADER
                 if m.error is not None:
                     m.done = True
                     return True
             else:
-                written = c[0]
-                if self.cap - (written - c[8]) < _HEADER:
+                written = c[_WRITTEN]
+                if self.cap - (written - c[_READ]) < _HEADER:
                     return False
                 pos = written % self.cap
                 self.words[pos >> 3] = m.size
                 self.raw[pos + 8 : pos + _HEADER] = m.label
-                c[0] = written + _HEADER
+                c[_WRITTEN] = written + _HEADER
             m.at, moved = 0, True
         copy = self.take if incoming else self.put
         while m.at < m.padded:

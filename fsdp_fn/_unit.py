@@ -393,10 +393,8 @@ class GatheredUnit:
             out = {}
             params = self.unit.params
             if _transforms_active():
-                for i, spec in enumerate(params):
-                    view = out[spec.name] = _ParamView.apply(trainable, self, i)
-                    if view.grad_fn is not None:
-                        view.grad_fn._set_sequence_nr(_AS_SOON_AS_READY)
+                for i, spec in enumerate(params):  # (setup_context runs the node as soon as its gradient is ready)
+                    out[spec.name] = _ParamView.apply(trainable, self, i)
             else:  # (one C++ call a parameter: a step makes one per parameter of every unit)
                 part = self.parts[0]
                 shard, in_shard = part._detached, part.in_shard
@@ -554,20 +552,8 @@ def _plain_forward(
 
 @phased("post_backward")
 def _plain_backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, ...]:
-    if grad is None:
-        return _NONES
-    rec, index = ctx.rec, ctx.index  # (made outside every transform: a plain tensor)
-    if (
-        rec.grad is None
-        or not rec.write_at_once
-        or rec.received[index]
-        or torch.is_grad_enabled()
-        or _transforms_active()
-    ):
-        rec.add_grad(index, grad)
-    else:  # add_grad's common case, in one frame: a parameter's gradient into its slice of the flat one
-        rec.received[index] = True
-        rec._copy(index, grad)
+    if grad is not None:
+        ctx.rec.add_grad(ctx.index, grad)  # (made outside every transform: a plain tensor)
     return _NONES
 
 
